@@ -1,0 +1,5 @@
+import sys
+
+from rocket_mpi.cli import main
+
+sys.exit(main())

@@ -1,0 +1,190 @@
+"""Lazy safetensors reading, single file or sharded, with one-line errors naming file and tensor."""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from rocket_mpi.checkpoint import nvfp4
+from rocket_mpi.config import ModelConfig
+from rocket_mpi.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Linear:
+    """One Linear's weights as stored: BF16 `weight`, or NVFP4 parts (weight/scale/scale_2)."""
+
+    name: str
+    weight: torch.Tensor                      # [N, K] bf16, or [N, K/2] uint8 when NVFP4
+    weight_scale: torch.Tensor | None = None  # [N, K/16] float8_e4m3fn
+    weight_scale_2: torch.Tensor | None = None  # [] fp32
+    bias: torch.Tensor | None = None
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.weight_scale is not None
+
+    def dense(self, dtype=torch.bfloat16, with_global_scale: bool = True) -> torch.Tensor:
+        if not self.nvfp4:
+            return self.weight.to(dtype)
+        s2 = self.weight_scale_2 if with_global_scale else 1.0
+        return nvfp4.dequantize(self.weight, self.weight_scale, s2, dtype=dtype)
+
+    @property
+    def scale_2(self) -> float:
+        return float(self.weight_scale_2) if self.nvfp4 else 1.0
+
+
+class CheckpointReader:
+    """Maps tensor names to files and opens each tensor only when asked for."""
+
+    def __init__(self, ckpt_dir: str, config: ModelConfig | None = None):
+        self.dir = ckpt_dir
+        self.config = config or ModelConfig.from_checkpoint(ckpt_dir)
+        self.files = self._find_files()
+        self._handles: dict[str, object] = {}
+        self.where: dict[str, str] = {}
+        idx = os.path.join(ckpt_dir, INDEX)
+        if os.path.exists(idx):
+            try:
+                with open(idx) as f:
+                    wm = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{idx}: not a valid safetensors index ({e})") from None
+            for name, fname in wm.items():
+                path = os.path.join(ckpt_dir, fname)
+                if not os.path.exists(path):
+                    raise CheckpointError(f"{idx}: tensor '{name}' points to missing file {path}")
+                self.where[name] = path
+        else:
+            for path in self.files:
+                for name in self._open(path).keys():
+                    self.where[name] = path
+
+    def _find_files(self) -> list[str]:
+        if not os.path.isdir(self.dir):
+            raise CheckpointError(f"{self.dir}: checkpoint folder not found")
+        idx = os.path.join(self.dir, INDEX)
+        if os.path.exists(idx):
+            try:
+                with open(idx) as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{idx}: not a valid safetensors index ({e})") from None
+            return [os.path.join(self.dir, n) for n in names]
+        files = sorted(glob.glob(os.path.join(self.dir, "*.safetensors")))
+        if not files:
+            raise CheckpointError(f"{self.dir}: no *.safetensors files")
+        return files
+
+    def _open(self, path: str):
+        h = self._handles.get(path)
+        if h is None:
+            _check_safetensors_file(path)
+            try:
+                h = safe_open(path, framework="pt")
+            except Exception as e:  # safetensors raises its own error type for a bad header
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+            self._handles[path] = h
+        return h
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, dtypes: tuple[torch.dtype, ...] | None = None,
+            finite: bool = False) -> torch.Tensor:
+        path = self.where.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.dir}: missing tensor '{name}'")
+        h = self._open(path)
+        try:
+            t = h.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' ({e})") from None
+        if dtypes is not None and t.dtype not in dtypes:
+            want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, "
+                                  f"expected {want}")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
+        if finite and t.is_floating_point() and not torch.isfinite(t.float()).all():
+            raise CheckpointError(f"{path}: tensor '{name}' holds NaN or Inf")
+        return t
+
+    def get_float(self, name: str, shape: tuple[int, ...], dtype=torch.bfloat16) -> torch.Tensor:
+        return self.get(name, shape, (torch.bfloat16, torch.float32, torch.float16)).to(dtype)
+
+    def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
+        """A Linear at `prefix` ([out, in]), BF16 or NVFP4 as the checkpoint stores it."""
+        wname = prefix + ".weight"
+        path = self.where.get(wname)
+        if path is None:
+            raise CheckpointError(f"{self.dir}: missing tensor '{wname}'")
+        dtype = self._open(path).get_slice(wname).get_dtype()
+        b = self.get_float(prefix + ".bias", (out_features,)) if bias else None
+        if dtype != "U8":
+            w = self.get_float(wname, (out_features, in_features))
+            return Linear(prefix, w, bias=b)
+        q = self.config.quant
+        if q is None:
+            raise CheckpointError(f"{path}: tensor '{wname}' is packed uint8 (NVFP4) but the checkpoint has no "
+                                  f"hf_quant_config.json or quantization_config")
+        if q.excluded(prefix):
+            raise CheckpointError(f"{path}: tensor '{wname}' is NVFP4 but '{prefix}' matches exclude_modules")
+        if in_features % nvfp4.BLOCK:
+            raise CheckpointError(f"{path}: '{prefix}' in_features {in_features} is not a multiple of 16")
+        w = self.get(wname, (out_features, in_features // 2), (torch.uint8,))
+        s = self.get(prefix + ".weight_scale", (out_features, in_features // nvfp4.BLOCK), (torch.float8_e4m3fn,),
+                     finite=True)
+        s2 = self.get(prefix + ".weight_scale_2", None, (torch.float32,), finite=True)
+        if s2.numel() != 1:
+            raise CheckpointError(f"{self.where[prefix + '.weight_scale_2']}: tensor '{prefix}.weight_scale_2' "
+                                  f"has shape {list(s2.shape)}, expected a scalar")
+        if float(s2) <= 0:
+            raise CheckpointError(f"{self.where[prefix + '.weight_scale_2']}: tensor '{prefix}.weight_scale_2' "
+                                  f"is {float(s2)}, expected > 0")
+        # input_scale (W4A4 activation scale) is read past on purpose: these kernels are W4A16.
+        return Linear(prefix, w, s, s2.reshape(()), bias=b)
+
+    def fingerprint(self) -> str:
+        """Cheap identity of the checkpoint: config, index and every file's size and header."""
+        h = hashlib.sha256()
+        for extra in ("config.json", "hf_quant_config.json", INDEX):
+            p = os.path.join(self.dir, extra)
+            if os.path.exists(p):
+                with open(p, "rb") as f:
+                    h.update(f.read())
+        for path in self.files:
+            h.update(os.path.basename(path).encode())
+            h.update(str(os.path.getsize(path)).encode())
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                h.update(f.read(min(n, 1 << 24)))
+        return h.hexdigest()[:16]
+
+
+def _check_safetensors_file(path: str) -> None:
+    """Catch truncation before safetensors does, with a message that says how many bytes are missing."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8:
+            raise CheckpointError(f"{path}: garbled or truncated safetensors header (claims {n} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{path}: garbled safetensors header (not JSON)") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: truncated safetensors file: data ends at byte {8 + n + end}, file has {size}")

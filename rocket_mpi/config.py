@@ -1,0 +1,229 @@
+"""Model configuration from a checkpoint's config.json: one dataclass, an explicit key map.
+
+Every field names the config.json key(s) it is read from, so a missing or unsupported field is
+reported by its key and file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+from dataclasses import dataclass, field
+
+from rocket_mpi.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("glm4_moe",)
+
+_MISSING = object()
+
+# field -> (config.json keys tried in order, default or _MISSING when required)
+_KEY_MAP: dict[str, tuple[tuple[str, ...], object]] = {
+    "vocab_size": (("vocab_size",), _MISSING),
+    "hidden_size": (("hidden_size",), _MISSING),
+    "intermediate_size": (("intermediate_size",), _MISSING),
+    "num_hidden_layers": (("num_hidden_layers",), _MISSING),
+    "num_attention_heads": (("num_attention_heads",), _MISSING),
+    "num_key_value_heads": (("num_key_value_heads",), _MISSING),
+    "head_dim": (("head_dim",), None),
+    "hidden_act": (("hidden_act",), "silu"),
+    "max_position_embeddings": (("max_position_embeddings",), _MISSING),
+    "rms_norm_eps": (("rms_norm_eps",), 1e-5),
+    "tie_word_embeddings": (("tie_word_embeddings",), False),
+    "attention_bias": (("attention_bias",), False),
+    "use_qk_norm": (("use_qk_norm",), False),
+    "moe_intermediate_size": (("moe_intermediate_size",), _MISSING),
+    "num_experts_per_tok": (("num_experts_per_tok",), _MISSING),
+    "n_routed_experts": (("n_routed_experts", "num_local_experts"), _MISSING),
+    "n_shared_experts": (("n_shared_experts",), 1),
+    "routed_scaling_factor": (("routed_scaling_factor",), 1.0),
+    "n_group": (("n_group",), 1),
+    "topk_group": (("topk_group",), 1),
+    "first_k_dense_replace": (("first_k_dense_replace",), 1),
+    "norm_topk_prob": (("norm_topk_prob",), True),
+    "dtype": (("dtype", "torch_dtype"), "bfloat16"),
+    "eos_token_id": (("eos_token_id",), None),
+}
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """NVFP4 (ModelOpt) quantisation: which Linear modules are *not* quantised."""
+
+    algo: str = "NVFP4"
+    group_size: int = 16
+    exclude_modules: tuple[str, ...] = ()
+
+    def excluded(self, module: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, p) for p in self.exclude_modules)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_act: str
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    use_qk_norm: bool
+    moe_intermediate_size: int
+    num_experts_per_tok: int
+    n_routed_experts: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    norm_topk_prob: bool
+    dtype: str
+    eos_token_id: tuple[int, ...]
+    rope_theta: float
+    partial_rotary_factor: float
+    quant: QuantConfig | None = None
+    source: str = field(default="", compare=False)
+
+    # -- derived ---------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    # -- loading ---------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json", quant: QuantConfig | None = None) -> "ModelConfig":
+        mt = raw.get("model_type")
+        if mt is None:
+            raise ConfigError(f"{source}: missing 'model_type'")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: model_type '{mt}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        vals: dict = {"model_type": mt, "source": source, "quant": quant}
+        for name, (keys, default) in _KEY_MAP.items():
+            for k in keys:
+                if k in raw and raw[k] is not None:
+                    vals[name] = raw[k]
+                    break
+            else:
+                if default is _MISSING:
+                    raise ConfigError(f"{source}: missing required field '{keys[0]}'")
+                vals[name] = default
+        if vals["head_dim"] is None:
+            vals["head_dim"] = vals["hidden_size"] // vals["num_attention_heads"]
+        eos = vals["eos_token_id"]
+        vals["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        vals["rope_theta"], vals["partial_rotary_factor"] = _rope(raw, source)
+        cfg = cls(**vals)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: str) -> "ModelConfig":
+        path = os.path.join(ckpt_dir, "config.json")
+        raw = _read_json(path)
+        return cls.from_dict(raw, source=path, quant=read_quant_config(ckpt_dir, raw))
+
+    def validate(self) -> None:
+        src = self.source
+        ints = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts_per_tok",
+                "n_routed_experts", "n_group", "topk_group", "max_position_embeddings")
+        for name in ints:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{src}: '{name}' must be a positive integer, got {v!r}")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"{src}: hidden_act '{self.hidden_act}' is not supported (only 'silu')")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"{src}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_key_value_heads}")
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(f"{src}: n_routed_experts {self.n_routed_experts} is not a multiple of n_group {self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"{src}: topk_group {self.topk_group} > n_group {self.n_group}")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ConfigError(f"{src}: num_experts_per_tok {self.num_experts_per_tok} exceeds the experts "
+                              f"in topk_group groups")
+        if self.n_routed_experts // self.n_group < 2:
+            raise ConfigError(f"{src}: group-limited routing needs at least 2 experts per group")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ConfigError(f"{src}: partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
+                              f"rotary dim for head_dim {self.head_dim}")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ConfigError(f"{src}: first_k_dense_replace {self.first_k_dense_replace} out of range")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise ConfigError(f"{src}: dtype '{self.dtype}' is not supported")
+
+
+def _rope(raw: dict, source: str) -> tuple[float, float]:
+    rp = raw.get("rope_parameters") or {}
+    legacy_scaling = raw.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type", legacy_scaling.get("rope_type", legacy_scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ConfigError(f"{source}: rope_type '{rope_type}' is not supported (only 'default')")
+    theta = rp.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        raise ConfigError(f"{source}: missing 'rope_parameters.rope_theta' (or 'rope_theta')")
+    prf = rp.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
+    return float(theta), float(prf)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found (is --checkpoint a Hugging Face checkpoint folder?)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return raw
+
+
+def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
+    """NVFP4 settings from hf_quant_config.json or config.json's quantization_config."""
+    path = os.path.join(ckpt_dir, "hf_quant_config.json")
+    if os.path.exists(path):
+        q = _read_json(path).get("quantization", {})
+        src, algo, excl = path, q.get("quant_algo"), q.get("exclude_modules") or []
+        group = q.get("group_size", 16)
+    elif raw_config.get("quantization_config"):
+        q = raw_config["quantization_config"]
+        src = os.path.join(ckpt_dir, "config.json") + ":quantization_config"
+        method = q.get("quant_method", "modelopt")
+        if method != "modelopt":
+            raise ConfigError(f"{src}: quant_method '{method}' is not supported (only 'modelopt' NVFP4)")
+        algo = q.get("quant_algo", "NVFP4")
+        excl = q.get("ignore") or q.get("exclude_modules") or []
+        group = q.get("group_size", 16)
+        cg = q.get("config_groups")
+        if cg:  # compressed-tensors style nesting
+            first = next(iter(cg.values()))
+            group = first.get("weights", {}).get("group_size", group)
+    else:
+        return None
+    if algo != "NVFP4":
+        raise ConfigError(f"{src}: quant_algo '{algo}' is not supported (only NVFP4)")
+    if group != 16:
+        raise ConfigError(f"{src}: group_size {group} is not supported (NVFP4 uses 16)")
+    return QuantConfig(algo=algo, group_size=16, exclude_modules=tuple(excl))

@@ -1,0 +1,71 @@
+"""MPI bootstrap only: who we are, the handshake, and collectives with timeouts.
+
+Nothing here runs on the per-layer path (except the mpi fabric, which is its own module).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from rocket_mpi.errors import RocketError
+
+_MPI_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_by_mpi() -> bool:
+    return any(v in os.environ for v in _MPI_ENV)
+
+
+def world():
+    """COMM_WORLD when started by mpirun/srun, else None (one rank, no MPI at all)."""
+    if not launched_by_mpi():
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise RocketError(f"started under an MPI launcher but mpi4py cannot be imported ({e})") from None
+    return MPI.COMM_WORLD
+
+
+def local_rank(comm) -> int:
+    if comm is None:
+        return 0
+    from mpi4py import MPI
+    return comm.Split_type(MPI.COMM_TYPE_SHARED).rank
+
+
+def wait_all(comm, timeout: float, what: str) -> None:
+    """A barrier that gives up after `timeout` s, naming what it waited for."""
+    if comm is None or comm.size == 1:
+        return
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + timeout
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise RocketError(f"rank {comm.rank}: timed out after {timeout:g} s waiting for all ranks to reach "
+                              f"{what}")
+        time.sleep(1e-3)
+
+
+def handshake(comm, facts: dict, timeout: float) -> None:
+    """Every rank must agree on config, checkpoint fingerprint and flags; name the first that differs."""
+    if comm is None or comm.size == 1:
+        return
+    wait_all(comm, timeout, "the start-up handshake")
+    all_facts = comm.allgather(facts)
+    ref = all_facts[0]
+    for r, f in enumerate(all_facts[1:], start=1):
+        for key in ref:
+            if f.get(key) != ref[key]:
+                raise RocketError(f"rank {r} differs from rank 0 in {key}: {f.get(key)!r} vs {ref[key]!r}; "
+                                  f"all ranks must run the same checkpoint and flags")
+
+
+def abort(comm, code: int = 1) -> None:
+    """End the whole job: under mpirun, MPI_Abort so no rank is left waiting."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if comm is not None and comm.size > 1:
+        comm.Abort(code)
+    sys.exit(code)

@@ -1,0 +1,173 @@
+"""The decode engine: replicated BF16 stack + this rank's experts + a fabric for the rows.
+
+One forward is one step (the prefill is step 0). Per MoE layer: route (same on every rank), plan
+the canonical rows, compute this rank's block, exchange, scatter. Nothing about routing crosses
+the fabric, only finished BF16 rows.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.config import ModelConfig
+from rocket_mpi.errors import RocketError
+from rocket_mpi.fabric.base import Fabric, LocalFabric
+from rocket_mpi.model.cache import KVCache
+from rocket_mpi.model.glm4_moe import Glm4MoeModel
+from rocket_mpi.moe.experts import ExpertStore
+from rocket_mpi.moe.router import route
+from rocket_mpi.moe.rows import plan_rows
+from rocket_mpi.moe.scatter import moe_scatter_add
+from rocket_mpi.placement import Placement
+
+WARMUP_STEPS = 3
+TIMED_STEPS = 10
+
+
+@dataclass
+class StepLog:
+    seconds: float
+    fabric_seconds: float
+    rows_owned: int
+    rows_total: int
+    bytes_sent: int
+    row_crc: int
+
+
+@dataclass
+class RunResult:
+    streams: int
+    tokens: list[list[int]]
+    steps: list[StepLog] = field(default_factory=list)
+
+    def timed(self) -> list[StepLog]:
+        """Decode steps after the warm-up (step 0 is the prefill)."""
+        decode = self.steps[1:]
+        return decode[WARMUP_STEPS:WARMUP_STEPS + TIMED_STEPS] if len(decode) > WARMUP_STEPS else decode
+
+    def summary(self, rank: int) -> dict:
+        t = self.timed()
+        n = max(len(t), 1)
+        ms = 1e3 * sum(s.seconds for s in t) / n
+        fab = 1e3 * sum(s.fabric_seconds for s in t) / n
+        return {"rank": rank, "M": self.streams, "steps": len(t), "ms_per_step": ms,
+                "tok_per_s": self.streams * 1e3 / ms if ms else 0.0, "fabric_ms": fab,
+                "fabric_pct": 100.0 * fab / ms if ms else 0.0,
+                "bytes_per_step": sum(s.bytes_sent for s in t) / n,
+                "rows_per_step": sum(s.rows_owned for s in t) / n,
+                "rows_total_per_step": sum(s.rows_total for s in t) / n}
+
+
+def parse_fault(spec: str | None):
+    """ROCKET_FAULT='stall:rank=1,step=2' or 'die:rank=1,step=2' (tests of dead and stalled peers)."""
+    if not spec:
+        return None
+    kind, _, rest = spec.partition(":")
+    kv = dict(p.split("=") for p in rest.split(",") if p)
+    return kind, int(kv.get("rank", 1)), int(kv.get("step", 1))
+
+
+class Engine:
+    def __init__(self, ckpt_dir: str, rank: int = 0, size: int = 1, placement: Placement | None = None,
+                 reader: CheckpointReader | None = None):
+        t0 = time.perf_counter()
+        self.reader = reader or CheckpointReader(ckpt_dir)
+        self.cfg: ModelConfig = self.reader.config
+        self.rank, self.size = rank, size
+        self.placement = placement or Placement.contiguous(self.cfg, size)
+        self.model = Glm4MoeModel.load(self.reader)
+        self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank))
+                        for layer in self.cfg.moe_layers}
+        self.load_seconds = time.perf_counter() - t0
+        self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
+        self.seq = 0
+        self.step = 0
+        self.fault = parse_fault(os.environ.get("ROCKET_FAULT"))
+        self._crc = 0
+        self._rows_owned = 0
+        self._rows_total = 0
+
+    # -- accounting ------------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        return self.model.nbytes() + sum(s.resident_bytes() for s in self.experts.values())
+
+    def owned_experts(self) -> int:
+        return sum(len(s.owned) for s in self.experts.values())
+
+    @staticmethod
+    def peak_rss_bytes() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # -- the MoE layer ---------------------------------------------------------------
+    def moe(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
+        weights, experts = route(x, L.router_w, L.router_b, self.cfg)
+        store = self.experts[layer]
+        plan = plan_rows(experts, weights, self.placement.owners[layer], store.s2_down, self.size)
+        lo, hi = plan.block(self.rank)
+        block = store.compute(x, plan.tokens, plan.segments[self.rank], lo)
+        self.seq += 1
+        if self.fault and self.fault[1] == self.rank and self.fault[2] == self.step:
+            self._inject(self.fault[0])
+        rows = self.fabric.exchange(self.seq, plan.offsets, block, layer, self.step)
+        self._crc = zlib.crc32(rows.contiguous().view(torch.uint8).numpy(), self._crc)
+        self._rows_owned += hi - lo
+        self._rows_total += plan.rows
+        return moe_scatter_add(rows, plan.by_token, plan.coef)
+
+    def _inject(self, kind: str):
+        import sys
+        print(f"rank {self.rank}: ROCKET_FAULT injecting '{kind}' at step {self.step}", file=sys.stderr, flush=True)
+        if kind == "die":
+            os._exit(9)
+        if kind == "stall":
+            time.sleep(3600)
+
+    # -- generation ------------------------------------------------------------------
+    def max_rows(self, prompts_list: list[list[list[int]]]) -> int:
+        worst = max(max(sum(len(p) for p in prompts), len(prompts)) for prompts in prompts_list)
+        return worst * self.cfg.num_experts_per_tok
+
+    def check_prompts(self, prompts: list[list[int]], n_tokens: int) -> None:
+        cfg = self.cfg
+        for s, p in enumerate(prompts):
+            if not p:
+                raise RocketError(f"prompt of stream {s} is empty")
+            bad = [t for t in p if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise RocketError(f"prompt of stream {s}: token id {bad[0]!r} out of range 0..{cfg.vocab_size - 1}")
+            if len(p) + n_tokens > cfg.max_position_embeddings:
+                raise RocketError(f"prompt of stream {s}: {len(p)} tokens + {n_tokens} to generate exceed "
+                                  f"max_position_embeddings {cfg.max_position_embeddings}")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None) -> RunResult:
+        self.check_prompts(prompts, n_tokens)
+        cfg = self.cfg
+        m = len(prompts)
+        cache = KVCache(cfg.num_hidden_layers, m, cfg.num_key_value_heads,
+                        max(len(p) for p in prompts) + n_tokens, cfg.head_dim, torch.bfloat16)
+        result = RunResult(m, [[] for _ in range(m)])
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        seqlens = [len(p) for p in prompts]
+        for step in range(n_tokens):
+            self.step = step
+            self._crc, self._rows_owned, self._rows_total = 0, 0, 0
+            f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
+            t0 = time.perf_counter()
+            logits = self.model.forward(tokens, cache, seqlens, self.moe)
+            nxt = torch.argmax(logits, dim=-1)
+            dt = time.perf_counter() - t0
+            for s, t in enumerate(nxt.tolist()):
+                result.tokens[s].append(t)
+            result.steps.append(StepLog(dt, self.fabric.stats.seconds - f0, self._rows_owned, self._rows_total,
+                                        self.fabric.stats.bytes_sent - b0, self._crc))
+            if on_step:
+                on_step(step, logits)
+            tokens, seqlens = nxt, [1] * m
+        return result

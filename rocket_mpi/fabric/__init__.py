@@ -1,0 +1,69 @@
+"""Fabric backends behind one interface (base.Fabric.exchange)."""
+from __future__ import annotations
+
+from rocket_mpi.errors import FabricError
+
+BACKENDS = ("auto", "local", "shm", "mpi", "verbs", "cuda-ipc", "nccl")
+
+
+def verbs_status() -> str | None:
+    """None when an RDMA device is usable, else why not (one line)."""
+    try:
+        from pyverbs.device import get_device_list
+    except ImportError:
+        return "pyverbs is not installed (apt-get install python3-pyverbs)"
+    try:
+        devs = get_device_list()
+    except Exception as e:
+        return f"no RDMA device ({e})"
+    if not devs:
+        return "no RDMA device"
+    return None
+
+
+def choose(name: str, comm, device: str) -> str:
+    """Resolve --fabric auto: verbs where an RDMA device is up across hosts, else shm/cuda-ipc on one
+    host, else mpi/nccl."""
+    if comm is None or comm.size == 1:
+        return "local"
+    hosts = set(comm.allgather(_hostname()))
+    if name != "auto":
+        return name
+    if device == "cuda":
+        return "cuda-ipc" if len(hosts) == 1 else "nccl"
+    if len(hosts) > 1:
+        return "verbs" if verbs_status() is None else "mpi"
+    return "shm"
+
+
+def _hostname() -> str:
+    import socket
+    return socket.gethostname()
+
+
+def make_fabric(name: str, comm, max_rows: int, hidden: int, timeout: float, rails=None,
+                rail_split_min_bytes: int = 8192, gid_index=None):
+    if name == "local":
+        from rocket_mpi.fabric.base import LocalFabric
+        return LocalFabric(0, 1, max_rows, hidden, timeout)
+    if name == "shm":
+        hosts = set(comm.allgather(_hostname()))
+        if len(hosts) > 1:
+            raise FabricError(f"fabric shm needs all ranks on one host, these span {len(hosts)} hosts; "
+                              f"use --fabric mpi or verbs")
+        from rocket_mpi.fabric.shm import ShmFabric
+        return ShmFabric(comm, max_rows, hidden, timeout, rails=len(rails) if isinstance(rails, list) else (rails or 1),
+                         rail_split_min_bytes=rail_split_min_bytes)
+    if name == "mpi":
+        from rocket_mpi.fabric.mpi import MpiFabric
+        return MpiFabric(comm, max_rows, hidden, timeout)
+    if name == "verbs":
+        why = verbs_status()
+        if why is not None:
+            raise FabricError(f"fabric verbs: {why}; use --fabric mpi (any hosts) or shm (one host)")
+        from rocket_mpi.fabric.verbs import VerbsFabric
+        return VerbsFabric(comm, max_rows, hidden, timeout, rails=rails, rail_split_min_bytes=rail_split_min_bytes,
+                           gid_index=gid_index)
+    if name in ("cuda-ipc", "nccl"):
+        raise FabricError(f"fabric {name} needs --device cuda and the CUDA build (not available in this build)")
+    raise FabricError(f"--fabric {name}: unknown (choose from {', '.join(BACKENDS)})")

@@ -1,0 +1,172 @@
+"""GLM-4.x MoE (transformers model_type glm4_moe): the replicated BF16 stack around the MoE blocks.
+
+Every rank runs all of this for all M streams with the same weights, so the normalised hidden state
+entering each MoE layer is bit-identical on every rank. The routed experts are reached only through
+`moe(layer, x)`, which the engine binds to the expert split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.config import ModelConfig
+from rocket_mpi.model.cache import KVCache
+from rocket_mpi.model.layers import Rope, rms_norm, swiglu_mlp
+
+DT = torch.bfloat16
+
+
+@dataclass
+class Attention:
+    q: torch.Tensor; k: torch.Tensor; v: torch.Tensor; o: torch.Tensor         # noqa: E702
+    q_bias: torch.Tensor | None; k_bias: torch.Tensor | None; v_bias: torch.Tensor | None  # noqa: E702
+    q_norm: torch.Tensor | None; k_norm: torch.Tensor | None                   # noqa: E702
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: Attention
+    mlp: tuple[torch.Tensor, torch.Tensor] | None          # dense: (gate_up [2I, H], down [H, I])
+    router_w: torch.Tensor | None = None                   # [E, H] fp32
+    router_b: torch.Tensor | None = None                   # [E] fp32
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class Glm4MoeModel:
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
+                 lm_head: torch.Tensor):
+        self.cfg = cfg
+        self.embed = embed          # [V, H]
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head      # [V, H]
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, DT)
+        self.scale = cfg.head_dim ** -0.5
+
+    # -- loading ---------------------------------------------------------------------
+    @classmethod
+    def load(cls, reader: CheckpointReader) -> "Glm4MoeModel":
+        cfg = reader.config
+        h, d = cfg.hidden_size, cfg.head_dim
+        nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+        def lin(name, n, k, bias=False):
+            li = reader.linear(name, n, k, bias)
+            return li.dense(DT), li.bias
+
+        def vec(name, n):
+            return reader.get_float(name, (n,), DT)
+
+        def mlp(prefix, inter):
+            g, _ = lin(prefix + ".gate_proj", inter, h)
+            u, _ = lin(prefix + ".up_proj", inter, h)
+            dn, _ = lin(prefix + ".down_proj", h, inter)
+            return torch.cat((g, u), 0), dn
+
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            q, qb = lin(p + ".self_attn.q_proj", nq * d, h, cfg.attention_bias)
+            k, kb = lin(p + ".self_attn.k_proj", nkv * d, h, cfg.attention_bias)
+            v, vb = lin(p + ".self_attn.v_proj", nkv * d, h, cfg.attention_bias)
+            o, _ = lin(p + ".self_attn.o_proj", h, nq * d)
+            qn = vec(p + ".self_attn.q_norm.weight", d) if cfg.use_qk_norm else None
+            kn = vec(p + ".self_attn.k_norm.weight", d) if cfg.use_qk_norm else None
+            layer = Layer(vec(p + ".input_layernorm.weight", h), vec(p + ".post_attention_layernorm.weight", h),
+                          Attention(q, k, v, o, qb, kb, vb, qn, kn), None)
+            if cfg.is_moe_layer(i):
+                layer.router_w = reader.get_float(p + ".mlp.gate.weight", (cfg.n_routed_experts, h), torch.float32)
+                layer.router_b = reader.get(p + ".mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,),
+                                            (torch.float32, torch.bfloat16), finite=True).float()
+                layer.shared = mlp(p + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
+            else:
+                layer.mlp = mlp(p + ".mlp", cfg.intermediate_size)
+            layers.append(layer)
+        embed = reader.get_float("model.embed_tokens.weight", (cfg.vocab_size, h))
+        if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
+            head = embed
+        else:
+            head, _ = lin("lm_head", cfg.vocab_size, h)
+        return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
+
+    def nbytes(self) -> int:
+        ts = [self.embed, self.norm, self.lm_head]
+        for L in self.layers:
+            a = L.attn
+            ts += [L.input_norm, L.post_norm, a.q, a.k, a.v, a.o]
+            ts += [t for t in (a.q_bias, a.k_bias, a.v_bias, a.q_norm, a.k_norm, L.router_w, L.router_b) if t is not None]
+            for pair in (L.mlp, L.shared):
+                if pair is not None:
+                    ts += list(pair)
+        seen, total = set(), 0
+        for t in ts:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, cache: KVCache, seqlens: list[int], moe) -> torch.Tensor:
+        """Run `tokens` [T] (streams' new tokens packed, seqlens[s] of them for stream s, appended after
+        what the cache holds) through the stack; returns last-position logits [M, V] fp32 per stream.
+        `moe(layer, x_normed [T, H]) -> [T, H]` computes the routed experts (the split lives there)."""
+        cfg = self.cfg
+        starts = cache.lengths.tolist()
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seqlens)])
+        cos, sin = self.rope.cos_sin(positions)
+        x = self.embed[tokens]                                        # [T, H]
+        for i, L in enumerate(self.layers):
+            h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
+            x = x + self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens)
+            h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
+            if L.mlp is not None:
+                x = x + swiglu_mlp(h, *L.mlp)
+            else:
+                x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
+        cache.lengths += torch.tensor(seqlens)
+        last = torch.tensor(seqlens).cumsum(0) - 1
+        h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens) -> torch.Tensor:
+        cfg = self.cfg
+        t, d = h.shape[0], cfg.head_dim
+        q = F.linear(h, a.q, a.q_bias).view(t, -1, d)
+        k = F.linear(h, a.k, a.k_bias).view(t, -1, d)
+        v = F.linear(h, a.v, a.v_bias).view(t, -1, d)
+        if a.q_norm is not None:
+            q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        kc, vc = cache.k[i], cache.v[i]
+        if all(n == 1 for n in seqlens):
+            # decode: one new token per stream, batched over streams with a length mask
+            idx = torch.arange(len(seqlens))
+            pos = torch.tensor(starts)
+            kc[idx, :, pos] = k
+            vc[idx, :, pos] = v
+            span = int(pos.max()) + 1
+            mask = (torch.arange(span)[None, :] <= pos[:, None])[:, None, None, :]   # [M, 1, 1, span]
+            out = F.scaled_dot_product_attention(q[:, :, None, :].contiguous(), kc[:, :, :span], vc[:, :, :span],
+                                                 attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out = out.reshape(t, -1)
+        else:
+            outs, off = [], 0
+            for s, (p0, n) in enumerate(zip(starts, seqlens)):
+                if n == 0:
+                    continue
+                kc[s, :, p0:p0 + n] = k[off:off + n].transpose(0, 1)
+                vc[s, :, p0:p0 + n] = v[off:off + n].transpose(0, 1)
+                qs = q[off:off + n].transpose(0, 1)[None]                 # [1, heads, n, d]
+                ks, vs = kc[s:s + 1, :, :p0 + n], vc[s:s + 1, :, :p0 + n]
+                mask = torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1).reshape(n, -1))
+                off += n
+            out = torch.cat(outs)
+        return F.linear(out, a.o)

@@ -1,0 +1,65 @@
+"""Routed experts this rank owns, and the torch reference that computes them.
+
+Each expert runs over exactly its rows: the same inputs, in the same order, with the same shapes
+whichever rank owns it, so a row's output is bit-identical on the owner and on a single rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rocket_mpi.checkpoint.reader import CheckpointReader
+
+
+class ExpertStore:
+    """Owned experts of one MoE layer: gate_up [2I, H] and down [H, I] BF16 (NVFP4 dequantised).
+
+    `down` leaves out its NVFP4 weight_scale_2: the scatter applies it (s2_down), which is why every
+    rank loads the s2_down table of all experts.
+    """
+
+    def __init__(self, layer: int, owned: list[int], gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor],
+                 s2_down: torch.Tensor, packed_bytes: int):
+        self.layer = layer
+        self.owned = owned
+        self.gate_up = gate_up
+        self.down = down
+        self.s2_down = s2_down       # [E] fp32, all experts
+        self.packed_bytes = packed_bytes
+
+    @classmethod
+    def load(cls, reader: CheckpointReader, layer: int, owned: list[int]) -> "ExpertStore":
+        cfg = reader.config
+        h, i, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        pre = f"model.layers.{layer}.mlp.experts"
+        s2 = torch.ones(n, dtype=torch.float32)
+        for e in range(n):  # one float per expert: the only thing a rank needs of foreign experts
+            name = f"{pre}.{e}.down_proj.weight_scale_2"
+            if name in reader:
+                s2[e] = float(reader.get(name, None, (torch.float32,), finite=True).reshape(()))
+        gate_up, down, nbytes = {}, {}, 0
+        for e in owned:
+            g = reader.linear(f"{pre}.{e}.gate_proj", i, h)
+            u = reader.linear(f"{pre}.{e}.up_proj", i, h)
+            d = reader.linear(f"{pre}.{e}.down_proj", h, i)
+            gate_up[e] = torch.cat((g.dense(), u.dense()), dim=0)
+            down[e] = d.dense(with_global_scale=False)
+            if d.nvfp4 and float(d.weight_scale_2) != float(s2[e]):
+                raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
+            nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
+        return cls(layer, owned, gate_up, down, s2, nbytes)
+
+    def compute(self, x: torch.Tensor, tokens: torch.Tensor, segments: list[tuple[int, int, int]],
+                base: int) -> torch.Tensor:
+        """Rows of this rank's block: x [T, H]; segments (expert, start, end) in canonical row indices
+        starting at `base`. Returns [end-base, H] BF16 without s2_down."""
+        n = (segments[-1][2] - base) if segments else 0
+        out = torch.empty(n, x.shape[1], dtype=torch.bfloat16)
+        for e, start, end in segments:
+            xe = x[tokens[start:end]]                                        # [n_e, H]
+            gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
+            out[start - base:end - base] = F.linear(F.silu(gate) * up, self.down[e])
+        return out
+
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.gate_up.values()) + list(self.down.values()))

@@ -1,0 +1,171 @@
+"""The decode command: bootstrap over MPI, load this rank's share, decode, report."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+import torch
+
+from rocket_mpi import __version__
+from rocket_mpi.dist import abort, handshake, wait_all, world
+from rocket_mpi.errors import RocketError
+
+
+def _collective(comm, timeout: float, what: str, fn):
+    """Run a set-up step on every rank; if any rank fails, every rank learns it and rank 0 prints each
+    distinct error once, naming the ranks. Returns fn()'s value."""
+    val, err = None, None
+    try:
+        val = fn()
+    except RocketError as e:
+        err = str(e)
+    if comm is None or comm.size == 1:
+        if err:
+            raise RocketError(err)
+        return val
+    wait_all(comm, timeout, what)
+    errs = comm.allgather(err)
+    if any(errs):
+        by_msg: dict[str, list[int]] = {}
+        for r, e in enumerate(errs):
+            if e:
+                by_msg.setdefault(e, []).append(r)
+        if comm.rank == 0:
+            for msg, ranks in by_msg.items():
+                who = "all ranks" if len(ranks) == comm.size else "rank " + ",".join(map(str, ranks))
+                print(f"rocket_mpi: error ({who}): {msg}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    return val
+
+
+def decode(args) -> int:
+    comm = world()
+    rank = comm.rank if comm else 0
+    try:
+        return _decode(args, comm)
+    except SystemExit as e:
+        if comm is not None and comm.size > 1 and e.code:
+            abort(comm, int(e.code))
+        raise
+    except RocketError as e:
+        print(f"rocket_mpi: error: {e}", file=sys.stderr, flush=True)
+        abort(comm, 1)
+    except Exception as e:  # a bug: still take the whole job down rather than leave peers waiting
+        import traceback
+        traceback.print_exc()
+        print(f"rocket_mpi: internal error on rank {rank}: {e!r}", file=sys.stderr, flush=True)
+        abort(comm, 3)
+    return 1
+
+
+def _decode(args, comm) -> int:
+    from rocket_mpi.checkpoint.reader import CheckpointReader
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.fabric import choose, make_fabric
+    from rocket_mpi.placement import Placement
+    from rocket_mpi.prompts import default_prompts, load_tokenizer, read_prompts
+
+    rank, size = (comm.rank, comm.size) if comm else (0, 1)
+    torch.set_num_threads(args.threads)
+    if args.device != "cpu":
+        raise RocketError("--device cuda needs the CUDA build of rocket_mpi (not in this build); use --device cpu")
+    sweep = args.sweep or [args.streams]
+
+    def setup():
+        reader = CheckpointReader(args.checkpoint)
+        cfg = reader.config
+        placement = (Placement.from_file(args.placement, cfg, size) if args.placement
+                     else Placement.contiguous(cfg, size))
+        runs, text = [], False
+        for m in sweep:
+            if args.prompts:
+                p, text = read_prompts(args.prompts, args.checkpoint, m)
+            else:
+                p = default_prompts(m, cfg.vocab_size)
+            runs.append(p)
+        fabric_name = choose(args.fabric, comm, args.device)
+        return reader, placement, runs, text, fabric_name
+
+    reader, placement, runs, text, fabric_name = _collective(comm, args.startup_timeout, "set-up", setup)
+    cfg = reader.config
+    facts = {"version": __version__, "model_type": cfg.model_type,
+             "config": hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16],
+             "checkpoint fingerprint": _collective(comm, args.startup_timeout, "fingerprint", reader.fingerprint),
+             "streams": sweep, "tokens": args.tokens, "threads": args.threads, "device": args.device,
+             "fabric": fabric_name, "placement": placement.digest(),
+             "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16]}
+    handshake(comm, facts, args.startup_timeout)
+
+    engine = _collective(comm, args.startup_timeout, "checkpoint loading",
+                         lambda: Engine(args.checkpoint, rank, size, placement, reader))
+    for p in runs:
+        _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
+    max_rows = max(engine.max_rows(runs), 1)
+    rails = args.rails
+    if rails and fabric_name == "shm":
+        rails = int(rails) if rails.isdigit() else len(rails.split(","))
+    elif rails:
+        rails = rails.split(",")
+    engine.fabric = _collective(comm, args.startup_timeout, "fabric set-up",
+                                lambda: make_fabric(fabric_name, comm, max_rows, cfg.hidden_size, args.fabric_timeout,
+                                                    rails, args.rail_split_min_bytes, args.gid_index))
+    wait_all(comm, args.startup_timeout, "the start of decoding")
+
+    load = {"rank": rank, "load_s": engine.load_seconds, "resident_gib": engine.resident_bytes() / 2**30,
+            "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts()}
+    results = []
+    try:
+        for p in runs:
+            r = engine.generate(p, args.tokens)
+            results.append(r)
+    finally:
+        engine.fabric.close()
+    summaries = [r.summary(rank) for r in results]
+    crcs = [[f"{s.row_crc:08x}" for s in r.steps] for r in results]
+    gathered = comm.gather((load, summaries, crcs), root=0) if comm else [(load, summaries, crcs)]
+    if rank != 0:
+        return 0
+    tok = load_tokenizer(args.checkpoint)
+    out_runs = []
+    for i, r in enumerate(results):
+        run = {"streams": r.streams, "tokens": r.tokens,
+               "row_checksums": {str(g[0]["rank"]): g[2][i] for g in gathered},
+               "per_rank": [g[1][i] for g in gathered]}
+        if tok is not None:
+            run["text"] = [tok.decode(t) for t in r.tokens]
+        out_runs.append(run)
+    doc = {"ranks": size, "fabric": fabric_name, "checkpoint": args.checkpoint, "model_type": cfg.model_type,
+           "tokens": out_runs[-1]["tokens"], "runs": out_runs, "load": [g[0] for g in gathered]}
+    if "text" in out_runs[-1]:
+        doc["text"] = out_runs[-1]["text"]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f)
+    if not args.quiet:
+        print_report(doc, cfg)
+    return 0
+
+
+def print_report(doc: dict, cfg) -> None:
+    n = doc["ranks"]
+    print(f"rocket_mpi decode: {doc['model_type']} {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts "
+          f"top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}; {n} rank(s), fabric {doc['fabric']}")
+    for ld in doc["load"]:
+        print(f"  rank {ld['rank']}: {ld['experts']} expert slots loaded in {ld['load_s']:.2f} s, "
+              f"resident {ld['resident_gib']:.3f} GiB (peak RSS {ld['peak_rss_gib']:.2f} GiB)")
+    hdr = f"{'rank':>4} {'M':>3} {'ms/step':>9} {'tok/s':>8} {'fabric ms':>9} {'fabric %':>8} {'rows/step':>9} " \
+          f"{'KiB sent/step':>13}"
+    for run in doc["runs"]:
+        steps = run["per_rank"][0]["steps"]
+        print(f"\nM={run['streams']}: {steps} timed decode steps after warm-up")
+        print(hdr)
+        for s in run["per_rank"]:
+            print(f"{s['rank']:>4} {s['M']:>3} {s['ms_per_step']:>9.2f} {s['tok_per_s']:>8.1f} {s['fabric_ms']:>9.2f} "
+                  f"{s['fabric_pct']:>8.1f} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f}")
+        if "text" in run:
+            print(f"stream 0: {run['text'][0]!r}")
+        else:
+            print(f"stream 0: {run['tokens'][0]}")
+    sys.stdout.flush()

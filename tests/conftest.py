@@ -1,0 +1,44 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from rocket_mpi import launch  # noqa: E402
+from rocket_mpi.checkpoint.make import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny"))
+    make_checkpoint("tiny", d, seed=3)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_ckpt(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny_nvfp4"))
+    make_checkpoint("tiny", d, seed=3, nvfp4_experts=True)
+    return d
+
+
+def rocket(*args, timeout=120, env=None):
+    """python -m rocket_mpi ARGS as one process, outside any MPI launch."""
+    return subprocess.run([sys.executable, "-m", "rocket_mpi", *args], capture_output=True, text=True,
+                          timeout=timeout, env=launch.clean_env(env), cwd=ROOT)
+
+
+def rocket_mpi(n, *args, timeout=120, env=None):
+    """mpiexec -n N python -m rocket_mpi ARGS."""
+    cmd = [*launch.launcher(), "-n", str(n), sys.executable, "-m", "rocket_mpi", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch.clean_env(env), cwd=ROOT,
+                          start_new_session=True)
+
+
+def mpi_script(n, script, *args, timeout=120, env=None):
+    cmd = [*launch.launcher(), "-n", str(n), sys.executable, os.path.join(ROOT, "tests", script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch.clean_env(env), cwd=ROOT,
+                          start_new_session=True)

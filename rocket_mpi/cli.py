@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nvfp4-all", action="store_true", help="quantise every Linear as ModelOpt does")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--shards", type=_pos_int, default=1)
+
+    from rocket_mpi import fabric_bench
+    fabric_bench.add_parser(sub)
     return ap
 
 
@@ -96,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "static-fire":
         from rocket_mpi.static_fire import static_fire
         return _guard(lambda: static_fire(args))
+    if args.cmd == "fabric-bench":
+        from rocket_mpi import fabric_bench
+        return fabric_bench.main(args)
     if args.cmd == "decode":
         from rocket_mpi.run import decode
         return decode(args)

@@ -13,7 +13,30 @@ from dataclasses import dataclass, field
 
 from rocket_mpi.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("glm4_moe",)
+# model_type -> the module that implements the family (rocket_mpi/model/); each module may define
+# `normalize_config(raw: dict, source: str) -> dict` to map its config.json onto the common keys below
+# (for example lifting a nested text_config); family-only keys stay readable in ModelConfig.raw.
+FAMILIES = {
+    "glm4_moe": "rocket_mpi.model.glm4_moe",
+    "glm_moe_dsa": "rocket_mpi.model.glm_moe_dsa",
+    "glm5_next": "rocket_mpi.model.glm5_next",
+}
+
+
+def _family_module(model_type: str):
+    import importlib
+    try:
+        return importlib.import_module(FAMILIES[model_type])
+    except ModuleNotFoundError:
+        return None
+
+
+def _exists(mod: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(mod) is not None
+
+
+SUPPORTED_MODEL_TYPES = tuple(mt for mt, mod in FAMILIES.items() if _exists(mod))
 
 _MISSING = object()
 
@@ -44,6 +67,14 @@ _KEY_MAP: dict[str, tuple[tuple[str, ...], object]] = {
     "dtype": (("dtype", "torch_dtype"), "bfloat16"),
     "eos_token_id": (("eos_token_id",), None),
 }
+
+
+def family(model_type: str):
+    """The module implementing a model family: defines MODEL (a class with load/new_cache/forward)."""
+    mod = _family_module(model_type)
+    if mod is None:
+        raise ConfigError(f"model_type '{model_type}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return mod
 
 
 @dataclass(frozen=True)
@@ -88,7 +119,9 @@ class ModelConfig:
     rope_theta: float
     partial_rotary_factor: float
     quant: QuantConfig | None = None
+    swiglu_limit: float | None = None       # GLM-5.3-Flash clamps the routed experts' SwiGLU
     source: str = field(default="", compare=False)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)  # the (normalised) config.json
 
     # -- derived ---------------------------------------------------------------
     @property
@@ -105,6 +138,7 @@ class ModelConfig:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("source")
+        d.pop("raw")
         return d
 
     # -- loading ---------------------------------------------------------------
@@ -117,7 +151,11 @@ class ModelConfig:
             raise ConfigError(
                 f"{source}: model_type '{mt}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        vals: dict = {"model_type": mt, "source": source, "quant": quant}
+        norm = getattr(_family_module(mt), "normalize_config", None)
+        if norm is not None:
+            raw = norm(raw, source)
+        vals: dict = {"model_type": mt, "source": source, "quant": quant, "raw": raw,
+                      "swiglu_limit": raw.get("swiglu_limit")}
         for name, (keys, default) in _KEY_MAP.items():
             for k in keys:
                 if k in raw and raw[k] is not None:

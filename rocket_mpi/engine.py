@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from rocket_mpi.checkpoint.reader import CheckpointReader
-from rocket_mpi.config import ModelConfig
+from rocket_mpi.config import ModelConfig, family
 from rocket_mpi.errors import RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
-from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.glm4_moe import Glm4MoeModel
 from rocket_mpi.moe.experts import ExpertStore
 from rocket_mpi.moe.router import route
 from rocket_mpi.moe.rows import plan_rows
@@ -81,7 +79,7 @@ class Engine:
         self.cfg: ModelConfig = self.reader.config
         self.rank, self.size = rank, size
         self.placement = placement or Placement.contiguous(self.cfg, size)
-        self.model = Glm4MoeModel.load(self.reader)
+        self.model = family(self.cfg.model_type).MODEL.load(self.reader)
         self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank))
                         for layer in self.cfg.moe_layers}
         self.load_seconds = time.perf_counter() - t0
@@ -148,10 +146,8 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None) -> RunResult:
         self.check_prompts(prompts, n_tokens)
-        cfg = self.cfg
         m = len(prompts)
-        cache = KVCache(cfg.num_hidden_layers, m, cfg.num_key_value_heads,
-                        max(len(p) for p in prompts) + n_tokens, cfg.head_dim, torch.bfloat16)
+        cache = self.model.new_cache(m, max(len(p) for p in prompts) + n_tokens)
         result = RunResult(m, [[] for _ in range(m)])
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         seqlens = [len(p) for p in prompts]

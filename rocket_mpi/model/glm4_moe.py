@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
 from rocket_mpi.model.layers import Rope, rms_norm, swiglu_mlp
@@ -94,6 +94,10 @@ class Glm4MoeModel:
             head, _ = lin("lm_head", cfg.vocab_size, h)
         return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
 
+    def new_cache(self, streams: int, capacity: int, device="cpu") -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.num_hidden_layers, streams, cfg.num_key_value_heads, capacity, cfg.head_dim, DT, device)
+
     def nbytes(self) -> int:
         ts = [self.embed, self.norm, self.lm_head]
         for L in self.layers:
@@ -170,3 +174,6 @@ class Glm4MoeModel:
                 off += n
             out = torch.cat(outs)
         return F.linear(out, a.o)
+
+
+MODEL = Glm4MoeModel

@@ -19,13 +19,14 @@ class ExpertStore:
     """
 
     def __init__(self, layer: int, owned: list[int], gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor],
-                 s2_down: torch.Tensor, packed_bytes: int):
+                 s2_down: torch.Tensor, packed_bytes: int, swiglu_limit: float | None = None):
         self.layer = layer
         self.owned = owned
         self.gate_up = gate_up
         self.down = down
         self.s2_down = s2_down       # [E] fp32, all experts
         self.packed_bytes = packed_bytes
+        self.swiglu_limit = swiglu_limit
 
     @classmethod
     def load(cls, reader: CheckpointReader, layer: int, owned: list[int]) -> "ExpertStore":
@@ -47,7 +48,7 @@ class ExpertStore:
             if d.nvfp4 and float(d.weight_scale_2) != float(s2[e]):
                 raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
             nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
-        return cls(layer, owned, gate_up, down, s2, nbytes)
+        return cls(layer, owned, gate_up, down, s2, nbytes, cfg.swiglu_limit)
 
     def compute(self, x: torch.Tensor, tokens: torch.Tensor, segments: list[tuple[int, int, int]],
                 base: int) -> torch.Tensor:
@@ -58,6 +59,9 @@ class ExpertStore:
         for e, start, end in segments:
             xe = x[tokens[start:end]]                                        # [n_e, H]
             gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
+            if self.swiglu_limit is not None:  # GLM-5.3-Flash: clamp before the activation
+                gate = gate.clamp(max=self.swiglu_limit)
+                up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
             out[start - base:end - base] = F.linear(F.silu(gate) * up, self.down[e])
         return out
 

@@ -130,10 +130,13 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
+        """MoE layer indices: a family's normalize_config may list them as raw['moe_layer_indices']."""
+        if "moe_layer_indices" in self.raw:
+            return tuple(self.raw["moe_layer_indices"])
         return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+        return layer in self.moe_layers
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

@@ -79,8 +79,11 @@ class Engine:
         self.cfg: ModelConfig = self.reader.config
         self.rank, self.size = rank, size
         self.placement = placement or Placement.contiguous(self.cfg, size)
-        self.model = family(self.cfg.model_type).MODEL.load(self.reader)
-        self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank))
+        model_cls = family(self.cfg.model_type).MODEL
+        self.model = model_cls.load(self.reader)
+        prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
+        self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank),
+                                                prefix(self.reader, layer))
                         for layer in self.cfg.moe_layers}
         self.load_seconds = time.perf_counter() - t0
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)

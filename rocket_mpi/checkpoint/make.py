@@ -52,9 +52,40 @@ CORPUS = (
 )
 
 
+# Other families add presets from their own modules: each defines PRESETS {name: full config.json dict}
+# and tensor_specs(cfg) yielding (name, shape, kind) like the function below.
+FAMILY_MODULES = ("rocket_mpi.checkpoint.make_dsa", "rocket_mpi.checkpoint.make_glm5")
+
+
+def _family_for_preset(preset: str):
+    import importlib
+    for name in FAMILY_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        if preset in mod.PRESETS:
+            return mod
+    return None
+
+
+def all_presets() -> list[str]:
+    import importlib
+    names = list(PRESETS)
+    for name in FAMILY_MODULES:
+        try:
+            names += list(importlib.import_module(name).PRESETS)
+        except ModuleNotFoundError:
+            pass
+    return names
+
+
 def config_dict(preset: str) -> dict:
+    fam = _family_for_preset(preset)
+    if fam is not None:
+        return dict(fam.PRESETS[preset])
     if preset not in PRESETS:
-        raise RocketError(f"--preset {preset}: unknown (choose from {', '.join(PRESETS)})")
+        raise RocketError(f"--preset {preset}: unknown (choose from {', '.join(all_presets())})")
     p = dict(PRESETS[preset])
     return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_act": "silu",
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "norm_topk_prob": True, "dtype": "bfloat16",
@@ -195,7 +226,9 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
 def make_checkpoint(preset: str, out_dir: str, seed: int = 0, nvfp4_experts: bool = False,
                     nvfp4_all: bool = False, shards: int = 1, tokenizer: bool = True) -> dict:
     cfg = config_dict(preset)
-    tensors = {name: make_tensor(seed, name, shape, kind) for name, shape, kind in tensor_specs(cfg)}
+    fam = _family_for_preset(preset)
+    specs = fam.tensor_specs(cfg) if fam is not None else tensor_specs(cfg)
+    tensors = {name: make_tensor(seed, name, shape, kind) for name, shape, kind in specs}
     quant = None
     if nvfp4_experts or nvfp4_all:
         tensors = quantize_tensors(tensors, cfg, nvfp4_all)

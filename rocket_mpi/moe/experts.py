@@ -29,10 +29,11 @@ class ExpertStore:
         self.swiglu_limit = swiglu_limit
 
     @classmethod
-    def load(cls, reader: CheckpointReader, layer: int, owned: list[int]) -> "ExpertStore":
+    def load(cls, reader: CheckpointReader, layer: int, owned: list[int], prefix: str | None = None) -> "ExpertStore":
+        """`prefix`: the experts' tensor-name prefix (default model.layers.{layer}.mlp.experts)."""
         cfg = reader.config
         h, i, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
-        pre = f"model.layers.{layer}.mlp.experts"
+        pre = prefix or f"model.layers.{layer}.mlp.experts"
         s2 = torch.ones(n, dtype=torch.float32)
         for e in range(n):  # one float per expert: the only thing a rank needs of foreign experts
             name = f"{pre}.{e}.down_proj.weight_scale_2"

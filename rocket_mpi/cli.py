@@ -48,7 +48,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint folder")
     p.add_argument("--tokens", type=_pos_int, default=20, help="tokens to generate per stream")
     p.add_argument("--prompts", help="JSON list of token-id lists (or strings, with tokenizer.json)")
-    p.add_argument("--fabric", default="auto", help="auto, shm, mpi, verbs, cuda-ipc, nccl")
+    p.add_argument("--fabric", default="auto", choices=("auto", "local", "shm", "mpi", "verbs", "cuda-ipc", "nccl"))
     p.add_argument("--placement", help="JSON: MoE layer (or \"default\") -> rank of each expert")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=_pos_int, default=1, help="torch threads per rank (fixed for parity)")

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from rocket_mpi.errors import RocketError
+from rocket_mpi.errors import AgreedError, RocketError
 
 _MPI_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
 
@@ -58,8 +58,36 @@ def handshake(comm, facts: dict, timeout: float) -> None:
     for r, f in enumerate(all_facts[1:], start=1):
         for key in ref:
             if f.get(key) != ref[key]:
-                raise RocketError(f"rank {r} differs from rank 0 in {key}: {f.get(key)!r} vs {ref[key]!r}; "
+                raise AgreedError(f"rank {r} differs from rank 0 in {key}: {f.get(key)!r} vs {ref[key]!r}; "
                                   f"all ranks must run the same checkpoint and flags")
+
+
+class watchdog:
+    """Bootstrap phases call collectives that have no timeout of their own (allgather inside a fabric's
+    endpoint exchange, say). If a phase outlives `timeout`, print one line naming the rank and the
+    phase, and end the whole job."""
+
+    def __init__(self, comm, timeout: float, what: str):
+        self.comm, self.timeout, self.what = comm, timeout, what
+        self.timer = None
+
+    def _fire(self):
+        rank = self.comm.rank if self.comm is not None else 0
+        print(f"rocket_mpi: error: rank {rank}: timed out after {self.timeout:g} s in {self.what} "
+              f"(a peer is dead, stalled or failed earlier)", file=sys.stderr, flush=True)
+        if self.comm is not None and self.comm.size > 1:
+            self.comm.Abort(1)
+        os._exit(1)
+
+    def __enter__(self):
+        import threading
+        self.timer = threading.Timer(self.timeout, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
 
 
 def abort(comm, code: int = 1) -> None:

@@ -114,20 +114,25 @@ class Engine:
         block = store.compute(x, plan.tokens, plan.segments[self.rank], lo)
         self.seq += 1
         if self.fault and self.fault[1] == self.rank and self.fault[2] == self.step:
-            self._inject(self.fault[0])
+            block = self._inject(self.fault[0], block)
         rows = self.fabric.exchange(self.seq, plan.offsets, block, layer, self.step)
         self._crc = zlib.crc32(rows.contiguous().view(torch.uint8).numpy(), self._crc)
         self._rows_owned += hi - lo
         self._rows_total += plan.rows
         return moe_scatter_add(rows, plan.by_token, plan.coef)
 
-    def _inject(self, kind: str):
+    def _inject(self, kind: str, block: torch.Tensor) -> torch.Tensor:
+        """Test hook (ROCKET_FAULT): a dead peer, a stalled peer, or a wrong row that the gate must catch."""
         import sys
         print(f"rank {self.rank}: ROCKET_FAULT injecting '{kind}' at step {self.step}", file=sys.stderr, flush=True)
         if kind == "die":
             os._exit(9)
         if kind == "stall":
             time.sleep(3600)
+        if kind == "corrupt" and block.numel():
+            block = block.clone()
+            block[0] = 100.0  # far outside what a row holds: some greedy choice must change
+        return block
 
     # -- generation ------------------------------------------------------------------
     def max_rows(self, prompts_list: list[list[list[int]]]) -> int:

@@ -9,8 +9,8 @@ import time
 import torch
 
 from rocket_mpi import __version__
-from rocket_mpi.dist import abort, handshake, wait_all, world
-from rocket_mpi.errors import RocketError
+from rocket_mpi.dist import abort, handshake, wait_all, watchdog, world
+from rocket_mpi.errors import AgreedError, RocketError
 
 
 def _collective(comm, timeout: float, what: str, fn):
@@ -32,11 +32,11 @@ def _collective(comm, timeout: float, what: str, fn):
         for r, e in enumerate(errs):
             if e:
                 by_msg.setdefault(e, []).append(r)
-        if comm.rank == 0:
-            for msg, ranks in by_msg.items():
-                who = "all ranks" if len(ranks) == comm.size else "rank " + ",".join(map(str, ranks))
-                print(f"rocket_mpi: error ({who}): {msg}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        lines = []
+        for msg, ranks in by_msg.items():
+            who = "all ranks" if len(ranks) == comm.size else "rank " + ",".join(map(str, ranks))
+            lines.append(f"({who}): {msg}")
+        raise AgreedError("; ".join(lines))
     return val
 
 
@@ -45,10 +45,10 @@ def decode(args) -> int:
     rank = comm.rank if comm else 0
     try:
         return _decode(args, comm)
-    except SystemExit as e:
-        if comm is not None and comm.size > 1 and e.code:
-            abort(comm, int(e.code))
-        raise
+    except AgreedError as e:  # every rank is here with the same error: exit together, no abort needed
+        if rank == 0:
+            print(f"rocket_mpi: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except RocketError as e:
         print(f"rocket_mpi: error: {e}", file=sys.stderr, flush=True)
         abort(comm, 1)
@@ -63,7 +63,7 @@ def decode(args) -> int:
 def _decode(args, comm) -> int:
     from rocket_mpi.checkpoint.reader import CheckpointReader
     from rocket_mpi.engine import Engine
-    from rocket_mpi.fabric import choose, make_fabric
+    from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
     from rocket_mpi.placement import Placement
     from rocket_mpi.prompts import default_prompts, load_tokenizer, read_prompts
 
@@ -85,10 +85,13 @@ def _decode(args, comm) -> int:
             else:
                 p = default_prompts(m, cfg.vocab_size)
             runs.append(p)
-        fabric_name = choose(args.fabric, comm, args.device)
-        return reader, placement, runs, text, fabric_name
+        return reader, placement, runs, text
 
-    reader, placement, runs, text, fabric_name = _collective(comm, args.startup_timeout, "set-up", setup)
+    # no collective may run inside a _collective step: a rank that failed earlier would never join it
+    reader, placement, runs, text = _collective(comm, args.startup_timeout, "set-up", setup)
+    with watchdog(comm, args.startup_timeout, "choosing the fabric"):
+        fabric_name = choose(args.fabric, comm, args.device)
+    _collective(comm, args.startup_timeout, "fabric checks", lambda: fabric_precheck(fabric_name))
     cfg = reader.config
     facts = {"version": __version__, "model_type": cfg.model_type,
              "config": hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16],
@@ -108,9 +111,10 @@ def _decode(args, comm) -> int:
         rails = int(rails) if rails.isdigit() else len(rails.split(","))
     elif rails:
         rails = rails.split(",")
-    engine.fabric = _collective(comm, args.startup_timeout, "fabric set-up",
-                                lambda: make_fabric(fabric_name, comm, max_rows, cfg.hidden_size, args.fabric_timeout,
-                                                    rails, args.rail_split_min_bytes, args.gid_index))
+    # the fabric's endpoint exchange is collective: a watchdog, not _collective, bounds it
+    with watchdog(comm, args.startup_timeout, f"setting up fabric {fabric_name}"):
+        engine.fabric = make_fabric(fabric_name, comm, max_rows, cfg.hidden_size, args.fabric_timeout,
+                                    rails, args.rail_split_min_bytes, args.gid_index)
     wait_all(comm, args.startup_timeout, "the start of decoding")
 
     load = {"rank": rank, "load_s": engine.load_seconds, "resident_gib": engine.resident_bytes() / 2**30,
@@ -124,7 +128,8 @@ def _decode(args, comm) -> int:
         engine.fabric.close()
     summaries = [r.summary(rank) for r in results]
     crcs = [[f"{s.row_crc:08x}" for s in r.steps] for r in results]
-    gathered = comm.gather((load, summaries, crcs), root=0) if comm else [(load, summaries, crcs)]
+    with watchdog(comm, args.startup_timeout, "gathering results"):
+        gathered = comm.gather((load, summaries, crcs), root=0) if comm else [(load, summaries, crcs)]
     if rank != 0:
         return 0
     tok = load_tokenizer(args.checkpoint)

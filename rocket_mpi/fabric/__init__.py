@@ -36,6 +36,18 @@ def choose(name: str, comm, device: str) -> str:
     return "shm"
 
 
+def fabric_precheck(name: str) -> None:
+    """Local checks a fabric needs before its (collective) set-up, so a missing device is reported once."""
+    if name == "verbs":
+        why = verbs_status()
+        if why is not None:
+            raise FabricError(f"fabric verbs: {why}; use --fabric mpi (any hosts) or shm (one host)")
+    if name in ("cuda-ipc", "nccl"):
+        raise FabricError(f"fabric {name} needs --device cuda and the CUDA build (not available in this build)")
+    if name not in BACKENDS:
+        raise FabricError(f"--fabric {name}: unknown (choose from {', '.join(BACKENDS)})")
+
+
 def _hostname() -> str:
     import socket
     return socket.gethostname()

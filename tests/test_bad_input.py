@@ -1,0 +1,163 @@
+"""Bad input: one clear line naming the file, tensor or flag, and a non-zero exit. Never a traceback."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rocket_mpi.cli import main
+
+
+def run_cli(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.fixture
+def ckpt(tiny_ckpt, tmp_path):
+    d = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, d)
+    return d
+
+
+def edit_tensors(d, fn, nvfp4=False):
+    path = os.path.join(d, "model.safetensors")
+    t = load_file(path)
+    fn(t)
+    save_file(t, path)
+    return path
+
+
+def decode(capsys, d, *extra):
+    return run_cli(capsys, "decode", "--checkpoint", str(d), "--streams", "2", "--tokens", "2", "--quiet", *extra)
+
+
+def assert_one_line(code, err, *needles):
+    assert code not in (0, None), err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{err}"
+    for n in needles:
+        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
+    assert "Traceback" not in err
+
+
+def test_truncated_file(capsys, ckpt):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    assert_one_line(*decode(capsys, ckpt), "model.safetensors", "truncated")
+
+
+def test_garbled_header(capsys, ckpt):
+    path = ckpt / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:20] = b"not json!!!!"
+    path.write_bytes(bytes(data))
+    assert_one_line(*decode(capsys, ckpt), "model.safetensors", "garbled")
+
+
+def test_missing_tensor(capsys, ckpt):
+    edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+    assert_one_line(*decode(capsys, ckpt), "model.layers.1.mlp.experts.3.up_proj.weight", "missing")
+
+
+def test_wrong_dtype(capsys, ckpt):
+    def f(t):
+        t["model.layers.0.self_attn.q_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"].to(torch.int32)
+    edit_tensors(ckpt, f)
+    assert_one_line(*decode(capsys, ckpt), "model.layers.0.self_attn.q_proj.weight", "dtype int32")
+
+
+def test_wrong_shape(capsys, ckpt):
+    def f(t):
+        t["model.layers.2.mlp.experts.0.down_proj.weight"] = torch.zeros(64, 31, dtype=torch.bfloat16)
+    edit_tensors(ckpt, f)
+    assert_one_line(*decode(capsys, ckpt), "model.layers.2.mlp.experts.0.down_proj.weight", "shape [64, 31]")
+
+
+def test_unsupported_model_type(capsys, ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert_one_line(*decode(capsys, ckpt), "config.json", "model_type 'llama' is not supported")
+
+
+def test_missing_config_field(capsys, ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["moe_intermediate_size"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert_one_line(*decode(capsys, ckpt), "config.json", "moe_intermediate_size")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_scale(capsys, tiny_nvfp4_ckpt, tmp_path, bad):
+    d = tmp_path / "q"
+    shutil.copytree(tiny_nvfp4_ckpt, d)
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight_scale_2"
+
+    def f(t):
+        t[name] = torch.tensor(bad, dtype=torch.float32)
+    edit_tensors(d, f)
+    assert_one_line(*decode(capsys, d), name, "NaN or Inf")
+
+
+def test_prompt_longer_than_position_limit(capsys, ckpt, tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps([[5] * 511]))
+    assert_one_line(*decode(capsys, ckpt, "--prompts", str(p)), "stream 0", "max_position_embeddings 512")
+
+
+def test_token_out_of_range(capsys, ckpt, tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps([[1, 2, 3], [4, 99999]]))
+    assert_one_line(*decode(capsys, ckpt, "--prompts", str(p)), "stream 1", "99999", "out of range")
+
+
+def test_bad_prompts_file(capsys, ckpt, tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text("[[1, 2")
+    assert_one_line(*decode(capsys, ckpt, "--prompts", str(p)), "--prompts", "not valid JSON")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["decode", "--checkpoint", "x", "--streams", "zero"], "--streams"),
+    (["decode", "--checkpoint", "x", "--tokens", "-3"], "--tokens"),
+    (["decode", "--checkpoint", "x", "--device", "tpu"], "--device"),
+    (["static-fire", "--checkpoint", "x", "--ranks", "2", "--sweep", "1,a"], "--sweep"),
+    (["decode"], "--checkpoint"),
+    (["make-checkpoint", "--out", "/tmp/x", "--preset", "huge"], "huge"),
+])
+def test_bad_flags(capsys, argv, needle):
+    assert_one_line(*run_cli(capsys, *argv), needle)
+
+
+def test_unknown_fabric(capsys, ckpt):
+    assert_one_line(*decode(capsys, ckpt, "--fabric", "carrier-pigeon"), "carrier-pigeon")
+
+
+def test_verbs_without_device_says_what_would_work(capsys, ckpt):
+    # one rank resolves every fabric to local; ask make_fabric directly like a 2-rank bootstrap would
+    from rocket_mpi.errors import FabricError
+    from rocket_mpi.fabric import make_fabric, verbs_status
+    if verbs_status() is None:
+        pytest.skip("an RDMA device is present here: the no-device message cannot be shown")
+    with pytest.raises(FabricError, match="fabric verbs: .*use --fabric mpi"):
+        make_fabric("verbs", None, 8, 64, 1.0)
+
+
+def test_missing_checkpoint_folder(capsys, tmp_path):
+    assert_one_line(*decode(capsys, tmp_path / "nope"), "nope")
+
+
+def test_placement_file_errors(capsys, ckpt, tmp_path):
+    p = tmp_path / "pl.json"
+    p.write_text(json.dumps({"default": [0] * 15}))
+    assert_one_line(*decode(capsys, ckpt, "--placement", str(p)), "--placement", "16 experts")
+    p.write_text(json.dumps({"default": [0] * 15 + [3]}))
+    assert_one_line(*decode(capsys, ckpt, "--placement", str(p)), "expert 15 -> rank 3")

@@ -1,0 +1,77 @@
+"""A dead or stalled peer, or a mismatched rank: the job ends non-zero with a line naming it, no hang."""
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from conftest import ROOT, rocket_mpi
+from rocket_mpi import launch
+
+
+def decode_args(ckpt, fabric, *extra):
+    return ["decode", "--checkpoint", ckpt, "--streams", "4", "--tokens", "6", "--quiet", "--fabric", fabric,
+            "--fabric-timeout", "3", *extra]
+
+
+@pytest.mark.parametrize("fabric", ["shm", "mpi"])
+def test_stalled_peer_times_out_naming_it(tiny_ckpt, fabric):
+    t0 = time.monotonic()
+    r = rocket_mpi(3, *decode_args(tiny_ckpt, fabric), env={"ROCKET_FAULT": "stall:rank=1,step=2"}, timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode != 0
+    assert f"fabric {fabric} timed out after 3 s waiting for rows from rank 1 at layer 1, step 2" in r.stderr, r.stderr
+    assert took < 60, f"took {took:.0f} s"
+
+
+@pytest.mark.parametrize("fabric", ["shm", "mpi"])
+def test_killed_peer_ends_the_job(tiny_ckpt, fabric):
+    t0 = time.monotonic()
+    r = rocket_mpi(2, *decode_args(tiny_ckpt, fabric), env={"ROCKET_FAULT": "die:rank=1,step=1"}, timeout=90)
+    assert r.returncode != 0
+    assert "rank 1: ROCKET_FAULT injecting 'die' at step 1" in r.stderr
+    # either the launcher reaps the job at once, or rank 0's fabric timeout names the dead peer
+    assert time.monotonic() - t0 < 60
+
+
+def _mpmd(parts, timeout=90):
+    cmd = launch.launcher()
+    for i, args in enumerate(parts):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", "1", sys.executable, "-m", "rocket_mpi", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch.clean_env(), cwd=ROOT,
+                          start_new_session=True)
+
+
+def test_mismatched_checkpoint_refuses_to_start(tiny_ckpt, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_ckpt, other)
+    path = other / "model.safetensors"
+    t = load_file(str(path))
+    t["model.norm.weight"] = t["model.norm.weight"] * 2
+    t["extra.weight"] = t["model.norm.weight"].clone()  # header differs too
+    save_file(t, str(path))
+    r = _mpmd([decode_args(tiny_ckpt, "shm"), decode_args(str(other), "shm")])
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1, r.stderr
+    assert "rank 1 differs from rank 0 in checkpoint fingerprint" in lines[0]
+
+
+def test_mismatched_flags_refuse_to_start(tiny_ckpt):
+    a = decode_args(tiny_ckpt, "shm")
+    b = decode_args(tiny_ckpt, "shm")
+    b[b.index("--tokens") + 1] = "7"
+    r = _mpmd([a, b])
+    assert r.returncode != 0
+    assert "rank 1 differs from rank 0 in tokens: 7 vs 6" in r.stderr, r.stderr
+
+
+def test_error_on_one_rank_is_reported_once_with_its_rank(tiny_ckpt, tmp_path):
+    r = _mpmd([decode_args(tiny_ckpt, "shm"), decode_args(str(tmp_path / "missing"), "shm")])
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1 and "(rank 1): " in lines[0] and "missing" in lines[0], r.stderr

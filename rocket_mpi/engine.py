@@ -73,7 +73,7 @@ def parse_fault(spec: str | None):
 
 class Engine:
     def __init__(self, ckpt_dir: str, rank: int = 0, size: int = 1, placement: Placement | None = None,
-                 reader: CheckpointReader | None = None):
+                 reader: CheckpointReader | None = None, device: str = "cpu"):
         t0 = time.perf_counter()
         self.reader = reader or CheckpointReader(ckpt_dir)
         self.cfg: ModelConfig = self.reader.config
@@ -85,6 +85,11 @@ class Engine:
         self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank),
                                                 prefix(self.reader, layer))
                         for layer in self.cfg.moe_layers}
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+            for store in self.experts.values():
+                store.to(self.device)
         self.load_seconds = time.perf_counter() - t0
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
         self.seq = 0
@@ -109,14 +114,18 @@ class Engine:
     def moe(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
         weights, experts = route(x, L.router_w, L.router_b, self.cfg)
         store = self.experts[layer]
-        plan = plan_rows(experts, weights, self.placement.owners[layer], store.s2_down, self.size)
+        # the plan is host bookkeeping over T x k integers: one small device-to-host copy per layer
+        plan = plan_rows(experts.cpu(), weights.cpu(), self.placement.owners[layer], store.s2_down, self.size)
+        if x.device.type != "cpu":
+            plan.tokens, plan.by_token, plan.coef = (plan.tokens.to(x.device), plan.by_token.to(x.device),
+                                                     plan.coef.to(x.device))
         lo, hi = plan.block(self.rank)
         block = store.compute(x, plan.tokens, plan.segments[self.rank], lo)
         self.seq += 1
         if self.fault and self.fault[1] == self.rank and self.fault[2] == self.step:
             block = self._inject(self.fault[0], block)
         rows = self.fabric.exchange(self.seq, plan.offsets, block, layer, self.step)
-        self._crc = zlib.crc32(rows.contiguous().view(torch.uint8).numpy(), self._crc)
+        self._crc = zlib.crc32(rows.contiguous().view(torch.uint8).cpu().numpy(), self._crc)
         self._rows_owned += hi - lo
         self._rows_total += plan.rows
         return moe_scatter_add(rows, plan.by_token, plan.coef)

@@ -223,11 +223,25 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
     tok.save(os.path.join(out_dir, "tokenizer.json"))
 
 
+MAX_DISK_BYTES = 64 * 2**30
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def make_checkpoint(preset: str, out_dir: str, seed: int = 0, nvfp4_experts: bool = False,
                     nvfp4_all: bool = False, shards: int = 1, tokenizer: bool = True) -> dict:
     cfg = config_dict(preset)
     fam = _family_for_preset(preset)
-    specs = fam.tensor_specs(cfg) if fam is not None else tensor_specs(cfg)
+    specs = list(fam.tensor_specs(cfg) if fam is not None else tensor_specs(cfg))
+    nbytes = sum(2 * _numel(shape) for _, shape, _ in specs)
+    if nbytes > MAX_DISK_BYTES:
+        raise RocketError(f"--preset {preset}: {nbytes / 2**30:.0f} GiB in BF16 is too large to write; decode it "
+                          f"straight from memory with --checkpoint preset:{preset}")
     tensors = {name: make_tensor(seed, name, shape, kind) for name, shape, kind in specs}
     quant = None
     if nvfp4_experts or nvfp4_all:

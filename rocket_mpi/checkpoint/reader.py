@@ -99,16 +99,22 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
+    def _fetch(self, name: str, path: str) -> torch.Tensor:
+        try:
+            return self._open(path).get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' ({e})") from None
+
+    def _stored_dtype(self, name: str, path: str) -> str:
+        """safetensors dtype code of a tensor without reading it ('U8', 'BF16', ...)."""
+        return self._open(path).get_slice(name).get_dtype()
+
     def get(self, name: str, shape: tuple[int, ...] | None = None, dtypes: tuple[torch.dtype, ...] | None = None,
             finite: bool = False) -> torch.Tensor:
         path = self.where.get(name)
         if path is None:
             raise CheckpointError(f"{self.dir}: missing tensor '{name}'")
-        h = self._open(path)
-        try:
-            t = h.get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{path}: cannot read tensor '{name}' ({e})") from None
+        t = self._fetch(name, path)
         if dtypes is not None and t.dtype not in dtypes:
             want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, "
@@ -128,7 +134,7 @@ class CheckpointReader:
         path = self.where.get(wname)
         if path is None:
             raise CheckpointError(f"{self.dir}: missing tensor '{wname}'")
-        dtype = self._open(path).get_slice(wname).get_dtype()
+        dtype = self._stored_dtype(wname, path)
         b = self.get_float(prefix + ".bias", (out_features,)) if bias else None
         if dtype != "U8":
             w = self.get_float(wname, (out_features, in_features))

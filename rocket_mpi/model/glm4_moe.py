@@ -94,9 +94,27 @@ class Glm4MoeModel:
             head, _ = lin("lm_head", cfg.vocab_size, h)
         return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
 
-    def new_cache(self, streams: int, capacity: int, device="cpu") -> KVCache:
+    def new_cache(self, streams: int, capacity: int) -> KVCache:
         cfg = self.cfg
-        return KVCache(cfg.num_hidden_layers, streams, cfg.num_key_value_heads, capacity, cfg.head_dim, DT, device)
+        return KVCache(cfg.num_hidden_layers, streams, cfg.num_key_value_heads, capacity, cfg.head_dim, DT,
+                       self.embed.device)
+
+    def to(self, device) -> "Glm4MoeModel":
+        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
+        def mv(t):
+            return None if t is None else t.to(device)
+        self.embed, self.norm = mv(self.embed), mv(self.norm)
+        self.lm_head = self.embed if self.lm_head is self.embed else mv(self.lm_head)
+        for L in self.layers:
+            a = L.attn
+            for f in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"):
+                setattr(a, f, mv(getattr(a, f)))
+            L.input_norm, L.post_norm = mv(L.input_norm), mv(L.post_norm)
+            L.router_w, L.router_b = mv(L.router_w), mv(L.router_b)
+            L.mlp = None if L.mlp is None else tuple(mv(t) for t in L.mlp)
+            L.shared = None if L.shared is None else tuple(mv(t) for t in L.shared)
+        self.rope.inv_freq = self.rope.inv_freq.to(device)
+        return self
 
     def nbytes(self) -> int:
         ts = [self.embed, self.norm, self.lm_head]
@@ -121,9 +139,10 @@ class Glm4MoeModel:
         `moe(layer, x_normed [T, H]) -> [T, H]` computes the routed experts (the split lives there)."""
         cfg = self.cfg
         starts = cache.lengths.tolist()
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seqlens)])
+        dev = self.embed.device
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seqlens)]).to(dev)
         cos, sin = self.rope.cos_sin(positions)
-        x = self.embed[tokens]                                        # [T, H]
+        x = self.embed[tokens.to(dev)]                                # [T, H]
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
             x = x + self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens)
@@ -133,7 +152,7 @@ class Glm4MoeModel:
             else:
                 x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
         cache.lengths += torch.tensor(seqlens)
-        last = torch.tensor(seqlens).cumsum(0) - 1
+        last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
         h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
@@ -150,12 +169,12 @@ class Glm4MoeModel:
         kc, vc = cache.k[i], cache.v[i]
         if all(n == 1 for n in seqlens):
             # decode: one new token per stream, batched over streams with a length mask
-            idx = torch.arange(len(seqlens))
-            pos = torch.tensor(starts)
+            idx = torch.arange(len(seqlens), device=h.device)
+            pos = torch.tensor(starts, device=h.device)
             kc[idx, :, pos] = k
             vc[idx, :, pos] = v
             span = int(pos.max()) + 1
-            mask = (torch.arange(span)[None, :] <= pos[:, None])[:, None, None, :]   # [M, 1, 1, span]
+            mask = (torch.arange(span, device=h.device)[None, :] <= pos[:, None])[:, None, None, :]  # [M,1,1,span]
             out = F.scaled_dot_product_attention(q[:, :, None, :].contiguous(), kc[:, :, :span], vc[:, :, :span],
                                                  attn_mask=mask, scale=self.scale, enable_gqa=True)
             out = out.reshape(t, -1)
@@ -168,7 +187,7 @@ class Glm4MoeModel:
                 vc[s, :, p0:p0 + n] = v[off:off + n].transpose(0, 1)
                 qs = q[off:off + n].transpose(0, 1)[None]                 # [1, heads, n, d]
                 ks, vs = kc[s:s + 1, :, :p0 + n], vc[s:s + 1, :, :p0 + n]
-                mask = torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None]
+                mask = (torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None]).to(h.device)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
                 off += n

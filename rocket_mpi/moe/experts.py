@@ -56,7 +56,7 @@ class ExpertStore:
         """Rows of this rank's block: x [T, H]; segments (expert, start, end) in canonical row indices
         starting at `base`. Returns [end-base, H] BF16 without s2_down."""
         n = (segments[-1][2] - base) if segments else 0
-        out = torch.empty(n, x.shape[1], dtype=torch.bfloat16)
+        out = torch.empty(n, x.shape[1], dtype=torch.bfloat16, device=x.device)
         for e, start, end in segments:
             xe = x[tokens[start:end]]                                        # [n_e, H]
             gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
@@ -65,6 +65,11 @@ class ExpertStore:
                 up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
             out[start - base:end - base] = F.linear(F.silu(gate) * up, self.down[e])
         return out
+
+    def to(self, device) -> "ExpertStore":
+        self.gate_up = {e: t.to(device) for e, t in self.gate_up.items()}
+        self.down = {e: t.to(device) for e, t in self.down.items()}
+        return self
 
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in list(self.gate_up.values()) + list(self.down.values()))

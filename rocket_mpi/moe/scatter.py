@@ -12,7 +12,7 @@ import torch
 def moe_scatter_add(rows: torch.Tensor, by_token: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """rows [R, H] bf16; by_token [T, k] row indices (ascending expert); coef [T, k] fp32 -> [T, H] bf16."""
     t, k = by_token.shape
-    acc = torch.zeros(t, rows.shape[1], dtype=torch.float32)
+    acc = torch.zeros(t, rows.shape[1], dtype=torch.float32, device=rows.device)
     for j in range(k):  # fixed order: ((r0 + r1) + r2) + ...
         acc += coef[:, j:j + 1] * rows[by_token[:, j]].float()
     return acc.to(torch.bfloat16)

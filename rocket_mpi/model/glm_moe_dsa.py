@@ -1,0 +1,373 @@
+"""GLM-5 (transformers model_type glm_moe_dsa): MLA attention with the DeepSeek sparse-attention (DSA)
+indexer, around the shared MoE blocks.
+
+Per layer the cache holds the MLA latent (kv_a_layernorm output) and the roped shared key, one row of
+kv_lora_rank + qk_rope_head_dim per token, plus the indexer's key (index_head_dim) on layers that run
+their own indexer. Attention is computed in DeepSeek's "absorbed" form: kv_b_proj's key half is folded
+into the query and its value half applied after the weighted sum, so keys and values are read straight
+from the latent. The indexer scores every cached token (fp32, as transformers insists), keeps the
+index_topk best, and attention runs over those only: a gather of index_topk latent rows per decode step,
+whatever the context length. Layers whose indexer_types entry is "shared" reuse the previous full
+layer's selection.
+
+Every rank runs all of this for all M streams with the same weights (replicated, deterministic), so the
+normalised hidden state entering each MoE layer is bit-identical on every rank; the routed experts are
+reached only through `moe(layer, x, L)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
+from rocket_mpi.config import ModelConfig
+from rocket_mpi.errors import ConfigError
+from rocket_mpi.model.layers import Rope, rms_norm, swiglu_mlp
+
+DT = torch.bfloat16
+# q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
+# not config.rms_norm_eps (which only the block norms use)
+LATENT_NORM_EPS = 1e-6
+
+# -- config.json ------------------------------------------------------------------------
+# MLA / DSA shapes: no silent GLM-5 defaults, a checkpoint must say them
+_REQUIRED = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+             "index_head_dim", "index_n_heads", "index_topk")
+# transformers' GlmMoeDsaConfig defaults where they differ from ModelConfig's key map
+_DEFAULTS = {"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+             "norm_topk_prob": True, "attention_bias": False, "rms_norm_eps": 1e-5}
+
+
+def normalize_config(raw: dict, source: str) -> dict:
+    """config.json of GlmMoeDsaForCausalLM -> the common keys, plus moe_layer_indices and indexer_types."""
+    raw = dict(raw)
+    for key in ("num_hidden_layers", "num_attention_heads", *_REQUIRED):
+        v = raw.get(key)
+        if v is None:
+            raise ConfigError(f"{source}: missing required field '{key}'")
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {v!r}")
+    for key, v in _DEFAULTS.items():
+        if raw.get(key) is None:
+            raw[key] = v
+    n = raw["num_hidden_layers"]
+    # MLA expands one latent to every head: there are no KV-head groups (GlmMoeDsaConfig's default 64 is
+    # unused by its attention), so the common key is pinned to the head count
+    raw["num_key_value_heads"] = raw["num_attention_heads"]
+    if raw["qk_rope_head_dim"] % 2 or raw["index_head_dim"] < raw["qk_rope_head_dim"]:
+        raise ConfigError(f"{source}: qk_rope_head_dim {raw['qk_rope_head_dim']} must be even and at most "
+                          f"index_head_dim {raw['index_head_dim']}")
+    # transformers points head_dim at the rope slice and ropes all of it (partial_rotary_factor unused)
+    raw["head_dim"] = raw["qk_rope_head_dim"]
+    raw["rope_parameters"] = {**(raw.get("rope_parameters") or {}), "partial_rotary_factor": 1.0}
+    raw["indexer_types"] = _indexer_types(raw, n, source)
+    raw["moe_layer_indices"] = _moe_layers(raw, n, source)
+    return raw
+
+
+def _indexer_types(raw: dict, n: int, source: str) -> list[str]:
+    """Per layer "full" (own indexer) or "shared" (previous full layer's top-k), as GlmMoeDsaConfig derives it."""
+    types = raw.get("indexer_types")
+    if types is None:
+        pattern = raw.get("index_topk_pattern")
+        if pattern is not None:
+            letters = {"F": "full", "S": "shared"}
+            if isinstance(pattern, str) and not set(pattern) <= set(letters):
+                raise ConfigError(f"{source}: index_topk_pattern '{pattern}' may hold only F and S")
+            types = [letters[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        else:
+            freq = max(raw.get("index_topk_freq", 1), 1)
+            offset = raw.get("index_skip_topk_offset", 2)
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    types = list(types)
+    if len(types) != n or not set(types) <= {"full", "shared"}:
+        raise ConfigError(f"{source}: indexer_types must list 'full' or 'shared' for each of {n} layers, got {types}")
+    if types[0] != "full":
+        raise ConfigError(f"{source}: indexer_types[0] is 'shared' but no earlier layer runs an indexer")
+    return types
+
+
+def _moe_layers(raw: dict, n: int, source: str) -> list[int]:
+    kinds = raw.get("mlp_layer_types")
+    if kinds is None:
+        k = raw["first_k_dense_replace"]
+        return list(range(min(k, n), n))
+    if len(kinds) != n or not set(kinds) <= {"dense", "sparse"}:
+        raise ConfigError(f"{source}: mlp_layer_types must list 'dense' or 'sparse' for each of {n} layers, "
+                          f"got {kinds}")
+    return [i for i, kind in enumerate(kinds) if kind == "sparse"]
+
+
+# -- weights ----------------------------------------------------------------------------
+@dataclass
+class Indexer:
+    wq_b: torch.Tensor            # [index_heads * index_dim, q_lora]
+    wk: torch.Tensor              # [index_dim, H]
+    k_norm: torch.Tensor          # [index_dim] LayerNorm weight
+    k_norm_bias: torch.Tensor     # [index_dim]
+    # [index_heads, H] fp32: in transformers' _keep_in_fp32_modules (which it applies to fp16 loads only);
+    # index_heads x H floats buy head weights as exact as the fp32 reference's, where top-k ties are decided
+    weights_proj: torch.Tensor
+
+
+@dataclass
+class Attention:
+    q_a: torch.Tensor; q_a_bias: torch.Tensor | None; q_a_norm: torch.Tensor      # noqa: E702 [q_lora, H]
+    q_b: torch.Tensor                                                           # [heads*(nope+rope), q_lora]
+    kv_a: torch.Tensor; kv_a_bias: torch.Tensor | None; kv_a_norm: torch.Tensor   # noqa: E702 [c+rope, H]
+    w_uk: torch.Tensor            # [heads, nope, c]  kv_b_proj's key half
+    w_uv: torch.Tensor            # [heads, v, c]     kv_b_proj's value half
+    o: torch.Tensor; o_bias: torch.Tensor | None                                  # noqa: E702 [H, heads*v]
+    indexer: Indexer | None       # None on "shared" layers
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: Attention
+    mlp: tuple[torch.Tensor, torch.Tensor] | None          # dense: (gate_up [2I, H], down [H, I])
+    router_w: torch.Tensor | None = None                   # [E, H] fp32
+    router_b: torch.Tensor | None = None                   # [E] fp32
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class LatentCache:
+    """M streams of different lengths. Per layer: latent ‖ roped key [M, capacity, c + rope], and the
+    indexer keys [M, capacity, index_dim] where the layer runs its own indexer (None on shared layers)."""
+
+    def __init__(self, indexed: list[bool], streams: int, capacity: int, latent_dim: int, index_dim: int,
+                 dtype: torch.dtype = DT, device: torch.device | str = "cpu"):
+        self.kv = [torch.zeros(streams, capacity, latent_dim, dtype=dtype, device=device) for _ in indexed]
+        self.index_k = [torch.zeros(streams, capacity, index_dim, dtype=dtype, device=device) if own else None
+                        for own in indexed]
+        self.lengths = torch.zeros(streams, dtype=torch.long)  # tokens held per stream
+        self.capacity = capacity
+
+    @property
+    def streams(self) -> int:
+        return self.lengths.numel()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv + self.index_k if t is not None)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, r], cos/sin [T, r] (cat(freqs, freqs)): pairs (x0, x1), (x2, x3), ... each turned by one
+    frequency. The result is laid out de-interleaved (rotated evens, then odds) as transformers'
+    apply_rotary_pos_emb_interleave does; q and k share the layout, so their dot products do not see it."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class GlmMoeDsaModel:
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
+                 lm_head: torch.Tensor):
+        raw = cfg.raw
+        self.cfg = cfg
+        self.embed = embed          # [V, H]
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head      # [V, H]
+        self.heads = cfg.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"], raw["v_head_dim"]
+        self.latent = raw["kv_lora_rank"]
+        self.index_heads, self.index_dim = raw["index_n_heads"], raw["index_head_dim"]
+        self.index_topk = raw["index_topk"]
+        self.rope = Rope(self.rope_dim, cfg.rope_theta, DT)
+        self.scale = (self.nope + self.rope_dim) ** -0.5          # the un-absorbed qk_head_dim's scale
+        self.index_scale = self.index_dim ** -0.5
+
+    # -- loading ---------------------------------------------------------------------
+    @classmethod
+    def load(cls, reader: CheckpointReader) -> "GlmMoeDsaModel":
+        cfg = reader.config
+        raw = cfg.raw
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        ql, c = raw["q_lora_rank"], raw["kv_lora_rank"]
+        nope, r, v = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"], raw["v_head_dim"]
+        ih, idim = raw["index_n_heads"], raw["index_head_dim"]
+        bias = cfg.attention_bias
+
+        def lin(name, n, k, with_bias=False, dtype=DT):
+            li = reader.linear(name, n, k, with_bias)   # BF16 or NVFP4 (dequantised: non-expert)
+            return li.dense(dtype), li.bias
+
+        def vec(name, n):
+            return reader.get_float(name, (n,), DT)
+
+        def mlp(prefix, inter):
+            g, _ = lin(prefix + ".gate_proj", inter, h)
+            u, _ = lin(prefix + ".up_proj", inter, h)
+            dn, _ = lin(prefix + ".down_proj", h, inter)
+            return torch.cat((g, u), 0), dn
+
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn"
+            q_a, q_a_b = lin(p + ".q_a_proj", ql, h, bias)
+            q_b, _ = lin(p + ".q_b_proj", nh * (nope + r), ql)
+            kv_a, kv_a_b = lin(p + ".kv_a_proj_with_mqa", c + r, h, bias)
+            kv_b, _ = lin(p + ".kv_b_proj", nh * (nope + v), c)
+            kv_b = kv_b.view(nh, nope + v, c)
+            o, o_b = lin(p + ".o_proj", h, nh * v, bias)
+            indexer = None
+            if raw["indexer_types"][i] == "full":
+                x = p + ".indexer"
+                indexer = Indexer(lin(x + ".wq_b", ih * idim, ql)[0], lin(x + ".wk", idim, h)[0],
+                                  vec(x + ".k_norm.weight", idim), vec(x + ".k_norm.bias", idim),
+                                  lin(x + ".weights_proj", ih, h, dtype=torch.float32)[0])
+            attn = Attention(q_a, q_a_b, vec(p + ".q_a_layernorm.weight", ql), q_b,
+                             kv_a, kv_a_b, vec(p + ".kv_a_layernorm.weight", c),
+                             kv_b[:, :nope].contiguous(), kv_b[:, nope:].contiguous(), o, o_b, indexer)
+            q = f"model.layers.{i}"
+            layer = Layer(vec(q + ".input_layernorm.weight", h), vec(q + ".post_attention_layernorm.weight", h),
+                          attn, None)
+            if cfg.is_moe_layer(i):
+                layer.router_w = reader.get_float(q + ".mlp.gate.weight", (cfg.n_routed_experts, h), torch.float32)
+                layer.router_b = reader.get(q + ".mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,),
+                                            (torch.float32, torch.bfloat16), finite=True).float()
+                layer.shared = mlp(q + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
+            else:
+                layer.mlp = mlp(q + ".mlp", cfg.intermediate_size)
+            layers.append(layer)
+        embed = reader.get_float("model.embed_tokens.weight", (cfg.vocab_size, h))
+        if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
+            head = embed
+        else:
+            head, _ = lin("lm_head", cfg.vocab_size, h)
+        return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
+
+    def new_cache(self, streams: int, capacity: int, device="cpu") -> LatentCache:
+        return LatentCache([L.attn.indexer is not None for L in self.layers], streams, capacity,
+                           self.latent + self.rope_dim, self.index_dim, DT, device)
+
+    def nbytes(self) -> int:
+        ts = [self.embed, self.norm, self.lm_head]
+        for L in self.layers:
+            a = L.attn
+            ts += [L.input_norm, L.post_norm, a.q_a, a.q_a_norm, a.q_b, a.kv_a, a.kv_a_norm, a.w_uk, a.w_uv, a.o]
+            ts += [t for t in (a.q_a_bias, a.kv_a_bias, a.o_bias, L.router_w, L.router_b) if t is not None]
+            if a.indexer is not None:
+                ix = a.indexer
+                ts += [ix.wq_b, ix.wk, ix.k_norm, ix.k_norm_bias, ix.weights_proj]
+            for pair in (L.mlp, L.shared):
+                if pair is not None:
+                    ts += list(pair)
+        seen, total = set(), 0
+        for t in ts:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, cache: LatentCache, seqlens: list[int], moe) -> torch.Tensor:
+        """Run `tokens` [T] (streams' new tokens packed, seqlens[s] of them for stream s, appended after
+        what the cache holds) through the stack; returns last-position logits [M, V] fp32 per stream.
+        `moe(layer, x_normed [T, H], L) -> [T, H]` computes the routed experts (the split lives there)."""
+        cfg = self.cfg
+        starts = cache.lengths.tolist()
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seqlens)])
+        cos, sin = self.rope.cos_sin(positions)                      # [T, rope] bf16
+        x = self.embed[tokens]                                        # [T, H]
+        selection = None                                              # the last full indexer's top-k
+        for i, L in enumerate(self.layers):
+            h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
+            out, selection = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, selection)
+            x = x + out
+            h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
+            if L.mlp is not None:
+                x = x + swiglu_mlp(h, *L.mlp)
+            else:
+                x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
+        cache.lengths += torch.tensor(seqlens)
+        last = torch.tensor(seqlens).cumsum(0) - 1
+        h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _indexer_qkw(self, ix: Indexer, h, q_resid, cos, sin):
+        """-> queries [T, index_heads, index_dim], keys [T, index_dim] (BF16, roped on the first rope
+        channels), head weights [T, index_heads] fp32."""
+        t, r = h.shape[0], self.rope_dim
+        q = F.linear(q_resid, ix.wq_b).view(t, self.index_heads, self.index_dim)
+        q = torch.cat((rope_interleaved(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+        k = F.layer_norm(F.linear(h, ix.wk), (self.index_dim,), ix.k_norm, ix.k_norm_bias, LATENT_NORM_EPS)
+        k = torch.cat((rope_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]), dim=-1)
+        w = F.linear(h.float(), ix.weights_proj) * self.index_heads ** -0.5
+        return q, k, w
+
+    def _index_scores(self, q, w, keys) -> torch.Tensor:
+        """q [B, heads, d], w [B, heads] fp32, keys [B or 1, S, d] -> [B, S] fp32:
+        sum over heads of w * relu(q . k / sqrt(d)), as transformers' indexer computes it."""
+        s = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.index_scale)   # [B, heads, S]
+        return torch.matmul(w[:, None, :], s)[:, 0]
+
+    def _attention(self, i, a: Attention, h, cos, sin, cache: LatentCache, starts, seqlens, selection):
+        t, nh, c = h.shape[0], self.heads, self.latent
+        q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, LATENT_NORM_EPS)   # [T, q_lora]
+        q = F.linear(q_resid, a.q_b).view(t, nh, self.nope + self.rope_dim)
+        q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        kv = F.linear(h, a.kv_a, a.kv_a_bias)                                            # [T, c + rope]
+        latent = rms_norm(kv[:, :c], a.kv_a_norm, LATENT_NORM_EPS)
+        k_rot = rope_interleaved(kv[:, None, c:], cos, sin)[:, 0]
+        # absorbed MLA: q_nope . (W_uk latent) == (q_nope W_uk) . latent, so keys are the cached latent rows
+        q_cat = torch.cat((torch.einsum("thd,hdc->thc", q_nope, a.w_uk), rope_interleaved(q_rot, cos, sin)), dim=-1)
+        kv_new = torch.cat((latent, k_rot), dim=-1)                                      # [T, c + rope]
+        kvc, ixc = cache.kv[i], cache.index_k[i]
+        if a.indexer is not None:
+            iq, ik, iw = self._indexer_qkw(a.indexer, h, q_resid, cos, sin)
+        elif selection is None:
+            raise ConfigError(f"layer {i}: a 'shared' indexer layer needs an earlier 'full' one")
+
+        if all(n == 1 for n in seqlens):
+            # decode: one new token per stream, batched over streams; attention over the top-k rows only
+            idx = torch.arange(len(seqlens))
+            pos = torch.tensor(starts)
+            kvc[idx, pos] = kv_new
+            if a.indexer is not None:
+                ixc[idx, pos] = ik
+                span = int(pos.max()) + 1
+                scores = self._index_scores(iq, iw, ixc[:, :span])                        # [M, span]
+                scores = scores.masked_fill(torch.arange(span)[None, :] > pos[:, None], float("-inf"))
+                top, sel = scores.topk(min(self.index_topk, span), dim=-1)                # [M, k]
+                selection = (sel, top > float("-inf"))          # a short stream pads with masked rows
+            sel, valid = selection
+            rows = kvc[idx[:, None], sel]                                                 # [M, k, c + rope]
+            o = F.scaled_dot_product_attention(q_cat[:, :, None, :], rows[:, None], rows[:, None, :, :c],
+                                               attn_mask=valid[:, None, None, :], scale=self.scale,
+                                               enable_gqa=True)                           # [M, heads, 1, c]
+            o_lat = o[:, :, 0]
+        else:
+            outs, masks, off = [], [], 0
+            for s, (p0, n) in enumerate(zip(starts, seqlens)):
+                if n == 0:
+                    masks.append(None)
+                    continue
+                kvc[s, p0:p0 + n] = kv_new[off:off + n]
+                causal = torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None]   # [n, p0 + n]
+                if a.indexer is not None:
+                    ixc[s, p0:p0 + n] = ik[off:off + n]
+                    scores = self._index_scores(iq[off:off + n], iw[off:off + n], ixc[s:s + 1, :p0 + n])
+                    sel = scores.masked_fill(~causal, float("-inf")).topk(min(self.index_topk, p0 + n), dim=-1)[1]
+                    mask = torch.zeros_like(causal).scatter_(1, sel, True) & causal
+                else:
+                    mask = selection[s]
+                masks.append(mask)
+                rows = kvc[s:s + 1, :p0 + n][:, None]                                     # [1, 1, S, c + rope]
+                qs = q_cat[off:off + n].transpose(0, 1)[None]                             # [1, heads, n, c + rope]
+                o = F.scaled_dot_product_attention(qs, rows, rows[..., :c], attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=True)
+                outs.append(o[0].transpose(0, 1))                                         # [n, heads, c]
+                off += n
+            o_lat = torch.cat(outs)
+            selection = masks
+        o = torch.einsum("thc,hvc->thv", o_lat, a.w_uv).reshape(t, nh * self.v_dim)
+        return F.linear(o, a.o, a.o_bias), selection
+
+
+MODEL = GlmMoeDsaModel

@@ -239,9 +239,11 @@ def make_checkpoint(preset: str, out_dir: str, seed: int = 0, nvfp4_experts: boo
     fam = _family_for_preset(preset)
     specs = list(fam.tensor_specs(cfg) if fam is not None else tensor_specs(cfg))
     nbytes = sum(2 * _numel(shape) for _, shape, _ in specs)
-    if nbytes > MAX_DISK_BYTES:
-        raise RocketError(f"--preset {preset}: {nbytes / 2**30:.0f} GiB in BF16 is too large to write; decode it "
-                          f"straight from memory with --checkpoint preset:{preset}")
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if nbytes > min(MAX_DISK_BYTES, ram // 2):  # the whole state dict is built in memory before writing
+        raise RocketError(f"--preset {preset}: {nbytes / 2**30:.0f} GiB in BF16 is too large to write here "
+                          f"({ram / 2**30:.0f} GiB RAM); decode it straight from memory with "
+                          f"--checkpoint preset:{preset}")
     tensors = {name: make_tensor(seed, name, shape, kind) for name, shape, kind in specs}
     quant = None
     if nvfp4_experts or nvfp4_all:

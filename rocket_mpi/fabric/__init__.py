@@ -7,17 +7,18 @@ BACKENDS = ("auto", "local", "shm", "mpi", "verbs", "cuda-ipc", "nccl")
 
 
 def verbs_status() -> str | None:
-    """None when an RDMA device is usable, else why not (one line)."""
+    """None when this host has an ACTIVE RDMA port that pyverbs can open, else why not (one line)."""
     try:
-        from pyverbs.device import get_device_list
+        import pyverbs.device  # noqa: F401
     except ImportError:
         return "pyverbs is not installed (apt-get install python3-pyverbs)"
+    from rocket_mpi.fabric.verbs import port_states
     try:
-        devs = get_device_list()
-    except Exception as e:
-        return f"no RDMA device ({e})"
-    if not devs:
-        return "no RDMA device"
+        states = port_states()
+    except FabricError as e:
+        return str(e)
+    if not any(st == 4 for ports in states.values() for st in ports.values()):  # 4: IBV_PORT_ACTIVE
+        return "no ACTIVE port on RDMA device(s) " + ", ".join(f"{d} ({len(p)} port(s))" for d, p in states.items())
     return None
 
 
@@ -31,8 +32,8 @@ def choose(name: str, comm, device: str) -> str:
         return name
     if device == "cuda":
         return "cuda-ipc" if len(hosts) == 1 else "nccl"
-    if len(hosts) > 1:
-        return "verbs" if verbs_status() is None else "mpi"
+    if len(hosts) > 1:  # decided together: a rank without RDMA must not leave the others on verbs
+        return "verbs" if all(comm.allgather(verbs_status() is None)) else "mpi"
     return "shm"
 
 

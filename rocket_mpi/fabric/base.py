@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rocket_mpi.errors import FabricTimeout
+from rocket_mpi.errors import FabricError, FabricTimeout
 
 
 @dataclass
@@ -90,15 +90,30 @@ def split_rails(nbytes: int, rails: int, split_min: int, align: int = 64) -> lis
     return out
 
 
+SEQ_MASK = (1 << 64) - 1  # a doorbell word is 64 bits
+
+
+def seq_ahead(bell: int, seq: int) -> int:
+    """How far doorbell word `bell` is at or past `seq` in 64-bit serial-number order (RFC 1982), else -1.
+
+    Words hold seq mod 2**64, so ordering survives a wrap as long as ranks never drift 2**63 apart.
+    """
+    d = (bell - seq) & SEQ_MASK
+    return d if d < 1 << 63 else -1
+
+
 class DoorbellFabric(Fabric):
     """Shared logic of the one-sided backends (shm, verbs): double-buffered row slots selected by
     seq parity, a rail split per payload, one doorbell word per (peer, rail) holding the last seq.
 
     Why two slots are enough: a peer writes slot (seq+1)&1 only after it has our doorbell for seq,
     which we ring only after finishing with the rows of seq-1 (same parity as seq+1).
+    Only the rails that carry a piece of a payload are rung (rail 0 alone for an empty or small one);
+    the receiver knows every block's size from routing, so it waits on exactly those rails. A rail
+    skipped for a while keeps an older seq, and the next seq rung on it is larger still.
     Subclasses provide: _local_rows(slot) -> [max_rows, H] tensor this rank receives into,
-    _put(peer, rail, slot, byte_offset, src) one-sided payload write, _ring(peer, rail, seq),
-    _doorbell(peer, rail) -> last seq that peer rang here on that rail.
+    _put(peer, rail, slot, byte_offset, src) one-sided payload write (src lies in this rank's own rows),
+    _ring(peer, rail, seq) with seq < 2**64, _doorbell(peer, rail) -> last seq that peer rang here on that rail.
     """
 
     def __init__(self, rank, size, max_rows, hidden, timeout, rails: int = 1, rail_split_min_bytes: int = 8192,
@@ -109,42 +124,112 @@ class DoorbellFabric(Fabric):
         self.poll_spins = poll_spins
         self.row_bytes = hidden * 2
 
+    def _pieces(self, nbytes: int, rails: int | None = None) -> list[tuple[int, int]]:
+        return split_rails(nbytes, rails or self.rails, self.split_min)
+
     def _exchange(self, seq, offsets, block, layer, step):
         slot = seq & 1
         rows = self._local_rows(slot)
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
+        src = rows[lo:hi].view(torch.uint8).reshape(-1)
         if hi > lo:
             rows[lo:hi].copy_(block)
-            src = rows[lo:hi].view(torch.uint8).reshape(-1)
+        pieces = self._pieces((hi - lo) * self.row_bytes)
         for k in range(1, self.size):  # start with the next rank so senders spread over receivers
             peer = (self.rank + k) % self.size
-            for rail, (start, n) in enumerate(split_rails((hi - lo) * self.row_bytes, self.rails, self.split_min)):
+            for rail, (start, n) in enumerate(pieces):
                 self._put(peer, rail, slot, lo * self.row_bytes + start, src[start:start + n])
-            for rail in range(self.rails):
-                self._ring(peer, rail, seq)
+            for rail in range(max(1, len(pieces))):
+                self._ring(peer, rail, seq & SEQ_MASK)
         self._flush()
         self._wait_all(seq, offsets, layer, step)
         return rows[:offsets[-1]]
 
     def _wait_all(self, seq, offsets, layer, step):
-        deadline = None
+        wait = _Patience(self)
         for k in range(1, self.size):
             peer = (self.rank - k) % self.size
-            for rail in range(self.rails):
-                spins = 0
-                while self._doorbell(peer, rail) < seq:
-                    spins += 1
-                    if spins > self.poll_spins:
-                        now = time.monotonic()
-                        if deadline is None:
-                            deadline = now + self.timeout
-                        elif now > deadline:
-                            raise self.timeout_error(peer, layer, step, seq)
-                        time.sleep(0 if spins < 4 * self.poll_spins else 20e-6)
-                        self._progress()
+            used = max(1, len(self._pieces((offsets[peer + 1] - offsets[peer]) * self.row_bytes)))
+            for rail in range(used):
+                while seq_ahead(self._doorbell(peer, rail), seq) < 0:
+                    if wait.idle():
+                        raise self.timeout_error(peer, layer, step, seq)
+
+    # -- streaming, for fabric-bench's oneway and duplex columns -----------------------------
+    def stream(self, peer: int, nbytes: int, count: int, send: bool, recv: bool, seq0: int,
+               rails: int | None = None, max_depth: int = 64) -> int:
+        """Move `count` messages of `nbytes` to `peer` (send), from it (recv), or both ways at once
+        (duplex), through the same _put/_ring/_doorbell as exchange(). Both ranks pass the same
+        nbytes, count, seq0 and rails (None: all); message i carries seq0+i+1. Returns the last seq.
+
+        Messages ride the row buffer as a ring of `depth` positions: the lower rank sends into slot 0,
+        the higher into slot 1, so a rank's source ring (its own copy of its direction's slot) is never
+        what the peer writes. The sender writes a position again only once the receiver has seen the
+        message that was there:
+          oneway: the receiver rings back on rail 0 (the reverse direction is otherwise idle) how many
+                  it has seen; at most `depth` messages are unacknowledged.
+          duplex: the data doorbells are the acknowledgement. We send j only after the peer has sent
+                  j - depth//2, which it did only after seeing our j - 2*(depth//2) >= j - depth.
+        """
+        if not (send or recv):
+            return seq0
+        stride, depth = self.stream_depth(nbytes, max_depth)
+        window = depth if not recv else depth // 2
+        tx_slot = 0 if self.rank < peer else 1
+        src = self.stream_ring(peer, send=True)
+        pieces = self._pieces(nbytes, rails)
+        used = max(1, len(pieces))
+        ack_every = max(1, depth // 2)
+        sent = seen = acked = 0  # acked (oneway): receiver: last count rung back; sender: last count heard
+        wait = _Patience(self)
+        while (send and sent < count) or (recv and seen < count) or (send and not recv and acked < count):
+            progressed = False
+            if recv:
+                now = min(seq_ahead(self._doorbell(peer, r), seq0) for r in range(used))
+                if now > seen:
+                    seen, progressed = now, True
+                    if not send and (seen - acked >= ack_every or seen == count):
+                        self._ring(peer, 0, (seq0 + seen) & SEQ_MASK)
+                        self._flush()
+                        acked = seen
+            if send:
+                credit = max(0, seq_ahead(self._doorbell(peer, 0), seq0))  # peer's acks (oneway) or sends (duplex)
+                if not recv and credit > acked:
+                    acked, progressed = credit, True
+                while sent < count and sent - credit < window:
+                    pos = (sent % depth) * stride
+                    for rail, (start, n) in enumerate(pieces):
+                        self._put(peer, rail, tx_slot, pos + start, src[pos + start:pos + start + n])
+                    sent += 1
+                    for rail in range(used):
+                        self._ring(peer, rail, (seq0 + sent) & SEQ_MASK)
+                    self._flush()
+                    progressed = True
+            if progressed:
+                wait.progressed()
+            elif wait.idle():
+                what = f"stream message {min(sent, seen) + 1} of {count} ({nbytes} B)"
+                raise FabricTimeout(f"rank {self.rank}: fabric {self.name} timed out after {self.timeout:g} s "
+                                    f"waiting for rank {peer} in a {what}: peer dead or stalled")
+        return (seq0 + count) & SEQ_MASK
+
+    def stream_depth(self, nbytes: int, max_depth: int = 64) -> tuple[int, int]:
+        """(stride, depth): a stream's messages sit `stride` bytes apart in a ring of `depth` positions."""
+        stride = -(-nbytes // 64) * 64
+        slot_bytes = self.max_rows * self.row_bytes
+        depth = min(max_depth, slot_bytes // stride) if stride else 0
+        if depth < 2:
+            raise FabricError(f"rank {self.rank}: fabric {self.name}: a stream of {nbytes}-byte messages needs row "
+                              f"slots of at least {2 * stride} bytes, these have {slot_bytes}")
+        return stride, depth
+
+    def stream_ring(self, peer: int, send: bool) -> torch.Tensor:
+        """uint8 view of this rank's slot that a stream with `peer` sends from (send) or receives into."""
+        lower_sends = (self.rank < peer) == send
+        return self._local_rows(0 if lower_sends else 1).view(torch.uint8).reshape(-1)
 
     def _flush(self):
-        """Wait for local completion of posted writes where the transport needs it (verbs)."""
+        """After a batch of puts and rings: reap (or wait for) local completions where the transport has them."""
 
     def _progress(self):
         """Called while polling: reap completions (verbs)."""
@@ -161,3 +246,29 @@ class DoorbellFabric(Fabric):
 
     def _doorbell(self, peer: int, rail: int) -> int:
         raise NotImplementedError
+
+
+class _Patience:
+    """A poll loop's clock: spin `poll_spins` times, then yield and reap completions between polls;
+    idle() is True once `timeout` seconds pass without progress()."""
+
+    def __init__(self, fabric: DoorbellFabric):
+        self.fabric = fabric
+        self.spins = 0
+        self.deadline: float | None = None
+
+    def progressed(self) -> None:
+        self.spins, self.deadline = 0, None
+
+    def idle(self) -> bool:
+        self.spins += 1
+        if self.spins <= self.fabric.poll_spins:
+            return False
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.fabric.timeout
+        elif now > self.deadline:
+            return True
+        time.sleep(0 if self.spins < 4 * self.fabric.poll_spins else 20e-6)
+        self.fabric._progress()
+        return False

@@ -124,7 +124,7 @@ class Engine:
         self.seq += 1
         if self.fault and self.fault[1] == self.rank and self.fault[2] == self.step:
             block = self._inject(self.fault[0], block)
-        rows = self.fabric.exchange(self.seq, plan.offsets, block, layer, self.step)
+        rows = self.fabric.exchange(self.seq, plan.offsets, block, layer, self.step).to(x.device)
         self._crc = zlib.crc32(rows.contiguous().view(torch.uint8).cpu().numpy(), self._crc)
         self._rows_owned += hi - lo
         self._rows_total += plan.rows

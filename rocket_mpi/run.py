@@ -62,6 +62,7 @@ def decode(args) -> int:
 
 def _decode(args, comm) -> int:
     from rocket_mpi.checkpoint.reader import CheckpointReader
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
     from rocket_mpi.engine import Engine
     from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
     from rocket_mpi.placement import Placement
@@ -69,12 +70,14 @@ def _decode(args, comm) -> int:
 
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
     torch.set_num_threads(args.threads)
-    if args.device != "cpu":
-        raise RocketError("--device cuda needs the CUDA build of rocket_mpi (not in this build); use --device cpu")
+    device = _pick_device(args.device, comm)
     sweep = args.sweep or [args.streams]
 
     def setup():
-        reader = CheckpointReader(args.checkpoint)
+        if is_synthetic(args.checkpoint):
+            reader = SyntheticReader(args.checkpoint, str(device))
+        else:
+            reader = CheckpointReader(args.checkpoint)
         cfg = reader.config
         placement = (Placement.from_file(args.placement, cfg, size) if args.placement
                      else Placement.contiguous(cfg, size))
@@ -91,7 +94,7 @@ def _decode(args, comm) -> int:
     reader, placement, runs, text = _collective(comm, args.startup_timeout, "set-up", setup)
     with watchdog(comm, args.startup_timeout, "choosing the fabric"):
         fabric_name = choose(args.fabric, comm, args.device)
-    _collective(comm, args.startup_timeout, "fabric checks", lambda: fabric_precheck(fabric_name))
+    _collective(comm, args.startup_timeout, "fabric checks", lambda: fabric_precheck(fabric_name, args.device))
     cfg = reader.config
     facts = {"version": __version__, "model_type": cfg.model_type,
              "config": hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16],
@@ -102,7 +105,7 @@ def _decode(args, comm) -> int:
     handshake(comm, facts, args.startup_timeout)
 
     engine = _collective(comm, args.startup_timeout, "checkpoint loading",
-                         lambda: Engine(args.checkpoint, rank, size, placement, reader))
+                         lambda: Engine(args.checkpoint, rank, size, placement, reader, device))
     for p in runs:
         _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
     max_rows = max(engine.max_rows(runs), 1)
@@ -114,7 +117,7 @@ def _decode(args, comm) -> int:
     # the fabric's endpoint exchange is collective: a watchdog, not _collective, bounds it
     with watchdog(comm, args.startup_timeout, f"setting up fabric {fabric_name}"):
         engine.fabric = make_fabric(fabric_name, comm, max_rows, cfg.hidden_size, args.fabric_timeout,
-                                    rails, args.rail_split_min_bytes, args.gid_index)
+                                    rails, args.rail_split_min_bytes, args.gid_index, device)
     wait_all(comm, args.startup_timeout, "the start of decoding")
 
     load = {"rank": rank, "load_s": engine.load_seconds, "resident_gib": engine.resident_bytes() / 2**30,
@@ -151,6 +154,22 @@ def _decode(args, comm) -> int:
     if not args.quiet:
         print_report(doc, cfg)
     return 0
+
+
+def _pick_device(name: str, comm):
+    """cpu, or the GPU of this rank's local rank (one rank per GPU), with deterministic kernels."""
+    import os
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RocketError("--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU here)")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    from rocket_mpi.dist import local_rank
+    dev = torch.device("cuda", local_rank(comm) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def print_report(doc: dict, cfg) -> None:

@@ -37,14 +37,20 @@ def choose(name: str, comm, device: str) -> str:
     return "shm"
 
 
-def fabric_precheck(name: str) -> None:
+def fabric_precheck(name: str, device: str = "cpu") -> None:
     """Local checks a fabric needs before its (collective) set-up, so a missing device is reported once."""
     if name == "verbs":
         why = verbs_status()
         if why is not None:
             raise FabricError(f"fabric verbs: {why}; use --fabric mpi (any hosts) or shm (one host)")
-    if name in ("cuda-ipc", "nccl"):
-        raise FabricError(f"fabric {name} needs --device cuda and the CUDA build (not available in this build)")
+    if name in ("cuda-ipc", "nccl") and device != "cuda":
+        raise FabricError(f"fabric {name} moves rows between GPUs: it needs --device cuda")
+    if name == "cuda-ipc":
+        try:
+            import cuda.bindings.driver  # noqa: F401
+        except ImportError:
+            raise FabricError("fabric cuda-ipc needs cuda-bindings (pip install cuda-bindings); "
+                              "use --fabric nccl") from None
     if name not in BACKENDS:
         raise FabricError(f"--fabric {name}: unknown (choose from {', '.join(BACKENDS)})")
 
@@ -55,7 +61,7 @@ def _hostname() -> str:
 
 
 def make_fabric(name: str, comm, max_rows: int, hidden: int, timeout: float, rails=None,
-                rail_split_min_bytes: int = 8192, gid_index=None):
+                rail_split_min_bytes: int = 8192, gid_index=None, device=None):
     if name == "local":
         from rocket_mpi.fabric.base import LocalFabric
         return LocalFabric(0, 1, max_rows, hidden, timeout)
@@ -77,6 +83,10 @@ def make_fabric(name: str, comm, max_rows: int, hidden: int, timeout: float, rai
         from rocket_mpi.fabric.verbs import VerbsFabric
         return VerbsFabric(comm, max_rows, hidden, timeout, rails=rails, rail_split_min_bytes=rail_split_min_bytes,
                            gid_index=gid_index)
-    if name in ("cuda-ipc", "nccl"):
-        raise FabricError(f"fabric {name} needs --device cuda and the CUDA build (not available in this build)")
+    if name == "nccl":
+        from rocket_mpi.fabric.nccl import NcclFabric
+        return NcclFabric(comm, max_rows, hidden, timeout, device)
+    if name == "cuda-ipc":
+        from rocket_mpi.fabric.cuda_ipc import CudaIpcFabric
+        return CudaIpcFabric(comm, max_rows, hidden, timeout, device)
     raise FabricError(f"--fabric {name}: unknown (choose from {', '.join(BACKENDS)})")

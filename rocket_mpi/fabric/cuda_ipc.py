@@ -1,0 +1,103 @@
+"""cuda-ipc: GPUs of one host (NVLink or PCIe). Each rank owns one device allocation
+
+    [doorbells: size int64, padded to 256 B][slot 0 rows][slot 1 rows]
+
+opened by every peer through a CUDA IPC handle swapped over mpi4py. A sender enqueues, on its stream,
+a peer copy of its block into each peer's slot, then a stream-ordered 8-byte write of seq into that
+peer's doorbell word for this sender (cuStreamWriteValue64: runs after the copy, with a memory
+barrier before the write). The receiver's stream waits on its own doorbell words
+(cuStreamWaitValue64, GEQ): no host round trip on the data path. The double-buffer argument is the
+shm/verbs one (fabric/base.py): stream order puts our doorbell for seq after our scatter of seq-1.
+The host bounds the wait with a timeout by polling an event (fabric/nccl.py:_wait_event).
+"""
+from __future__ import annotations
+
+import torch
+
+from rocket_mpi.errors import FabricError
+from rocket_mpi.fabric.base import Fabric
+from rocket_mpi.fabric.nccl import _wait_event
+
+BELL_BYTES = 256
+
+
+def _check(res, what: str):
+    err = res[0]
+    if int(err) != 0:
+        raise FabricError(f"cuda-ipc: {what} failed: {err}")
+    return res[1:] if len(res) > 2 else (res[1] if len(res) == 2 else None)
+
+
+class CudaIpcFabric(Fabric):
+    name = "cuda-ipc"
+
+    def __init__(self, comm, max_rows: int, hidden: int, timeout: float, device: torch.device):
+        super().__init__(comm.rank, comm.size, max_rows, hidden, timeout)
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:
+            raise FabricError(f"fabric cuda-ipc needs cuda-bindings (pip install cuda-bindings): {e}") from None
+        self.drv = driver
+        self.device = device
+        self.slot_bytes = max(max_rows, 1) * hidden * 2
+        nbytes = BELL_BYTES + 2 * self.slot_bytes
+        # one torch allocation of our own; peers open it through its IPC handle
+        self.buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        storage = self.buf.untyped_storage()
+        handles = comm.allgather(storage._share_cuda_())
+        self.peer_storages = {}
+        self.base = [0] * self.size
+        for r, h in enumerate(handles):
+            if r == self.rank:
+                self.base[r] = self.buf.data_ptr()
+            else:
+                st = torch.UntypedStorage._new_shared_cuda(*h)
+                self.peer_storages[r] = st  # keep the mapping alive
+                self.base[r] = st.data_ptr()
+        comm.Barrier()
+        self.bells = self.buf[:BELL_BYTES].view(torch.int64)
+        self.rows = [self.buf[BELL_BYTES + k * self.slot_bytes: BELL_BYTES + (k + 1) * self.slot_bytes]
+                     .view(torch.bfloat16).view(max(max_rows, 1), hidden) for k in (0, 1)]
+        self.done = torch.cuda.Event()
+        self.row_bytes = hidden * 2
+
+    def _stream(self):
+        return self.drv.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _exchange(self, seq, offsets, block, layer, step):
+        drv = self.drv
+        slot = seq & 1
+        rows = self.rows[slot]
+        lo, hi = offsets[self.rank], offsets[self.rank + 1]
+        if hi > lo:
+            rows[lo:hi].copy_(block)
+        stream = self._stream()
+        nbytes = (hi - lo) * self.row_bytes
+        src = rows.data_ptr() + lo * self.row_bytes
+        for k in range(1, self.size):
+            peer = (self.rank + k) % self.size
+            dst = self.base[peer] + BELL_BYTES + slot * self.slot_bytes + lo * self.row_bytes
+            if nbytes:
+                _check(drv.cuMemcpyDtoDAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), nbytes, stream),
+                       "peer copy")
+            bell = self.base[peer] + 8 * self.rank
+            _check(drv.cuStreamWriteValue64(stream, drv.CUdeviceptr(bell), seq,
+                                            drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "doorbell")
+        for k in range(1, self.size):
+            peer = (self.rank - k) % self.size
+            own_bell = self.base[self.rank] + 8 * peer
+            _check(drv.cuStreamWaitValue64(stream, drv.CUdeviceptr(own_bell), seq,
+                                           drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "doorbell wait")
+        self.done.record()
+        try:
+            _wait_event(self, self.done, layer, step, seq)
+        except FabricError:
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):  # our own stream is stuck in the wait
+                bells = self.bells.cpu().tolist()
+            late = [p for p in range(self.size) if p != self.rank and bells[p] < seq]
+            raise self.timeout_error(",".join(map(str, late)) or "?", layer, step, seq) from None
+        return rows[:offsets[-1]]
+
+    def close(self):
+        torch.cuda.synchronize(self.device)
+        self.peer_storages.clear()

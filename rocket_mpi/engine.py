@@ -36,6 +36,7 @@ class StepLog:
     rows_total: int
     bytes_sent: int
     row_crc: int
+    weight_bytes: int = 0    # weights this rank read: the replicated stack + the experts it ran
 
 
 @dataclass
@@ -59,7 +60,8 @@ class RunResult:
                 "fabric_pct": 100.0 * fab / ms if ms else 0.0,
                 "bytes_per_step": sum(s.bytes_sent for s in t) / n,
                 "rows_per_step": sum(s.rows_owned for s in t) / n,
-                "rows_total_per_step": sum(s.rows_total for s in t) / n}
+                "rows_total_per_step": sum(s.rows_total for s in t) / n,
+                "weight_bytes_per_step": sum(s.weight_bytes for s in t) / n}
 
 
 def parse_fault(spec: str | None):
@@ -98,10 +100,17 @@ class Engine:
         self._crc = 0
         self._rows_owned = 0
         self._rows_total = 0
+        self._expert_bytes = 0
 
     # -- accounting ------------------------------------------------------------------
     def resident_bytes(self) -> int:
         return self.model.nbytes() + sum(s.resident_bytes() for s in self.experts.values())
+
+    def stack_read_bytes(self) -> int:
+        """The replicated stack is read whole each step, but for the embedding (M rows of it)."""
+        emb = self.model.embed
+        tied = getattr(self.model, "lm_head", None) is emb
+        return self.model.nbytes() - (0 if tied else emb.numel() * emb.element_size())
 
     def owned_experts(self) -> int:
         return sum(len(s.owned) for s in self.experts.values())
@@ -128,6 +137,7 @@ class Engine:
         self._crc = zlib.crc32(rows.contiguous().view(torch.uint8).cpu().numpy(), self._crc)
         self._rows_owned += hi - lo
         self._rows_total += plan.rows
+        self._expert_bytes += len(plan.segments[self.rank]) * store.read_bytes_per_expert
         return moe_scatter_add(rows, plan.by_token, plan.coef)
 
     def _inject(self, kind: str, block: torch.Tensor) -> torch.Tensor:
@@ -170,7 +180,7 @@ class Engine:
         seqlens = [len(p) for p in prompts]
         for step in range(n_tokens):
             self.step = step
-            self._crc, self._rows_owned, self._rows_total = 0, 0, 0
+            self._crc, self._rows_owned, self._rows_total, self._expert_bytes = 0, 0, 0, 0
             f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
             t0 = time.perf_counter()
             logits = self.model.forward(tokens, cache, seqlens, self.moe)
@@ -179,7 +189,8 @@ class Engine:
             for s, t in enumerate(nxt.tolist()):
                 result.tokens[s].append(t)
             result.steps.append(StepLog(dt, self.fabric.stats.seconds - f0, self._rows_owned, self._rows_total,
-                                        self.fabric.stats.bytes_sent - b0, self._crc))
+                                        self.fabric.stats.bytes_sent - b0, self._crc,
+                                        self._expert_bytes + self.stack_read_bytes()))
             if on_step:
                 on_step(step, logits)
             tokens, seqlens = nxt, [1] * m

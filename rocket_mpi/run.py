@@ -120,7 +120,8 @@ def _decode(args, comm) -> int:
                                     rails, args.rail_split_min_bytes, args.gid_index, device)
     wait_all(comm, args.startup_timeout, "the start of decoding")
 
-    load = {"rank": rank, "load_s": engine.load_seconds, "resident_gib": engine.resident_bytes() / 2**30,
+    copy_bw = measure_copy_bandwidth(device)
+    load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "resident_gib": engine.resident_bytes() / 2**30,
             "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts()}
     results = []
     try:
@@ -156,6 +157,33 @@ def _decode(args, comm) -> int:
     return 0
 
 
+def _roofline(s: dict, gbps) -> str:
+    if not gbps or not s["ms_per_step"]:
+        return "-"
+    return f"{100 * (s['weight_bytes_per_step'] / 1e9 / gbps * 1e3) / s['ms_per_step']:.0f}"
+
+
+def measure_copy_bandwidth(device) -> float | None:
+    """Device-to-device copy GB/s (read + write), the roofline of a bandwidth-bound decode step. GPU only:
+    on a CPU the number would mostly measure the other ranks sharing the memory bus."""
+    if device.type != "cuda":
+        return None
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del a, b
+    return 2 * n / (sorted(times)[2] * 1e-3) / 1e9
+
+
 def _pick_device(name: str, comm):
     """cpu, or the GPU of this rank's local rank (one rank per GPU), with deterministic kernels."""
     import os
@@ -180,16 +208,20 @@ def print_report(doc: dict, cfg) -> None:
         print(f"  rank {ld['rank']}: {ld['experts']} expert slots loaded in {ld['load_s']:.2f} s, "
               f"resident {ld['resident_gib']:.3f} GiB (peak RSS {ld['peak_rss_gib']:.2f} GiB)")
     hdr = f"{'rank':>4} {'M':>3} {'ms/step':>9} {'tok/s':>8} {'fabric ms':>9} {'fabric %':>8} {'rows/step':>9} " \
-          f"{'KiB sent/step':>13}"
+          f"{'KiB sent/step':>13} {'GB read/step':>12} {'roofline %':>10}"
+    bw = {ld["rank"]: ld.get("copy_gbps") for ld in doc["load"]}
     for run in doc["runs"]:
         steps = run["per_rank"][0]["steps"]
         print(f"\nM={run['streams']}: {steps} timed decode steps after warm-up")
         print(hdr)
         for s in run["per_rank"]:
             print(f"{s['rank']:>4} {s['M']:>3} {s['ms_per_step']:>9.2f} {s['tok_per_s']:>8.1f} {s['fabric_ms']:>9.2f} "
-                  f"{s['fabric_pct']:>8.1f} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f}")
-        if "text" in run:
-            print(f"stream 0: {run['text'][0]!r}")
-        else:
-            print(f"stream 0: {run['tokens'][0]}")
+                  f"{s['fabric_pct']:>8.1f} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f} "
+                  f"{s['weight_bytes_per_step'] / 1e9:>12.3f} {_roofline(s, bw.get(s['rank'])):>10}")
+        if any(bw.values()):
+            print("roofline % = (GB read/step / measured copy GB/s) / ms per step; copy GB/s counts read + write: "
+                  + ", ".join(f"rank {r}: {v:.0f}" for r, v in bw.items() if v))
+        print(f"stream 0 tokens: {run['tokens'][0]}")
+        if run.get("text"):
+            print(f"stream 0 text:   {run['text'][0]!r}")
     sys.stdout.flush()

@@ -27,6 +27,11 @@ class ExpertStore:
         self.s2_down = s2_down       # [E] fp32, all experts
         self.packed_bytes = packed_bytes
         self.swiglu_limit = swiglu_limit
+        # bytes one expert's weights cost to read per launch on the path compute() takes (dense BF16 here)
+        self.read_bytes_per_expert = 0
+        if owned:
+            e = owned[0]
+            self.read_bytes_per_expert = (gate_up[e].numel() + down[e].numel()) * gate_up[e].element_size()
 
     @classmethod
     def load(cls, reader: CheckpointReader, layer: int, owned: list[int], prefix: str | None = None) -> "ExpertStore":

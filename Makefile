@@ -47,7 +47,9 @@ bench: setup $(CKPT)/config.json
 
 # compile the CUDA sources with plain nvcc (no GPU needed); CI runs this where nvcc exists
 kernels:
-	@if command -v nvcc >/dev/null; then $(MAKE) -C csrc; else echo "nvcc not found: skipping the kernel compile check"; fi
+	@if ! command -v nvcc >/dev/null; then echo "nvcc not found: skipping the kernel compile check"; \
+	elif [ ! -f csrc/Makefile ]; then echo "csrc/Makefile missing: no kernels to compile"; \
+	else $(MAKE) -C csrc; fi
 
 clean:
 	rm -rf runs build *.egg-info

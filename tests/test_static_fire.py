@@ -64,3 +64,12 @@ def test_placement_with_an_idle_rank(tiny_ckpt, tmp_path):
                "--fabric", "shm", "--placement", str(p))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "STATIC FIRE PASS: 0/4 streams mismatched" in r.stdout
+
+
+@pytest.mark.parametrize("ranks,fabric", [(5, "mpi"), (8, "shm")])
+def test_many_ranks_on_one_host(ranks, fabric, tiny_ckpt):
+    """Up to 8 ranks (16 experts: 2 to 4 per rank), still the one-rank tokens."""
+    r = rocket("static-fire", "--checkpoint", tiny_ckpt, "--ranks", str(ranks), "--sweep", "4", "--tokens", "4",
+               "--fabric", fabric, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"STATIC FIRE PASS: 0/4 streams mismatched ({ranks} ranks" in r.stdout

@@ -4,8 +4,8 @@
         [--iters N] [--reps R] [--split-min BYTES] [--plot FILE.png] [--perftest]
 
 Columns, medians over --reps repetitions, printed by rank 0:
-  oneway GB/s   rank 0 streams --iters messages to rank 1; bytes over the time from the first write to the
-                receiver's acknowledgement of the last (what ib_write_bw reports);
+  oneway GB/s   rank 0 streams --iters messages (default: 64 MiB worth, 100..5000) to rank 1; bytes over the
+                time from the first write to the receiver's acknowledgement of the last (as ib_write_bw);
   1-rail GB/s   the same on rail 0 alone (fabrics with 2+ rails: verbs, shm --rails N);
   pingpong us   one symmetric exchange() in flight, both ranks sending a message of this size: what a
                 decode step blocks on per MoE layer;
@@ -87,7 +87,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gid-index", type=int, default=None, help="verbs: GID index (default: RoCE v2 IPv4)")
     p.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
                    help=f"message sizes, '2K..4M' (powers of two) or a list (default {DEFAULT_SIZES})")
-    p.add_argument("--iters", type=_pos_int, default=100, help="messages (or exchanges) per repetition")
+    p.add_argument("--iters", type=_pos_int, default=None,
+                   help="messages (or exchanges) per repetition (default: 64 MiB worth, 100..5000)")
     p.add_argument("--reps", type=_pos_int, default=5, help="repetitions; the table shows medians")
     p.add_argument("--split-min", type=_pos_int, default=8192,
                    help="rail_split_min_bytes: messages this large are split over the rails")
@@ -117,6 +118,11 @@ def main(args) -> int:
     except RocketError as e:
         print(f"rocket_mpi fabric-bench: error: {e}", file=sys.stderr, flush=True)
         abort(comm, 1)
+    except Exception as e:  # a bug: still end the whole job rather than leave the peer waiting
+        import traceback
+        traceback.print_exc()
+        print(f"rocket_mpi fabric-bench: internal error on rank {rank}: {e!r}", file=sys.stderr, flush=True)
+        abort(comm, 3)
     return 1
 
 
@@ -150,7 +156,7 @@ def _bench(args, comm) -> int:
         fab = make_fabric(name, comm, max_rows, HIDDEN, args.timeout, rails, args.split_min, args.gid_index)
     try:
         bench = Bench(fab, comm, args.timeout)
-        results = [bench.measure(n, args.iters, args.reps) for n in args.sizes]
+        results = [bench.measure(n, iters_for(n, args.iters), args.reps) for n in args.sizes]
         cmp = run_perftest(comm, fab, args.sizes, args.perftest_iters, args.timeout) if args.perftest else None
     finally:
         fab.close()
@@ -173,8 +179,13 @@ def describe(fab, args) -> str:
     else:
         rails = "1 rail" if hasattr(fab, "rails") else "no rails"
     split = f", split at {args.split_min} B" if getattr(fab, "rails", 1) > 1 else ""
-    return (f"fabric {fab.name}, 2 ranks, {rails}{split}; medians of {args.reps} repetitions x {args.iters} "
-            f"messages")
+    iters = f"{args.iters} messages" if args.iters else "64 MiB of messages (100..5000)"
+    return f"fabric {fab.name}, 2 ranks, {rails}{split}; medians of {args.reps} repetitions x {iters}"
+
+
+def iters_for(nbytes: int, iters: int | None) -> int:
+    """--iters, else enough messages that one scheduling hiccup on a shared host does not set a small row."""
+    return iters or max(100, min(5000, (64 << 20) // nbytes))
 
 
 # -- measuring ---------------------------------------------------------------------------------------------
@@ -194,8 +205,14 @@ class Bench:
         self._mpi_rings: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def sync(self, what: str) -> None:
-        from rocket_mpi.dist import wait_all
-        wait_all(self.comm, self.timeout, what)
+        """A barrier that spins (dist.wait_all naps 1 ms, which would skew who starts a timed run first)."""
+        req = self.comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise FabricTimeout(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for rank "
+                                    f"{self.peer} before {what}")
+            time.sleep(0)
 
     # one exchange() per call, both ranks sending nbytes
     def exchange(self, nbytes: int, block: torch.Tensor, step: int) -> torch.Tensor:
@@ -350,14 +367,19 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
+def num(v: float) -> str:
+    """Two decimals as in the report, three significant digits below 1 so slow rows do not print as 0.00."""
+    return f"{v:.2f}" if v >= 1 else f"{v:.3g}"
+
+
 def format_table(results: list[dict], header: str) -> str:
-    cols = [("message", None, "{:>9}"), ("oneway GB/s", "oneway_gbs", "{:>12.2f}")]
+    cols = [("oneway GB/s", "oneway_gbs")]
     if any("one_rail_gbs" in r for r in results):
-        cols.append(("1-rail GB/s", "one_rail_gbs", "{:>12.2f}"))
-    cols += [("pingpong us", "pingpong_us", "{:>12.2f}"), ("duplex GB/s", "duplex_gbs", "{:>12.2f}")]
-    lines = [f"fabric-bench: {header}", "  ".join(f"{c[0]:>{9 if c[1] is None else 12}}" for c in cols)]
+        cols.append(("1-rail GB/s", "one_rail_gbs"))
+    cols += [("pingpong us", "pingpong_us"), ("duplex GB/s", "duplex_gbs")]
+    lines = [f"fabric-bench: {header}", f"{'message':>9}  " + "  ".join(f"{c[0]:>12}" for c in cols)]
     for r in results:
-        lines.append("  ".join(c[2].format(human(r["bytes"]) if c[1] is None else r[c[1]]) for c in cols))
+        lines.append(f"{human(r['bytes']):>9}  " + "  ".join(f"{num(r[key]):>12}" for _, key in cols))
     return "\n".join(lines)
 
 
@@ -492,6 +514,6 @@ def format_perftest(results: list[dict], cmp: dict, rails: int) -> str:
     for r in results:
         bw, lat = cmp[r["bytes"]]
         share = f"{100 * r['oneway_gbs'] / bw:.0f}%" if bw > 0 else "-"
-        lines.append(f"{human(r['bytes']):>9}  {r['oneway_gbs']:>12.2f}  {bw:>16.2f}  {share:>11}  "
-                     f"{r['pingpong_us']:>12.2f}  {lat:>15.2f}")
+        lines.append(f"{human(r['bytes']):>9}  {num(r['oneway_gbs']):>12}  {num(bw):>16}  {share:>11}  "
+                     f"{num(r['pingpong_us']):>12}  {num(lat):>15}")
     return "\n".join(lines)

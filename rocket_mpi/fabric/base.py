@@ -96,7 +96,8 @@ SEQ_MASK = (1 << 64) - 1  # a doorbell word is 64 bits
 def seq_ahead(bell: int, seq: int) -> int:
     """How far doorbell word `bell` is at or past `seq` in 64-bit serial-number order (RFC 1982), else -1.
 
-    Words hold seq mod 2**64, so ordering survives a wrap as long as ranks never drift 2**63 apart.
+    Words hold seq mod 2**64, so ordering survives a wrap as long as ranks never drift 2**63 apart
+    (a fresh fabric's words read 0: the first seq must be below 2**63).
     """
     d = (bell - seq) & SEQ_MASK
     return d if d < 1 << 63 else -1

@@ -1,0 +1,345 @@
+"""GLM-5.3-Flash text model (transformers model_type glm5_next, Glm5NextTextModel + lm_head).
+
+Per layer: hyper-connection collapse -> RMSNorm -> KDA linear attention or MLA/DSA attention ->
+hyper-connection expand; then the same around a dense MLP or the MoE block (routed experts through
+`moe(layer, x, L)`, plus the shared expert). hc_mult residual streams per token (glm5_next_hc),
+averaged before the final norm. SwiGLU projections are clamped to swiglu_limit in the dense and
+shared MLPs here, and in the routed experts by rocket_mpi.moe.experts. The MTP layer
+(layers.{num_hidden_layers}) and the vision tower are not read: text decode does not use them.
+
+Checkpoint tensor names are the ones transformers writes (`model.language_model.` for the full
+model, `model.` for a text-only one); the few that transformers renames on load are accepted under
+both names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.config import ModelConfig
+from rocket_mpi.errors import CheckpointError, ConfigError
+from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_pre
+from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
+from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_forward
+from rocket_mpi.model.layers import rms_norm
+
+DT = torch.bfloat16
+
+# transformers' Glm5NextTextConfig defaults: a key missing from config.json means this value.
+TEXT_DEFAULTS = dict(
+    vocab_size=154880, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=45,
+    num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=288,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=0, v_head_dim=256,
+    qk_nope_head_dim=256, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True, hidden_act="silu",
+    max_position_embeddings=1048576, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+    index_topk=2048, index_head_dim=128, index_n_heads=32, swiglu_limit=10.0, linear_head_dim=128,
+    linear_num_heads=64, linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4, hc_eps=1e-6,
+    hc_sinkhorn_iters=20, index_kpool=16, index_kpool_always_select_tail=True,
+)
+
+
+def normalize_config(raw: dict, source: str) -> dict:
+    """Lift a nested text_config, fill transformers' defaults and per-layer schedules, check them."""
+    top = dict(raw)
+    text = top.pop("text_config", None)
+    top.pop("vision_config", None)
+    if text is not None and not isinstance(text, dict):
+        raise ConfigError(f"{source}: 'text_config' must be an object")
+    cfg = {**top, **(text or {})}
+    if text is not None:  # lm_head belongs to the outer model; eos usually lives there too
+        for k in ("tie_word_embeddings", "eos_token_id"):
+            if top.get(k) is not None:
+                cfg[k] = top[k]
+    cfg["model_type"] = raw["model_type"]
+    if "num_local_experts" in cfg and "n_routed_experts" not in cfg:
+        cfg["n_routed_experts"] = cfg["num_local_experts"]
+    lin = cfg.pop("linear_attn_config", None)
+    if lin:
+        for key, sub in (("linear_head_dim", "head_dim"), ("linear_num_heads", "num_heads"),
+                         ("linear_conv_kernel_dim", "short_conv_kernel_size"),
+                         ("linear_lower_bound", "gate_lower_bound")):
+            if sub in lin:
+                cfg[key] = lin[sub]
+        if lin.get("safe_gate", True) and cfg.get("linear_lower_bound", -5.0) is None:
+            cfg["linear_lower_bound"] = -5.0
+    for k, v in TEXT_DEFAULTS.items():
+        cfg.setdefault(k, v)
+    if cfg.get("num_key_value_heads") is None:
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    n = cfg["num_hidden_layers"]
+    if cfg.get("mlp_layer_types") is None:
+        cfg["mlp_layer_types"] = ["dense"] * min(3, n) + ["sparse"] * (n - 3)
+    if cfg.get("layer_types") is None:
+        cfg["layer_types"] = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+    cfg["layer_types"] = ["indexed_attention" if t == "full_attention" else t for t in cfg["layer_types"]]
+    if cfg.get("indexer_types") is None:
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is not None:
+            cfg["indexer_types"] = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
+                else list(pattern)
+        else:
+            freq, offset = max(cfg.get("index_topk_freq", 1), 1), cfg.get("index_skip_topk_offset", 2)
+            cfg["indexer_types"] = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    _check(cfg, source)
+    cfg["moe_layer_indices"] = [i for i, t in enumerate(cfg["mlp_layer_types"]) if t == "sparse"]
+    if "first_k_dense_replace" not in cfg:
+        cfg["first_k_dense_replace"] = next((i for i, t in enumerate(cfg["mlp_layer_types"]) if t == "sparse"), n)
+    # NoPE: MLA carries no rotary part (qk_rope_head_dim 0). head_dim and the rope entry only satisfy
+    # ModelConfig's common fields; nothing here reads them.
+    cfg["head_dim"] = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    return cfg
+
+
+def _check(cfg: dict, src: str) -> None:
+    n = cfg["num_hidden_layers"]
+    for key, allowed in (("layer_types", ("linear_attention", "indexed_attention")),
+                         ("mlp_layer_types", ("dense", "sparse")), ("indexer_types", ("full", "shared"))):
+        v = cfg[key]
+        if len(v) != n:
+            raise ConfigError(f"{src}: '{key}' has {len(v)} entries for {n} layers")
+        bad = [x for x in v if x not in allowed]
+        if bad:
+            raise ConfigError(f"{src}: '{key}' value {bad[0]!r} is not one of {', '.join(allowed)}")
+    if cfg["qk_rope_head_dim"]:
+        raise ConfigError(f"{src}: qk_rope_head_dim {cfg['qk_rope_head_dim']}: GLM-5.3-Flash MLA is NoPE (0)")
+    if cfg["num_attention_heads"] != cfg["num_key_value_heads"]:
+        raise ConfigError(f"{src}: num_key_value_heads must equal num_attention_heads for MLA")
+    if cfg["index_kpool"] < 1 or cfg["index_topk"] % cfg["index_kpool"]:
+        raise ConfigError(f"{src}: index_topk {cfg['index_topk']} is not a multiple of index_kpool "
+                          f"{cfg['index_kpool']}")
+    if cfg["q_lora_rank"] is None:
+        raise ConfigError(f"{src}: q_lora_rank is required (the DSA indexer reads the q LoRA)")
+    types, idx = cfg["layer_types"], cfg["indexer_types"]
+    for i in range(n):
+        if types[i] == "indexed_attention" and idx[i] == "shared":
+            if i == 0 or types[i - 1] != "indexed_attention" or idx[i - 1] != "full":
+                raise ConfigError(f"{src}: layer {i} shares the DSA selection, but layer {i - 1} is not an "
+                                  f"indexed_attention layer with its own ('full') indexer")
+
+
+# -- weights -------------------------------------------------------------------------------
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn_hc: HyperConnection
+    ffn_hc: HyperConnection
+    kda: KDA | None
+    mla: MLA | None
+    shares_next: bool                                       # the next layer reuses this one's DSA selection
+    mlp: tuple[torch.Tensor, torch.Tensor] | None           # dense: (gate_up [2I, H], down [H, I])
+    router_w: torch.Tensor | None = None                    # [E, H] fp32
+    router_b: torch.Tensor | None = None                    # [E] fp32
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class Glm5NextCache:
+    """Per stream: KDA conv + recurrent states, MLA latents and indexer keys; `lengths` [M] tokens held."""
+
+    def __init__(self, model: "Glm5NextModel", streams: int, capacity: int, device="cpu"):
+        k, m = model.kda_args, model.mla_args
+        self.conv, self.rec, self.mla = {}, {}, {}
+        for i, L in enumerate(model.layers):
+            if L.kda is not None:
+                self.conv[i] = torch.zeros(streams, 3 * k.dim, k.conv_kernel, dtype=DT, device=device)
+                self.rec[i] = torch.zeros(streams, k.heads, k.head_dim, k.head_dim, dtype=torch.float32, device=device)
+            else:
+                self.mla[i] = MlaCache(streams, capacity, m, L.mla.indexer is not None, device)
+        self.lengths = torch.zeros(streams, dtype=torch.long)
+        self.capacity = capacity
+
+    @property
+    def streams(self) -> int:
+        return self.lengths.numel()
+
+    def nbytes(self) -> int:
+        ts = list(self.conv.values()) + list(self.rec.values()) + [t for c in self.mla.values() for t in c.tensors()]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _prefix(reader: CheckpointReader) -> str:
+    for p in ("model.language_model.", "model."):
+        if p + "embed_tokens.weight" in reader:
+            return p
+    raise CheckpointError(f"{reader.dir}: no 'model.language_model.embed_tokens.weight' or "
+                          f"'model.embed_tokens.weight': not a GLM-5.3-Flash checkpoint")
+
+
+class Glm5NextModel:
+    def __init__(self, cfg: ModelConfig, embed, layers: list[Layer], norm, lm_head):
+        r = cfg.raw
+        self.cfg = cfg
+        self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+        self.hc_args = HcArgs(r["hc_mult"], r["hc_sinkhorn_iters"], r["hc_eps"], cfg.rms_norm_eps)
+        self.kda_args = KdaArgs(r["linear_num_heads"], r["linear_head_dim"], r["linear_conv_kernel_dim"],
+                                r["linear_lower_bound"], cfg.rms_norm_eps)
+        self.mla_args = MlaArgs(cfg.num_attention_heads, r["qk_nope_head_dim"], r["v_head_dim"], r["kv_lora_rank"],
+                                cfg.rms_norm_eps, r["index_n_heads"], r["index_head_dim"], r["index_topk"],
+                                r["index_kpool"], bool(r["index_kpool_always_select_tail"]))
+        self.limit = cfg.swiglu_limit
+
+    @staticmethod
+    def expert_prefix(reader: CheckpointReader, layer: int) -> str:
+        return f"{_prefix(reader)}layers.{layer}.mlp.experts"
+
+    # -- loading ---------------------------------------------------------------------
+    @classmethod
+    def load(cls, reader: CheckpointReader) -> "Glm5NextModel":
+        cfg, r = reader.config, reader.config.raw
+        h, pre = cfg.hidden_size, _prefix(reader)
+
+        def lin(name, n, k):
+            return reader.linear(name, n, k).dense(DT)
+
+        def bias(name, n, on):
+            return reader.get_float(name, (n,), DT) if on else None
+
+        def vec(name, n, dtype=DT):
+            return reader.get_float(name, (n,), dtype)
+
+        def first(*names):
+            for nm in names:
+                if nm in reader:
+                    return nm
+            raise CheckpointError(f"{reader.dir}: missing tensor '{names[0]}'")
+
+        def mlp(p, inter):
+            return torch.cat((lin(p + ".gate_proj", inter, h), lin(p + ".up_proj", inter, h)), 0), \
+                lin(p + ".down_proj", h, inter)
+
+        nhc = r["hc_mult"]
+        nmix = (2 + nhc) * nhc
+
+        def hc(p, kind):
+            fn = reader.get_float(first(f"{p}.hc_{kind}_fn", f"{p}.{kind}_hc.fn"), (nmix, nhc * h), DT).float()
+            base = reader.get_float(first(f"{p}.hc_{kind}_base", f"{p}.{kind}_hc.base"), (nmix,), torch.float32)
+            scale = reader.get_float(first(f"{p}.hc_{kind}_scale", f"{p}.{kind}_hc.scale"), (3,), torch.float32)
+            return HyperConnection(fn, base, scale)
+
+        def kda(p):
+            nh, dk, kk = r["linear_num_heads"], r["linear_head_dim"], r["linear_conv_kernel_dim"]
+            d = nh * dk
+            qkv = torch.cat([lin(f"{p}.{x}_proj", d, h) for x in "qkv"])
+            if f"{p}.q_conv1d.weight" in reader:
+                conv = torch.cat([reader.get_float(f"{p}.{x}_conv1d.weight", (d, 1, kk), torch.float32) for x in "qkv"])
+            else:
+                conv = reader.get_float(f"{p}.conv1d.weight", (3 * d, 1, kk), torch.float32)
+            fg = "" if f"{p}.f_a_proj.weight" in reader else ".forget_gate"
+            return KDA(qkv, conv[:, 0, :].contiguous(),
+                       lin(f"{p}{fg}.f_a_proj", dk, h), lin(f"{p}{fg}.f_b_proj", d, dk),
+                       vec(f"{p}{fg}.dt_bias", d, torch.float32), vec(f"{p}{fg}.A_log", nh, torch.float32),
+                       lin(f"{p}.b_proj", nh, h), lin(f"{p}.g_a_proj", dk, h), lin(f"{p}.g_b_proj", d, dk),
+                       vec(f"{p}.o_norm.weight", dk).float(), lin(f"{p}.o_proj", h, d))
+
+        def mla(p, full):
+            a, ab = cfg.num_attention_heads, cfg.attention_bias
+            ql, kl, dq, dv = r["q_lora_rank"], r["kv_lora_rank"], r["qk_nope_head_dim"], r["v_head_dim"]
+            ix = None
+            if full:
+                ih, d, kp = r["index_n_heads"], r["index_head_dim"], r["index_kpool"]
+                q = f"{p}.indexer"
+                ix = Indexer(lin(f"{q}.wq_b", ih * d, ql), lin(f"{q}.wk", d, h), vec(f"{q}.k_norm.weight", d),
+                             vec(f"{q}.k_norm.bias", d), lin(f"{q}.weights_proj", ih, h),
+                             reader.get_float(f"{q}.index_kpool_compress_ape", (kp, d), DT).float(),
+                             reader.get_float(f"{q}.index_kpool_compress_gate", (d, h), DT))
+            return MLA(lin(f"{p}.q_a_proj", ql, h), bias(f"{p}.q_a_proj.bias", ql, ab),
+                       vec(f"{p}.q_a_layernorm.weight", ql), lin(f"{p}.q_b_proj", a * dq, ql),
+                       lin(f"{p}.kv_a_proj_with_mqa", kl, h), bias(f"{p}.kv_a_proj_with_mqa.bias", kl, ab),
+                       vec(f"{p}.kv_a_layernorm.weight", kl), lin(f"{p}.kv_b_proj", a * (dq + dv), kl),
+                       lin(f"{p}.o_proj", h, a * dv), bias(f"{p}.o_proj.bias", h, ab), ix)
+
+        layers = []
+        types, idx = r["layer_types"], r["indexer_types"]
+        for i in range(cfg.num_hidden_layers):
+            p = f"{pre}layers.{i}"
+            linear = types[i] == "linear_attention"
+            full = not linear and idx[i] == "full"
+            shares_next = full and i + 1 < cfg.num_hidden_layers and types[i + 1] == "indexed_attention" \
+                and idx[i + 1] == "shared"
+            L = Layer(vec(p + ".input_layernorm.weight", h), vec(p + ".post_attention_layernorm.weight", h),
+                      hc(p, "attn"), hc(p, "ffn"), kda(p + ".self_attn") if linear else None,
+                      None if linear else mla(p + ".self_attn", full), shares_next, None)
+            if cfg.is_moe_layer(i):
+                e = cfg.n_routed_experts
+                L.router_w = reader.get_float(p + ".mlp.gate.weight", (e, h), torch.float32)
+                L.router_b = reader.get(p + ".mlp.gate.e_score_correction_bias", (e,),
+                                        (torch.float32, torch.bfloat16), finite=True).float()
+                L.shared = mlp(p + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
+            else:
+                L.mlp = mlp(p + ".mlp", cfg.intermediate_size)
+            layers.append(L)
+        embed = reader.get_float(pre + "embed_tokens.weight", (cfg.vocab_size, h), DT)
+        if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
+            head = embed
+        else:
+            head = lin("lm_head", cfg.vocab_size, h)
+        return cls(cfg, embed, layers, vec(pre + "norm.weight", h), head)
+
+    def new_cache(self, streams: int, capacity: int, device="cpu") -> Glm5NextCache:
+        return Glm5NextCache(self, streams, capacity, device)
+
+    def nbytes(self) -> int:
+        ts = [self.embed, self.norm, self.lm_head]
+        for L in self.layers:
+            ts += [L.input_norm, L.post_norm, *vars(L.attn_hc).values(), *vars(L.ffn_hc).values()]
+            for part in (L.kda, L.mla, L.mla.indexer if L.mla else None):
+                if part is not None:
+                    ts += [t for t in vars(part).values() if isinstance(t, torch.Tensor)]
+            ts += [t for t in (L.router_w, L.router_b) if t is not None]
+            for pair in (L.mlp, L.shared):
+                if pair is not None:
+                    ts += list(pair)
+        seen, total = set(), 0
+        for t in ts:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # -- forward ---------------------------------------------------------------------
+    def _mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        if self.limit is not None:  # clamp before the activation, as the routed experts do
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+        return F.linear(F.silu(gate) * up, down)
+
+    def forward(self, tokens: torch.Tensor, cache: Glm5NextCache, seqlens: list[int], moe) -> torch.Tensor:
+        """`tokens` [T]: the streams' new tokens packed (seqlens[s] for stream s, after what the cache
+        holds). Returns last-position logits [M, V] fp32. `moe(layer, x_normed [T, H], L) -> [T, H]`."""
+        cfg, hca = self.cfg, self.hc_args
+        starts = cache.lengths.tolist()
+        offs = torch.tensor([0] + seqlens).cumsum(0).tolist()
+        segments = [(s, offs[s], n) for s, n in enumerate(seqlens) if n]
+        x = self.embed[tokens]                                                         # [T, H]
+        streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()                 # [T, N, H]
+        selection = None
+        for i, L in enumerate(self.layers):
+            post, comb, h = hc_pre(L.attn_hc, streams, hca)
+            h = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
+            if L.kda is not None:
+                y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], segments, self.kda_args)
+                selection = None
+            else:
+                y, sel = mla_forward(L.mla, h, cache.mla[i], starts, seqlens, self.mla_args, selection)
+                selection = sel if L.shares_next else None
+            streams = hc_post(post, comb, y, streams)
+            post, comb, h = hc_pre(L.ffn_hc, streams, hca)
+            h = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
+            if L.mlp is not None:
+                y = self._mlp(h, *L.mlp)
+            else:
+                y = moe(i, h, L) + self._mlp(h, *L.shared)
+            streams = hc_post(post, comb, y, streams)
+        cache.lengths += torch.tensor(seqlens)
+        last = torch.tensor(offs[1:]) - 1
+        h = rms_norm(streams[last].mean(dim=1), self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+MODEL = Glm5NextModel

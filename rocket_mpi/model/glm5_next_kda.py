@@ -1,0 +1,118 @@
+"""KDA (Kimi delta attention) layers of GLM-5.3-Flash: linear attention with a per-stream state.
+
+Per stream and layer the cache holds two things, nothing that grows with the context:
+  conv state  [3*D, K]      the last K pre-convolution q|k|v inputs (BF16), for the depthwise causal conv
+  recurrent   [h, dk, dv]   the delta-rule state S (fp32, as transformers keeps it)
+
+One token, per head (fp32, after SiLU(conv) and l2-normalised q, k; q scaled by dk^-1/2):
+    S <- S * exp(g)[:, None]            g: per-channel log decay from the forget gate, in [lower_bound, 0]
+    S <- S + k (beta * (v - k^T S))     the delta rule
+    o  = q^T S
+then a gated RMSNorm (fp32, sigmoid gate from a low-rank projection) and o_proj.
+
+transformers runs a chunked form for prefill and this recurrent form for decode; they are equal up to
+fp32 rounding. Here every token takes the recurrent form: one loop per stream for a prefill, one step
+batched over all streams for a decode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DT = torch.bfloat16
+
+
+@dataclass
+class KDA:
+    qkv: torch.Tensor           # [3*D, H] BF16: q_proj | k_proj | v_proj
+    conv: torch.Tensor          # [3*D, K] fp32 depthwise causal conv (q_conv1d | k_conv1d | v_conv1d)
+    f_a: torch.Tensor           # [dk, H]   forget gate, low rank
+    f_b: torch.Tensor           # [D, dk]
+    dt_bias: torch.Tensor       # [D] fp32
+    A_log: torch.Tensor         # [heads] fp32
+    b: torch.Tensor             # [heads, H] beta projection
+    g_a: torch.Tensor           # [dk, H]   output gate, low rank
+    g_b: torch.Tensor           # [D, dk]
+    o_norm: torch.Tensor        # [dk] fp32 (BF16 values)
+    o: torch.Tensor             # [H, D]
+
+
+@dataclass(frozen=True)
+class KdaArgs:
+    heads: int
+    head_dim: int
+    conv_kernel: int
+    lower_bound: float | None   # linear_lower_bound: g = lb * sigmoid(exp(A) * f); None: -exp(A) * softplus(f)
+    eps: float                  # rms_norm_eps of the gated output norm
+
+    @property
+    def dim(self) -> int:
+        return self.heads * self.head_dim
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)   # FLA's form: + eps, not max(., eps)
+
+
+def forget_gate(a: KDA, h: torch.Tensor, args: KdaArgs) -> torch.Tensor:
+    """h [T, H] BF16 -> g [T, heads, dk] fp32 log decay."""
+    f = F.linear(F.linear(h, a.f_a), a.f_b).float() + a.dt_bias
+    f = f.view(h.shape[0], args.heads, args.head_dim)
+    rate = torch.exp(a.A_log).view(1, args.heads, 1)
+    if args.lower_bound is not None:
+        return args.lower_bound * torch.sigmoid(rate * f)
+    return -rate * torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
+
+
+def kda_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for a batch of streams: state [B, h, dk, dv]; q, k, g [B, h, dk]; v [B, h, dv]; beta [B, h]."""
+    state = state * g.exp()[..., None]
+    kv_mem = (state * k[..., None]).sum(dim=-2)                       # [B, h, dv]
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return state, (state * q[..., None]).sum(dim=-2)
+
+
+def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
+                segments: list[tuple[int, int, int]], args: KdaArgs) -> torch.Tensor:
+    """h [T, H] BF16 (streams' new tokens packed); segments (stream, offset, n). Advances conv_state
+    [M, 3D, K] BF16 and rec_state [M, h, dk, dv] fp32 of those streams in place. Returns [T, H] BF16."""
+    t = h.shape[0]
+    nh, dk, kk = args.heads, args.head_dim, args.conv_kernel
+    mixed = F.linear(h, a.qkv)                                        # [T, 3D] BF16, pre-conv
+    conv_w = a.conv[:, None, :]                                       # [3D, 1, K]
+    conv = torch.empty_like(mixed)
+    decode = all(n == 1 for _, _, n in segments) and len(segments) > 0
+    if decode:
+        idx = torch.tensor([s for s, _, _ in segments])
+        win = torch.cat((conv_state[idx], mixed[:, :, None]), dim=-1)                 # [M, 3D, K+1]
+        conv_state[idx] = win[:, :, 1:]
+        conv = F.silu(F.conv1d(win.float(), conv_w, groups=win.shape[1])[:, :, -1]).to(DT)
+    else:
+        for s, off, n in segments:
+            win = torch.cat((conv_state[s], mixed[off:off + n].t()), dim=-1)          # [3D, K+n]
+            conv_state[s] = win[:, -kk:]
+            y = F.conv1d(win.float()[None], conv_w, groups=win.shape[0])[0, :, -n:]  # zeros before the start
+            conv[off:off + n] = F.silu(y).to(DT).t()
+    q, k, v = conv.float().view(t, 3, nh, dk).unbind(1)
+    q = _l2norm(q) * dk ** -0.5
+    k = _l2norm(k)
+    g = forget_gate(a, h, args)
+    beta = torch.sigmoid(F.linear(h, a.b)).float()                    # [T, heads]
+    out = torch.empty(t, nh, dk, dtype=torch.float32)
+    if decode:
+        idx = torch.tensor([s for s, _, _ in segments])
+        rec_state[idx], out = kda_step(rec_state[idx], q, k, v, g, beta)
+    else:
+        for s, off, n in segments:
+            st = rec_state[s:s + 1]
+            for j in range(off, off + n):
+                st, o = kda_step(st, q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1])
+                out[j] = o[0]
+            rec_state[s] = st[0]
+    out = out.to(DT).float()                                          # transformers rounds the core output
+    gate = F.linear(F.linear(h, a.g_a), a.g_b).view(t, nh, dk).float()
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + args.eps) * a.o_norm * torch.sigmoid(gate)
+    return F.linear(out.to(DT).reshape(t, -1), a.o)

@@ -1,0 +1,142 @@
+"""MLA layers of GLM-5.3-Flash with the DSA indexer over k-pools (NoPE: no rotary embedding at all).
+
+Attention: queries through the q LoRA (q_a -> RMSNorm -> q_b); keys and values from one cached latent
+per token (kv_a -> RMSNorm, kv_lora_rank wide) expanded by kv_b. The cache holds the latent only; a
+step expands just the latents its queries select.
+
+Which tokens a query at position p sees is decided by the indexer, not by a causal mask:
+  - tokens are grouped in pools of `kpool` from position 0; a pool is a candidate once complete and
+    its last token <= p;
+  - each pool has one key: a per-channel softmax-weighted mean of its tokens' indexer keys (weights
+    from a gate projection plus a learned per-slot bias `ape`), computed once when the pool completes;
+  - score(pool) = sum_h w_h(x) * relu(q_h . k_pool / sqrt(d)), fp32; the best index_topk/kpool pools
+    are taken whole;
+  - plus the incomplete tail [kpool*floor((p+1)/kpool), p] (index_kpool_always_select_tail).
+So a context of at most index_topk + (p+1) % kpool tokens is attended in full. A "shared" layer reuses
+the previous (full) layer's selection instead of running its own indexer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rocket_mpi.model.layers import rms_norm
+
+DT = torch.bfloat16
+
+
+@dataclass
+class Indexer:
+    wq_b: torch.Tensor          # [ih*d, q_lora]
+    wk: torch.Tensor            # [d, H]
+    k_norm_w: torch.Tensor      # [d] LayerNorm (eps 1e-6)
+    k_norm_b: torch.Tensor      # [d]
+    weights: torch.Tensor       # [ih, H] per-head weights of the score
+    ape: torch.Tensor           # [kpool, d] fp32 (BF16 values): per-slot bias of the pool softmax
+    gate: torch.Tensor          # [d, H] pool softmax logits
+
+
+@dataclass
+class MLA:
+    q_a: torch.Tensor; q_a_bias: torch.Tensor | None; q_a_norm: torch.Tensor         # noqa: E702
+    q_b: torch.Tensor                                                                 # [heads*dq, q_lora]
+    kv_a: torch.Tensor; kv_a_bias: torch.Tensor | None; kv_a_norm: torch.Tensor      # noqa: E702
+    kv_b: torch.Tensor                                                                # [heads*(dq+dv), kv_lora]
+    o: torch.Tensor; o_bias: torch.Tensor | None                                     # noqa: E702
+    indexer: Indexer | None     # None: a "shared" layer
+
+
+@dataclass(frozen=True)
+class MlaArgs:
+    heads: int
+    qk_dim: int                 # qk_nope_head_dim (qk_rope_head_dim is 0)
+    v_dim: int
+    kv_lora: int
+    eps: float
+    index_heads: int
+    index_dim: int
+    index_topk: int
+    kpool: int
+    select_tail: bool
+
+
+class MlaCache:
+    """One MLA layer's cache for M streams: latents, indexer keys and gates, and complete pools' keys."""
+
+    def __init__(self, streams: int, capacity: int, a: MlaArgs, has_indexer: bool, device="cpu"):
+        self.latent = torch.zeros(streams, capacity, a.kv_lora, dtype=DT, device=device)
+        if has_indexer:
+            self.index_k = torch.zeros(streams, capacity, a.index_dim, dtype=DT, device=device)
+            self.index_gate = torch.zeros(streams, capacity, a.index_dim, dtype=DT, device=device)
+            self.pool_k = torch.zeros(streams, capacity // a.kpool + 1, a.index_dim, dtype=DT, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.latent, getattr(self, "index_k", None), getattr(self, "index_gate", None),
+                            getattr(self, "pool_k", None)) if t is not None]
+
+
+def _select(ix: Indexer, c: MlaCache, s: int, p0: int, q: torch.Tensor, w: torch.Tensor, a: MlaArgs) -> torch.Tensor:
+    """Stream s's n queries at positions p0.. (indexer q [n, ih, d], weights w [n, ih] fp32) -> visible [n, p0+n]."""
+    n, kp = q.shape[0], a.kpool
+    end = p0 + n
+    done, pools = p0 // kp, end // kp                                  # complete pools before / after this step
+    if pools > done:
+        keys = c.index_k[s, done * kp:pools * kp].view(pools - done, kp, -1)
+        logits = c.index_gate[s, done * kp:pools * kp].view(pools - done, kp, -1).float() + ix.ape
+        c.pool_k[s, done:pools] = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)
+    pos = torch.arange(p0, end)
+    visible = torch.zeros(n, end, dtype=torch.bool)
+    if pools:
+        scores = torch.matmul(q.float(), c.pool_k[s, :pools].float().t())            # [n, ih, P]
+        scores = F.relu(scores * a.index_dim ** -0.5)
+        index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                      # [n, P]
+        candidate = (torch.arange(pools) + 1) * kp - 1 <= pos[:, None]               # pool's last token <= p
+        index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
+        chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
+        take = torch.zeros(n, pools, dtype=torch.bool)
+        take.scatter_(1, chosen, candidate.gather(1, chosen))
+        visible[:, :pools * kp] = take.repeat_interleave(kp, dim=1)
+    if a.select_tail:
+        tail_start = (pos + 1) // kp * kp
+        col = torch.arange(end)
+        visible |= (col[None, :] >= tail_start[:, None]) & (col[None, :] <= pos[:, None])
+    return visible
+
+
+def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens: list[int], args: MlaArgs,
+                shared: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """h [T, H] BF16 packed; returns ([T, H] BF16, per stream the visible mask [n, start+n] it used)."""
+    t = h.shape[0]
+    q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [T, q_lora]
+    q = F.linear(q_resid, a.q_b).view(t, args.heads, args.qk_dim)
+    latent = rms_norm(F.linear(h, a.kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)        # [T, kv_lora]
+    ix = a.indexer
+    if ix is not None:
+        iq = F.linear(q_resid, ix.wq_b).view(t, args.index_heads, args.index_dim)
+        ik = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
+        ig = F.linear(h, ix.gate)
+        iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5             # [T, ih]
+    masks, outs, off = [], [], 0
+    for s, (p0, n) in enumerate(zip(starts, seqlens)):
+        if n == 0:
+            masks.append(torch.zeros(0, p0, dtype=torch.bool))
+            continue
+        c.latent[s, p0:p0 + n] = latent[off:off + n]
+        if ix is not None:
+            c.index_k[s, p0:p0 + n] = ik[off:off + n]
+            c.index_gate[s, p0:p0 + n] = ig[off:off + n]
+            vis = _select(ix, c, s, p0, iq[off:off + n], iw[off:off + n], args)
+        else:
+            vis = shared[s]
+        masks.append(vis)
+        cols = vis.any(dim=0).nonzero().squeeze(1)                                   # the latents used
+        kv = F.linear(c.latent[s, cols], a.kv_b).view(-1, args.heads, args.qk_dim + args.v_dim)
+        k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
+        o = F.scaled_dot_product_attention(q[off:off + n].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=vis[:, cols],
+                                           scale=args.qk_dim ** -0.5)                # [1, heads, n, dv]
+        outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        off += n
+    return F.linear(torch.cat(outs), a.o, a.o_bias), masks

@@ -20,6 +20,7 @@ FAMILIES = {
     "glm4_moe": "rocket_mpi.model.glm4_moe",
     "glm_moe_dsa": "rocket_mpi.model.glm_moe_dsa",
     "glm5_next": "rocket_mpi.model.glm5_next",
+    "glm5_next_text": "rocket_mpi.model.glm5_next",  # a config saved from the text model alone
 }
 
 

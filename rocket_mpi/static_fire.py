@@ -33,6 +33,7 @@ def static_fire(args) -> int:
     for flag, val in (("--placement", args.placement), ("--rails", args.rails)):
         if val:
             split_args += [flag, val]
+    split_args += ["--rail-split-min-bytes", str(args.rail_split_min_bytes)]
     split = launch.mpirun(args.ranks, split_args, budget, launcher_cmd=args.launcher)
     print(split.stdout, end="")
     if split.returncode != 0:

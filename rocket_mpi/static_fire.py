@@ -80,5 +80,7 @@ def report(ref_doc: dict, split_doc: dict, ranks: int) -> int:
 
 
 def _tail(text: str, n: int = 6) -> str:
+    """Our own error lines if there are any (a launcher's abort banner says nothing), else the last lines."""
     lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
-    return " | ".join(lines[-n:]) or "(no output)"
+    ours = [ln for ln in lines if "rocket_mpi" in ln and "error" in ln]
+    return " | ".join(ours[-n:] or lines[-n:]) or "(no output)"

@@ -66,7 +66,7 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
     """Packed NVFP4 -> [N, K] in `dtype`. Pass weight_scale_2=1.0 to leave the global scale out."""
     codes = unpack_e2m1(weight)
     n, k = codes.shape
-    vals = E2M1_VALUES[codes.long()].view(n, k // BLOCK, BLOCK)
+    vals = E2M1_VALUES.to(codes.device)[codes.long()].view(n, k // BLOCK, BLOCK)
     w = vals * weight_scale.float().unsqueeze(-1)
     if not (isinstance(weight_scale_2, float) and weight_scale_2 == 1.0):
         w = w * torch.as_tensor(weight_scale_2, dtype=torch.float32)

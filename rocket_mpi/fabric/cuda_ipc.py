@@ -1,12 +1,13 @@
 """cuda-ipc: GPUs of one host (NVLink or PCIe). Each rank owns one device allocation
 
-    [doorbells: size int64, padded to 256 B][slot 0 rows][slot 1 rows]
+    [doorbells: size int64][seq ring: 64 int64][slot 0 rows][slot 1 rows]   (header padded to 1 KiB)
 
 opened by every peer through a CUDA IPC handle swapped over mpi4py. A sender enqueues, on its stream,
-a peer copy of its block into each peer's slot, then a stream-ordered 8-byte write of seq into that
-peer's doorbell word for this sender (cuStreamWriteValue64: runs after the copy, with a memory
-barrier before the write). The receiver's stream waits on its own doorbell words
-(cuStreamWaitValue64, GEQ): no host round trip on the data path. The double-buffer argument is the
+a peer copy of its block into each peer's slot, then an 8-byte copy of seq into that peer's doorbell
+word for this sender. cuStreamWriteValue64 refuses a peer's address (CUDA_ERROR_INVALID_VALUE on
+H200, driver 580), so seq is first written into our own ring slot seq % 64 by cuStreamWriteValue64
+and then copied to the peer: all of it stream-ordered after the payload copy. The receiver's stream
+waits on its own doorbell words (cuStreamWaitValue64, GEQ): no host round trip on the data path. The double-buffer argument is the
 shm/verbs one (fabric/base.py): stream order puts our doorbell for seq after our scatter of seq-1.
 The host bounds the wait with a timeout by polling an event (fabric/nccl.py:_wait_event).
 """
@@ -18,7 +19,9 @@ from rocket_mpi.errors import FabricError
 from rocket_mpi.fabric.base import Fabric
 from rocket_mpi.fabric.nccl import _wait_event
 
-BELL_BYTES = 256
+BELL_BYTES = 1024
+RING = 64
+RING_OFFSET = 512  # bytes: doorbells of up to 64 ranks come first
 
 
 def _check(res, what: str):
@@ -33,6 +36,8 @@ class CudaIpcFabric(Fabric):
 
     def __init__(self, comm, max_rows: int, hidden: int, timeout: float, device: torch.device):
         super().__init__(comm.rank, comm.size, max_rows, hidden, timeout)
+        if comm.size * 8 > RING_OFFSET:
+            raise FabricError(f"fabric cuda-ipc: at most {RING_OFFSET // 8} ranks, got {comm.size}")
         try:
             from cuda.bindings import driver
         except ImportError as e:
@@ -55,7 +60,7 @@ class CudaIpcFabric(Fabric):
                 self.peer_storages[r] = st  # keep the mapping alive
                 self.base[r] = st.data_ptr()
         comm.Barrier()
-        self.bells = self.buf[:BELL_BYTES].view(torch.int64)
+        self.bells = self.buf[:8 * self.size].view(torch.int64)
         self.rows = [self.buf[BELL_BYTES + k * self.slot_bytes: BELL_BYTES + (k + 1) * self.slot_bytes]
                      .view(torch.bfloat16).view(max(max_rows, 1), hidden) for k in (0, 1)]
         self.done = torch.cuda.Event()
@@ -74,15 +79,17 @@ class CudaIpcFabric(Fabric):
         stream = self._stream()
         nbytes = (hi - lo) * self.row_bytes
         src = rows.data_ptr() + lo * self.row_bytes
+        ring = self.base[self.rank] + RING_OFFSET + 8 * (seq % RING)
+        _check(drv.cuStreamWriteValue64(stream, drv.CUdeviceptr(ring), seq,
+                                        drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "seq write")
         for k in range(1, self.size):
             peer = (self.rank + k) % self.size
             dst = self.base[peer] + BELL_BYTES + slot * self.slot_bytes + lo * self.row_bytes
             if nbytes:
                 _check(drv.cuMemcpyDtoDAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), nbytes, stream),
                        "peer copy")
-            bell = self.base[peer] + 8 * self.rank
-            _check(drv.cuStreamWriteValue64(stream, drv.CUdeviceptr(bell), seq,
-                                            drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "doorbell")
+            _check(drv.cuMemcpyDtoDAsync(drv.CUdeviceptr(self.base[peer] + 8 * self.rank), drv.CUdeviceptr(ring),
+                                         8, stream), "doorbell copy")
         for k in range(1, self.size):
             peer = (self.rank - k) % self.size
             own_bell = self.base[self.rank] + 8 * peer

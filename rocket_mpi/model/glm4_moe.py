@@ -175,9 +175,7 @@ class Glm4MoeModel:
             vc[idx, :, pos] = v
             span = int(pos.max()) + 1
             mask = (torch.arange(span, device=h.device)[None, :] <= pos[:, None])[:, None, None, :]  # [M,1,1,span]
-            out = F.scaled_dot_product_attention(q[:, :, None, :].contiguous(), kc[:, :, :span], vc[:, :, :span],
-                                                 attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out = out.reshape(t, -1)
+            out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], mask, self.scale).reshape(t, -1)
         else:
             outs, off = [], 0
             for s, (p0, n) in enumerate(zip(starts, seqlens)):
@@ -188,11 +186,25 @@ class Glm4MoeModel:
                 qs = q[off:off + n].transpose(0, 1)[None]                 # [1, heads, n, d]
                 ks, vs = kc[s:s + 1, :, :p0 + n], vc[s:s + 1, :, :p0 + n]
                 mask = (torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None]).to(h.device)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                o = _attend(qs, ks, vs, mask, self.scale)
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
                 off += n
             out = torch.cat(outs)
         return F.linear(out, a.o)
+
+
+def _attend(q, k, v, mask, scale):
+    """Eager GQA attention, transformers' eager order: bf16 scores, fp32 softmax, bf16 weights @ v.
+    q [B, Hq, Tq, D], k/v [B, Hkv, S, D], mask bool broadcastable to [B, Hq, Tq, S]. Plain matmuls:
+    deterministic on every backend (SDPA's fused kernels are slow under deterministic settings)."""
+    b, hq, tq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, (hq // hkv) * tq, d)                       # heads of one kv group share k/v
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hq, tq, -1) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs.view(b, hkv, (hq // hkv) * tq, -1), v)
+    return out.view(b, hq, tq, d)
 
 
 MODEL = Glm4MoeModel

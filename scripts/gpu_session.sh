@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device session on a host with 2 GPUs: environment check, GPU static fires, decode benchmark beside
+# transformers. Logs go to $OUT (or runs/gpu). Usage: scripts/gpu_session.sh [check] [fire] [decode] [hf]
+set -u
+OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+steps=${*:-check fire decode hf}
+PRESET=${PRESET:-air8}
+run() { local name=$1; shift; echo "=== $name: $*"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
+for s in $steps; do case $s in
+check)
+  nvidia-smi -L; nvidia-smi topo -m | head -5
+  python3 -c "import torch, mpi4py, transformers, safetensors, tokenizers; from cuda.bindings import driver; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'mpi4py', mpi4py.__version__, 'transformers', transformers.__version__)"
+  mpirun --version | head -1 ;;
+fire)
+  T=240 run fire_nccl python3 -m rocket_mpi static-fire --checkpoint preset:default --ranks 2 --device cuda --fabric nccl --sweep 1,8 --tokens 12
+  T=240 run fire_ipc python3 -m rocket_mpi static-fire --checkpoint preset:default --ranks 2 --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 12
+  T=240 run fire_ipc_nvfp4 python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 12 ;;
+decode)
+  for q in "" ":nvfp4"; do
+    T=300 run "decode1${q#:}" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --sweep 1,8 --tokens 16
+    T=300 run "decode2${q#:}" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 16
+  done ;;
+hf)
+  T=400 run hf python3 scripts/bench_gpu.py --preset "$PRESET" --sweep 1,8 --tokens 16 ;;
+esac; done

@@ -105,7 +105,6 @@ def tensor_specs(cfg: dict):
     """(name, shape, kind) of every tensor, kind in {linear, expert, norm, embed, router, bias, attn_bias}."""
     h, d = cfg["hidden_size"], cfg["head_dim"]
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    e, mi, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
     yield "model.embed_tokens.weight", (cfg["vocab_size"], h), "embed"
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -119,20 +118,32 @@ def tensor_specs(cfg: dict):
         if cfg["use_qk_norm"]:
             yield f"{p}.self_attn.q_norm.weight", (d,), "norm"
             yield f"{p}.self_attn.k_norm.weight", (d,), "norm"
-        if i < cfg["first_k_dense_replace"]:
-            for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                yield f"{p}.mlp.{proj}.weight", shape, "linear"
-            continue
-        yield f"{p}.mlp.gate.weight", (e, h), "router"
-        yield f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias"
-        si = mi * cfg["n_shared_experts"]
-        for proj, shape in (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si))):
-            yield f"{p}.mlp.shared_experts.{proj}.weight", shape, "linear"
-        for x in range(e):
-            for proj, shape in (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi))):
-                yield f"{p}.mlp.experts.{x}.{proj}.weight", shape, "expert"
-    yield "model.norm.weight", (h,), "norm"
-    yield "lm_head.weight", (cfg["vocab_size"], h), "linear"
+        yield from mlp_specs(p, cfg, dense=i < cfg["first_k_dense_replace"])
+    yield from head_specs(cfg)
+
+
+def swiglu_specs(prefix: str, hidden: int, inter: int, kind: str = "linear"):
+    for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+        yield f"{prefix}.{proj}.weight", shape, kind
+
+
+def mlp_specs(p: str, cfg: dict, dense: bool):
+    """Layer p's MLP: a dense SwiGLU, or the MoE block (router, correction bias, shared and routed experts)
+    every family here stores the same way."""
+    h, e, mi = cfg["hidden_size"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    if dense:
+        yield from swiglu_specs(f"{p}.mlp", h, cfg["intermediate_size"])
+        return
+    yield f"{p}.mlp.gate.weight", (e, h), "router"
+    yield f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias"
+    yield from swiglu_specs(f"{p}.mlp.shared_experts", h, mi * cfg["n_shared_experts"])
+    for x in range(e):
+        yield from swiglu_specs(f"{p}.mlp.experts.{x}", h, mi, "expert")
+
+
+def head_specs(cfg: dict):
+    yield "model.norm.weight", (cfg["hidden_size"],), "norm"
+    yield "lm_head.weight", (cfg["vocab_size"], cfg["hidden_size"]), "linear"
 
 
 def make_tensor(seed: int, name: str, shape, kind: str) -> torch.Tensor:

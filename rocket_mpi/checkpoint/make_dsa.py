@@ -5,6 +5,8 @@ tensor_specs(cfg) names every tensor as GlmMoeDsaForCausalLM.save_pretrained wri
 """
 from __future__ import annotations
 
+from rocket_mpi.checkpoint import make
+
 
 def _config(**kw) -> dict:
     base = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_act": "silu",
@@ -55,7 +57,6 @@ def tensor_specs(cfg: dict):
     ql, c = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, r, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
-    e, mi, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
     bias = cfg.get("attention_bias", False)
     n = cfg["num_hidden_layers"]
     indexer_types = cfg.get("indexer_types") or ["full"] * n
@@ -81,17 +82,5 @@ def tensor_specs(cfg: dict):
             yield f"{a}.indexer.k_norm.weight", (idim,), "norm"
             yield f"{a}.indexer.k_norm.bias", (idim,), "attn_bias"
             yield f"{a}.indexer.weights_proj.weight", (ih, h), "linear"
-        if mlp_types[i] == "dense":
-            for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                yield f"{p}.mlp.{proj}.weight", shape, "linear"
-            continue
-        yield f"{p}.mlp.gate.weight", (e, h), "router"
-        yield f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias"
-        si = mi * cfg["n_shared_experts"]
-        for proj, shape in (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si))):
-            yield f"{p}.mlp.shared_experts.{proj}.weight", shape, "linear"
-        for x in range(e):
-            for proj, shape in (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi))):
-                yield f"{p}.mlp.experts.{x}.{proj}.weight", shape, "expert"
-    yield "model.norm.weight", (h,), "norm"
-    yield "lm_head.weight", (cfg["vocab_size"], h), "linear"
+        yield from make.mlp_specs(p, cfg, dense=mlp_types[i] == "dense")
+    yield from make.head_specs(cfg)

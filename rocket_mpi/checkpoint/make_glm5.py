@@ -6,6 +6,8 @@ Values come from make.py's make_tensor kinds, so a tensor does not depend on whi
 """
 from __future__ import annotations
 
+from rocket_mpi.checkpoint import make
+
 from rocket_mpi.model.glm5_next import TEXT_DEFAULTS, normalize_config
 
 _COMMON = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "dtype": "bfloat16",
@@ -48,7 +50,6 @@ def tensor_specs(cfg: dict):
     """(name, shape, kind) of every tensor of a text-only glm5_next checkpoint."""
     c = normalize_config(cfg, "preset")
     h, n = c["hidden_size"], c["hc_mult"]
-    e, mi, inter = c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"]
     yield "model.embed_tokens.weight", (c["vocab_size"], h), "embed"
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -63,20 +64,8 @@ def tensor_specs(cfg: dict):
             yield from _kda_specs(a, c)
         else:
             yield from _mla_specs(a, c, c["indexer_types"][i] == "full")
-        if c["mlp_layer_types"][i] == "dense":
-            for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                yield f"{p}.mlp.{proj}.weight", shape, "linear"
-            continue
-        yield f"{p}.mlp.gate.weight", (e, h), "router"
-        yield f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias"
-        si = mi * c["n_shared_experts"]
-        for proj, shape in (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si))):
-            yield f"{p}.mlp.shared_experts.{proj}.weight", shape, "linear"
-        for x in range(e):
-            for proj, shape in (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi))):
-                yield f"{p}.mlp.experts.{x}.{proj}.weight", shape, "expert"
-    yield "model.norm.weight", (h,), "norm"
-    yield "lm_head.weight", (c["vocab_size"], h), "linear"
+        yield from make.mlp_specs(p, c, dense=c["mlp_layer_types"][i] == "dense")
+    yield from make.head_specs(c)
 
 
 def _kda_specs(a: str, c: dict):

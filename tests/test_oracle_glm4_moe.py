@@ -14,10 +14,10 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is the test oracle; pip install transformers")
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM  # noqa: E402
 
-from rocket_mpi.checkpoint import nvfp4  # noqa: E402
 from rocket_mpi.checkpoint.make import quantize_tensors, write_checkpoint  # noqa: E402
 from rocket_mpi.engine import Engine  # noqa: E402
 from rocket_mpi.prompts import default_prompts  # noqa: E402
+from oracle import assert_logits_close, dequantised_reference  # noqa: E402
 
 RTOL, ATOL, MARGIN = 0.02, 0.01, 0.02
 STREAMS, TOKENS = 8, 20
@@ -82,19 +82,7 @@ def check_against(model, ckpt):
     ours = []
     res = eng.generate(prompts, TOKENS, on_step=lambda step, logits: ours.append(logits.clone()))
     ref = reference_logits(model, prompts, res.tokens)
-    worst = 0.0
-    for s in range(STREAMS):
-        for step in range(TOKENS):
-            r, o = ref[s][step], ours[step][s]
-            tol = ATOL + RTOL * r.abs().max().item()
-            err = (r - o).abs().max().item()
-            worst = max(worst, err / tol)
-            assert err <= tol, f"stream {s} step {step}: max |logit diff| {err:.4f} > {tol:.4f}"
-            chosen = res.tokens[s][step]
-            gap = (r.max() - r[chosen]).item()
-            assert gap <= MARGIN * max(1.0, r.abs().max().item()), \
-                f"stream {s} step {step}: chose {chosen}, {gap:.4f} below the reference argmax {int(r.argmax())}"
-    print(f"worst logit error / tolerance: {worst:.2f}")
+    assert_logits_close(ref, ours, res.tokens, RTOL, ATOL, MARGIN)
     return res
 
 
@@ -107,29 +95,6 @@ def test_bf16_matches_transformers(variant, tmp_path):
     ref = Glm4MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     check_against(ref, str(tmp_path))
 
-
-def _dequantised_reference(model_bf16, tensors, cfg_dict):
-    """fp32 transformers model whose Linears hold exactly the dequantised NVFP4 weights."""
-    ref = model_bf16.float().eval()
-    sd = ref.state_dict()
-    with torch.no_grad():
-        for name in list(tensors):
-            if not name.endswith(".weight_scale_2"):
-                continue
-            mod = name[: -len(".weight_scale_2")]
-            w = nvfp4.dequantize(tensors[mod + ".weight"], tensors[mod + ".weight_scale"], tensors[name])
-            if ".mlp.experts." in mod:
-                pre, e, proj = mod.rsplit(".", 2)  # model.layers.L.mlp.experts, E, gate_proj
-                e = int(e)
-                if proj == "down_proj":
-                    sd[pre + ".down_proj"][e].copy_(w)
-                else:
-                    i = w.shape[0]
-                    off = 0 if proj == "gate_proj" else i
-                    sd[pre + ".gate_up_proj"][e, off:off + i].copy_(w)
-            else:
-                sd[mod + ".weight"].copy_(w)
-    return ref
 
 
 @pytest.mark.parametrize("quant_all", [False, True], ids=["nvfp4_experts", "nvfp4_all"])
@@ -145,7 +110,7 @@ def test_nvfp4_matches_transformers_on_dequantised_weights(quant_all, tmp_path):
     write_checkpoint(str(tmp_path / "q"), cfg_dict, q, exclude_patterns(cfg_dict, quant_all), tokenizer=False)
     n_packed = sum(1 for k, v in q.items() if v.dtype == torch.uint8)
     assert n_packed >= 2 * 12 * 3, "the routed experts must be NVFP4 on disk"
-    ref = _dequantised_reference(model, q, cfg_dict)
+    ref = dequantised_reference(model, q)
     check_against(ref, str(tmp_path / "q"))
 
 

@@ -28,13 +28,13 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is the test oracle; pip install transformers")
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: E402
 
-from rocket_mpi.checkpoint import nvfp4  # noqa: E402
 from rocket_mpi.checkpoint.make import (exclude_patterns, make_checkpoint, quantize_tensors,  # noqa: E402
                                         write_checkpoint)
 from rocket_mpi.config import ModelConfig  # noqa: E402
 from rocket_mpi.engine import Engine  # noqa: E402
 from rocket_mpi.errors import ConfigError  # noqa: E402
 from rocket_mpi.prompts import default_prompts  # noqa: E402
+from oracle import assert_logits_close, dequantised_reference  # noqa: E402
 
 from conftest import rocket  # noqa: E402
 
@@ -124,16 +124,7 @@ def check_against(model, ckpt, patch=None):
                            for s in range(STREAMS)])
     print(f"logit error / tolerance: median {ratios.median():.2f}, worst {ratios.max():.2f}")
     assert ratios.median() <= TYPICAL, f"median logit error {ratios.median():.2f} of the bound > {TYPICAL}"
-    for s in range(STREAMS):
-        for step in range(TOKENS):
-            r, o = ref[s][step], ours[step][s]
-            tol = ATOL + RTOL * r.abs().max().item()
-            err = (r - o).abs().max().item()
-            assert err <= tol, f"stream {s} step {step}: max |logit diff| {err:.4f} > {tol:.4f}"
-            chosen = res.tokens[s][step]
-            gap = (r.max() - r[chosen]).item()
-            assert gap <= MARGIN * max(1.0, r.abs().max().item()), \
-                f"stream {s} step {step}: chose {chosen}, {gap:.4f} below the reference argmax {int(r.argmax())}"
+    assert_logits_close(ref, ours, res.tokens, RTOL, ATOL, MARGIN)
     return res
 
 
@@ -150,29 +141,6 @@ def test_bf16_matches_transformers(variant, tmp_path):
     check_against(ref, str(tmp_path))
 
 
-def _dequantised_reference(model_bf16, tensors):
-    """fp32 transformers model whose Linears hold exactly the dequantised NVFP4 weights."""
-    ref = model_bf16.float().eval()
-    sd = ref.state_dict()
-    with torch.no_grad():
-        for name in list(tensors):
-            if not name.endswith(".weight_scale_2"):
-                continue
-            mod = name[: -len(".weight_scale_2")]
-            w = nvfp4.dequantize(tensors[mod + ".weight"], tensors[mod + ".weight_scale"], tensors[name])
-            if ".mlp.experts." in mod:
-                pre, e, proj = mod.rsplit(".", 2)  # model.layers.L.mlp.experts, E, gate_proj
-                e = int(e)
-                if proj == "down_proj":
-                    sd[pre + ".down_proj"][e].copy_(w)
-                else:
-                    i = w.shape[0]
-                    off = 0 if proj == "gate_proj" else i
-                    sd[pre + ".gate_up_proj"][e, off:off + i].copy_(w)
-            else:
-                sd[mod + ".weight"].copy_(w)
-    return ref
-
 
 @pytest.mark.parametrize("quant_all", [False, True], ids=["nvfp4_experts", "nvfp4_all"])
 def test_nvfp4_matches_transformers_on_dequantised_weights(quant_all, tmp_path):
@@ -188,7 +156,7 @@ def test_nvfp4_matches_transformers_on_dequantised_weights(quant_all, tmp_path):
     if quant_all:
         assert "model.layers.1.self_attn.kv_b_proj.weight" in packed
         assert "model.layers.1.self_attn.indexer.weights_proj.weight" in packed
-    ref = _dequantised_reference(model, q)
+    ref = dequantised_reference(model, q)
     check_against(ref, str(tmp_path / "q"))
 
 

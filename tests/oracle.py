@@ -1,0 +1,49 @@
+"""Shared checks of the transformers-oracle tests (one per model family)."""
+import torch
+
+from rocket_mpi.checkpoint import nvfp4
+
+
+def assert_logits_close(ref, ours, tokens, rtol, atol, margin) -> float:
+    """ref[stream][step] and ours[step][stream] are [V] logits; tokens[stream][step] our greedy choices.
+    Every step within atol + rtol * max|ref|, every choice within margin of the reference's best.
+    Returns the worst error as a fraction of its bound."""
+    worst = 0.0
+    for s in range(len(tokens)):
+        for step in range(len(tokens[s])):
+            r, o = ref[s][step], ours[step][s]
+            tol = atol + rtol * r.abs().max().item()
+            err = (r - o).abs().max().item()
+            worst = max(worst, err / tol)
+            assert err <= tol, f"stream {s} step {step}: max |logit diff| {err:.4f} > {tol:.4f}"
+            chosen = tokens[s][step]
+            gap = (r.max() - r[chosen]).item()
+            assert gap <= margin * max(1.0, r.abs().max().item()), \
+                f"stream {s} step {step}: chose {chosen}, {gap:.4f} below the reference argmax {int(r.argmax())}"
+    print(f"worst logit error / tolerance: {worst:.2f}")
+    return worst
+
+
+def dequantised_reference(model_bf16, tensors):
+    """fp32 transformers model whose Linears hold exactly the dequantised NVFP4 weights (fused experts:
+    gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    ref = model_bf16.float().eval()
+    sd = ref.state_dict()
+    with torch.no_grad():
+        for name in list(tensors):
+            if not name.endswith(".weight_scale_2"):
+                continue
+            mod = name[: -len(".weight_scale_2")]
+            w = nvfp4.dequantize(tensors[mod + ".weight"], tensors[mod + ".weight_scale"], tensors[name])
+            if ".mlp.experts." in mod:
+                pre, e, proj = mod.rsplit(".", 2)  # model.layers.L.mlp.experts, E, gate_proj
+                e = int(e)
+                if proj == "down_proj":
+                    sd[pre + ".down_proj"][e].copy_(w)
+                else:
+                    i = w.shape[0]
+                    off = 0 if proj == "gate_proj" else i
+                    sd[pre + ".gate_up_proj"][e, off:off + i].copy_(w)
+            else:
+                sd[mod + ".weight"].copy_(w)
+    return ref

@@ -196,8 +196,9 @@ class Engine:
             t0 = time.perf_counter()
             logits = self.model.forward(tokens, cache, seqlens, self.moe)
             nxt = torch.argmax(logits, dim=-1)
+            chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
             dt = time.perf_counter() - t0
-            for s, t in enumerate(nxt.tolist()):
+            for s, t in enumerate(chosen):
                 result.tokens[s].append(t)
             result.steps.append(StepLog(dt, self.fabric.stats.seconds - f0, self._rows_owned, self._rows_total,
                                         self.fabric.stats.bytes_sent - b0, int(self._crc),

@@ -10,6 +10,9 @@ shared MLPs here, and in the routed experts by rocket_mpi.moe.experts. The MTP l
 Checkpoint tensor names are the ones transformers writes (`model.language_model.` for the full
 model, `model.` for a text-only one); the few that transformers renames on load are accepted under
 both names.
+
+Device: the weights live where `to(device)` put them (CPU after `load`); the cache and every tensor
+forward creates follow `self.embed.device`; stream offsets and lengths stay on the host.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from rocket_mpi.errors import CheckpointError, ConfigError
 from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_pre
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_forward
+from rocket_mpi.model.glm_moe_dsa import NO_TIMER, move_weights
 from rocket_mpi.model.layers import rms_norm
 
 DT = torch.bfloat16
@@ -141,8 +145,9 @@ class Layer:
 class Glm5NextCache:
     """Per stream: KDA conv + recurrent states, MLA latents and indexer keys; `lengths` [M] tokens held."""
 
-    def __init__(self, model: "Glm5NextModel", streams: int, capacity: int, device="cpu"):
+    def __init__(self, model: "Glm5NextModel", streams: int, capacity: int, device=None):
         k, m = model.kda_args, model.mla_args
+        device = model.embed.device if device is None else device
         self.conv, self.rec, self.mla = {}, {}, {}
         for i, L in enumerate(model.layers):
             if L.kda is not None:
@@ -150,7 +155,7 @@ class Glm5NextCache:
                 self.rec[i] = torch.zeros(streams, k.heads, k.head_dim, k.head_dim, dtype=torch.float32, device=device)
             else:
                 self.mla[i] = MlaCache(streams, capacity, m, L.mla.indexer is not None, device)
-        self.lengths = torch.zeros(streams, dtype=torch.long)
+        self.lengths = torch.zeros(streams, dtype=torch.long)  # host
         self.capacity = capacity
 
     @property
@@ -171,6 +176,10 @@ def _prefix(reader: CheckpointReader) -> str:
 
 
 class Glm5NextModel:
+    # optional timing hook (scripts/bench_glm5.py): a callable key -> context manager around each
+    # sub-block, keys ("attn", layer), ("ffn", layer), ("head",). None: a shared no-op context.
+    timers = None
+
     def __init__(self, cfg: ModelConfig, embed, layers: list[Layer], norm, lm_head):
         r = cfg.raw
         self.cfg = cfg
@@ -280,8 +289,21 @@ class Glm5NextModel:
             head = lin("lm_head", cfg.vocab_size, h)
         return cls(cfg, embed, layers, vec(pre + "norm.weight", h), head)
 
-    def new_cache(self, streams: int, capacity: int, device="cpu") -> Glm5NextCache:
+    def new_cache(self, streams: int, capacity: int, device=None) -> Glm5NextCache:
+        """On the weights' device unless told otherwise."""
         return Glm5NextCache(self, streams, capacity, device)
+
+    def to(self, device) -> "Glm5NextModel":
+        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
+        tied = self.lm_head is self.embed
+        self.embed, self.norm = self.embed.to(device), self.norm.to(device)
+        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        for L in self.layers:
+            move_weights(L, device)
+        return self
+
+    def _section(self, *key):
+        return NO_TIMER if self.timers is None else self.timers(key)
 
     def nbytes(self) -> int:
         ts = [self.embed, self.norm, self.lm_head]
@@ -313,33 +335,37 @@ class Glm5NextModel:
         """`tokens` [T]: the streams' new tokens packed (seqlens[s] for stream s, after what the cache
         holds). Returns last-position logits [M, V] fp32. `moe(layer, x_normed [T, H], L) -> [T, H]`."""
         cfg, hca = self.cfg, self.hc_args
+        dev = self.embed.device
         starts = cache.lengths.tolist()
-        offs = torch.tensor([0] + seqlens).cumsum(0).tolist()
+        offs = torch.tensor([0] + seqlens).cumsum(0).tolist()                          # host
         segments = [(s, offs[s], n) for s, n in enumerate(seqlens) if n]
-        x = self.embed[tokens]                                                         # [T, H]
+        x = self.embed[tokens.to(dev)]                                                 # [T, H]
         streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()                 # [T, N, H]
         selection = None
         for i, L in enumerate(self.layers):
-            post, comb, h = hc_pre(L.attn_hc, streams, hca)
-            h = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
-            if L.kda is not None:
-                y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], segments, self.kda_args)
-                selection = None
-            else:
-                y, sel = mla_forward(L.mla, h, cache.mla[i], starts, seqlens, self.mla_args, selection)
-                selection = sel if L.shares_next else None
-            streams = hc_post(post, comb, y, streams)
-            post, comb, h = hc_pre(L.ffn_hc, streams, hca)
-            h = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
-            if L.mlp is not None:
-                y = self._mlp(h, *L.mlp)
-            else:
-                y = moe(i, h, L) + self._mlp(h, *L.shared)
-            streams = hc_post(post, comb, y, streams)
-        cache.lengths += torch.tensor(seqlens)
-        last = torch.tensor(offs[1:]) - 1
-        h = rms_norm(streams[last].mean(dim=1), self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+            with self._section("attn", i):
+                post, comb, h = hc_pre(L.attn_hc, streams, hca)
+                h = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
+                if L.kda is not None:
+                    y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], segments, self.kda_args)
+                    selection = None
+                else:
+                    y, sel = mla_forward(L.mla, h, cache.mla[i], starts, seqlens, self.mla_args, selection)
+                    selection = sel if L.shares_next else None
+                streams = hc_post(post, comb, y, streams)
+            with self._section("ffn", i):
+                post, comb, h = hc_pre(L.ffn_hc, streams, hca)
+                h = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
+                if L.mlp is not None:
+                    y = self._mlp(h, *L.mlp)
+                else:
+                    y = moe(i, h, L) + self._mlp(h, *L.shared)
+                streams = hc_post(post, comb, y, streams)
+        cache.lengths += torch.tensor(seqlens)                                         # host
+        with self._section("head"):
+            last = (torch.tensor(offs[1:]) - 1).to(dev)
+            h = rms_norm(streams[last].mean(dim=1), self.norm, cfg.rms_norm_eps)
+            return F.linear(h, self.lm_head).float()
 
 
 MODEL = Glm5NextModel

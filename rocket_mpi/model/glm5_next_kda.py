@@ -86,7 +86,7 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     conv = torch.empty_like(mixed)
     decode = all(n == 1 for _, _, n in segments) and len(segments) > 0
     if decode:
-        idx = torch.tensor([s for s, _, _ in segments])
+        idx = torch.tensor([s for s, _, _ in segments], device=h.device)
         win = torch.cat((conv_state[idx], mixed[:, :, None]), dim=-1)                 # [M, 3D, K+1]
         conv_state[idx] = win[:, :, 1:]
         conv = F.silu(F.conv1d(win.float(), conv_w, groups=win.shape[1])[:, :, -1]).to(DT)
@@ -101,9 +101,8 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     k = _l2norm(k)
     g = forget_gate(a, h, args)
     beta = torch.sigmoid(F.linear(h, a.b)).float()                    # [T, heads]
-    out = torch.empty(t, nh, dk, dtype=torch.float32)
+    out = torch.empty(t, nh, dk, dtype=torch.float32, device=h.device)
     if decode:
-        idx = torch.tensor([s for s, _, _ in segments])
         rec_state[idx], out = kda_step(rec_state[idx], q, k, v, g, beta)
     else:
         for s, off, n in segments:

@@ -79,28 +79,28 @@ class MlaCache:
 
 def _select(ix: Indexer, c: MlaCache, s: int, p0: int, q: torch.Tensor, w: torch.Tensor, a: MlaArgs) -> torch.Tensor:
     """Stream s's n queries at positions p0.. (indexer q [n, ih, d], weights w [n, ih] fp32) -> visible [n, p0+n]."""
-    n, kp = q.shape[0], a.kpool
+    n, kp, dev = q.shape[0], a.kpool, q.device
     end = p0 + n
     done, pools = p0 // kp, end // kp                                  # complete pools before / after this step
     if pools > done:
         keys = c.index_k[s, done * kp:pools * kp].view(pools - done, kp, -1)
         logits = c.index_gate[s, done * kp:pools * kp].view(pools - done, kp, -1).float() + ix.ape
         c.pool_k[s, done:pools] = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)
-    pos = torch.arange(p0, end)
-    visible = torch.zeros(n, end, dtype=torch.bool)
+    pos = torch.arange(p0, end, device=dev)
+    visible = torch.zeros(n, end, dtype=torch.bool, device=dev)
     if pools:
         scores = torch.matmul(q.float(), c.pool_k[s, :pools].float().t())            # [n, ih, P]
         scores = F.relu(scores * a.index_dim ** -0.5)
         index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                      # [n, P]
-        candidate = (torch.arange(pools) + 1) * kp - 1 <= pos[:, None]               # pool's last token <= p
+        candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]   # pool's last token <= p
         index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
         chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
-        take = torch.zeros(n, pools, dtype=torch.bool)
+        take = torch.zeros(n, pools, dtype=torch.bool, device=dev)
         take.scatter_(1, chosen, candidate.gather(1, chosen))
         visible[:, :pools * kp] = take.repeat_interleave(kp, dim=1)
     if a.select_tail:
         tail_start = (pos + 1) // kp * kp
-        col = torch.arange(end)
+        col = torch.arange(end, device=dev)
         visible |= (col[None, :] >= tail_start[:, None]) & (col[None, :] <= pos[:, None])
     return visible
 
@@ -121,7 +121,7 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
     masks, outs, off = [], [], 0
     for s, (p0, n) in enumerate(zip(starts, seqlens)):
         if n == 0:
-            masks.append(torch.zeros(0, p0, dtype=torch.bool))
+            masks.append(torch.zeros(0, p0, dtype=torch.bool, device=h.device))
             continue
         c.latent[s, p0:p0 + n] = latent[off:off + n]
         if ix is not None:

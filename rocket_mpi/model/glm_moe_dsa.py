@@ -13,9 +13,15 @@ layer's selection.
 Every rank runs all of this for all M streams with the same weights (replicated, deterministic), so the
 normalised hidden state entering each MoE layer is bit-identical on every rank; the routed experts are
 reached only through `moe(layer, x, L)`.
+
+Device: the weights live where `to(device)` put them (CPU after `load`); every tensor forward and the
+cache create follows `self.embed.device`. Host-side bookkeeping (cache lengths, stream offsets) stays in
+Python lists and CPU tensors, so a decode step does not wait on the GPU for them.
 """
 from __future__ import annotations
 
+import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -143,7 +149,7 @@ class LatentCache:
         self.kv = [torch.zeros(streams, capacity, latent_dim, dtype=dtype, device=device) for _ in indexed]
         self.index_k = [torch.zeros(streams, capacity, index_dim, dtype=dtype, device=device) if own else None
                         for own in indexed]
-        self.lengths = torch.zeros(streams, dtype=torch.long)  # tokens held per stream
+        self.lengths = torch.zeros(streams, dtype=torch.long)  # host: tokens held per stream
         self.capacity = capacity
 
     @property
@@ -152,6 +158,21 @@ class LatentCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv + self.index_k if t is not None)
+
+
+def move_weights(obj, device) -> None:
+    """Every tensor of a weights dataclass (nested dataclasses and tuples of tensors too) to `device`, in place."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor):
+            setattr(obj, f.name, v.to(device))
+        elif isinstance(v, tuple):
+            setattr(obj, f.name, tuple(t.to(device) for t in v))
+        elif dataclasses.is_dataclass(v):
+            move_weights(v, device)
+
+
+NO_TIMER = nullcontext()
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -165,6 +186,10 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 class GlmMoeDsaModel:
+    # optional timing hook (scripts/bench_glm5.py): a callable key -> context manager around each
+    # sub-block, keys ("attn", layer), ("ffn", layer), ("head",). None: a shared no-op context.
+    timers = None
+
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
                  lm_head: torch.Tensor):
         raw = cfg.raw
@@ -242,9 +267,24 @@ class GlmMoeDsaModel:
             head, _ = lin("lm_head", cfg.vocab_size, h)
         return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
 
-    def new_cache(self, streams: int, capacity: int, device="cpu") -> LatentCache:
+    def new_cache(self, streams: int, capacity: int, device=None) -> LatentCache:
+        """On the weights' device unless told otherwise."""
         return LatentCache([L.attn.indexer is not None for L in self.layers], streams, capacity,
-                           self.latent + self.rope_dim, self.index_dim, DT, device)
+                           self.latent + self.rope_dim, self.index_dim, DT,
+                           self.embed.device if device is None else device)
+
+    def to(self, device) -> "GlmMoeDsaModel":
+        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
+        tied = self.lm_head is self.embed
+        self.embed, self.norm = self.embed.to(device), self.norm.to(device)
+        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        for L in self.layers:
+            move_weights(L, device)
+        self.rope.inv_freq = self.rope.inv_freq.to(device)
+        return self
+
+    def _section(self, *key):
+        return NO_TIMER if self.timers is None else self.timers(key)
 
     def nbytes(self) -> int:
         ts = [self.embed, self.norm, self.lm_head]
@@ -271,24 +311,28 @@ class GlmMoeDsaModel:
         what the cache holds) through the stack; returns last-position logits [M, V] fp32 per stream.
         `moe(layer, x_normed [T, H], L) -> [T, H]` computes the routed experts (the split lives there)."""
         cfg = self.cfg
+        dev = self.embed.device
         starts = cache.lengths.tolist()
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seqlens)])
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seqlens)]).to(dev)
         cos, sin = self.rope.cos_sin(positions)                      # [T, rope] bf16
-        x = self.embed[tokens]                                        # [T, H]
+        x = self.embed[tokens.to(dev)]                                # [T, H]
         selection = None                                              # the last full indexer's top-k
         for i, L in enumerate(self.layers):
-            h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
-            out, selection = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, selection)
-            x = x + out
-            h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
-            if L.mlp is not None:
-                x = x + swiglu_mlp(h, *L.mlp)
-            else:
-                x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
-        cache.lengths += torch.tensor(seqlens)
-        last = torch.tensor(seqlens).cumsum(0) - 1
-        h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+            with self._section("attn", i):
+                h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
+                out, selection = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, selection)
+                x = x + out
+            with self._section("ffn", i):
+                h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
+                if L.mlp is not None:
+                    x = x + swiglu_mlp(h, *L.mlp)
+                else:
+                    x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
+        cache.lengths += torch.tensor(seqlens)                        # host
+        with self._section("head"):
+            last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
+            h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
+            return F.linear(h, self.lm_head).float()
 
     def _indexer_qkw(self, ix: Indexer, h, q_resid, cos, sin):
         """-> queries [T, index_heads, index_dim], keys [T, index_dim] (BF16, roped on the first rope
@@ -309,6 +353,7 @@ class GlmMoeDsaModel:
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: LatentCache, starts, seqlens, selection):
         t, nh, c = h.shape[0], self.heads, self.latent
+        dev = h.device
         q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, LATENT_NORM_EPS)   # [T, q_lora]
         q = F.linear(q_resid, a.q_b).view(t, nh, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
@@ -326,14 +371,14 @@ class GlmMoeDsaModel:
 
         if all(n == 1 for n in seqlens):
             # decode: one new token per stream, batched over streams; attention over the top-k rows only
-            idx = torch.arange(len(seqlens))
-            pos = torch.tensor(starts)
+            idx = torch.arange(len(seqlens), device=dev)
+            pos = torch.tensor(starts, device=dev)
             kvc[idx, pos] = kv_new
             if a.indexer is not None:
                 ixc[idx, pos] = ik
-                span = int(pos.max()) + 1
+                span = max(starts) + 1                          # from the host list: no device sync
                 scores = self._index_scores(iq, iw, ixc[:, :span])                        # [M, span]
-                scores = scores.masked_fill(torch.arange(span)[None, :] > pos[:, None], float("-inf"))
+                scores = scores.masked_fill(torch.arange(span, device=dev)[None, :] > pos[:, None], float("-inf"))
                 top, sel = scores.topk(min(self.index_topk, span), dim=-1)                # [M, k]
                 selection = (sel, top > float("-inf"))          # a short stream pads with masked rows
             sel, valid = selection
@@ -349,7 +394,8 @@ class GlmMoeDsaModel:
                     masks.append(None)
                     continue
                 kvc[s, p0:p0 + n] = kv_new[off:off + n]
-                causal = torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None]   # [n, p0 + n]
+                causal = (torch.arange(p0 + n, device=dev)[None, :]
+                          <= torch.arange(p0, p0 + n, device=dev)[:, None])                 # [n, p0 + n]
                 if a.indexer is not None:
                     ixc[s, p0:p0 + n] = ik[off:off + n]
                     scores = self._index_scores(iq[off:off + n], iw[off:off + n], ixc[s:s + 1, :p0 + n])

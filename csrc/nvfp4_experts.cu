@@ -1,0 +1,398 @@
+// Routed experts of one rank: NVFP4 weights, BF16 rows, FP32 accumulation on the tensor cores.
+//
+// Three launches per call:
+//   prep     rows (gathered through row_index) -> x_frag, padded per expert to tiles of 8 rows
+//   gate_up  h = SwiGLU(x Wg^T * s2g, x Wu^T * s2u) -> h_frag, rounded to bf16 as the torch reference
+//   down     out = h Wd^T (no weight_scale_2: the scatter applies s2_down) -> out rows, bf16
+//
+// Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
+// launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
+// expert and walks the whole K itself: k-steps of 16 in ascending order, one mma per step into the
+// same fp32 accumulator, starting from 0. Nothing about that sequence depends on how many rows there
+// are, which rows, where they sit in the tile, the grid size, or the other experts: rows only choose
+// which mma *column* a row occupies, and an mma column is its own dot product. No split-K, no atomics,
+// no cross-warp reduction. More than 32 rows of one expert take another weight pass (another group),
+// each computing its rows with that same sequence. The epilogues are elementwise.
+//
+// Weights as mma operand A (16 features x 16 k), rows as operand B (8 rows), so one decoded weight
+// fragment feeds every row tile. Decode (pack.py has the bit layout and the proof in numbers):
+// each 32-bit word holds a lane's 8 codes of one k-step; 4 mask/shift steps put an E2M1 code
+// (sign, 2 exponent bits, 1 mantissa bit) into bf16 bits 15, 8..6, which reads as E2M1 * 2^-126
+// (0.5 lands on a bf16 subnormal, exact). The e4m3 block scale is stored as the 8 bits 4..11 of
+// bf16(scale * 2^118) (bits 12..14 are always 1), so one LOP3 rebuilds it, and one HMUL2 gives the
+// exact bf16 E2M1 * scale * 2^-8 (<= 6 significant bits). The 2^-8 comes back as * 256 in fp32
+// in the epilogue, where it is exact.
+//
+// Memory: each warp streams its 2 tiles through a private 8-stage cp.async ring (16 B per lane per
+// tile and stage, 6 stages in flight); every lane copies only what it reads itself, so no barrier
+// is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
+// the same expert).
+#include "common.cuh"
+
+namespace rocket {
+namespace {
+
+constexpr int kWarps = 8;                                   // one expert per block: 8 warps share rows in L1
+constexpr int kThreads = kWarps * 32;
+constexpr int kFT = 2;                                      // feature tiles per warp
+constexpr int kStages = 8;
+constexpr int kLookahead = kStages - 2;                     // a slot is refilled 2 iterations after its read
+constexpr int kStageCodes = kFT * 32 * 16;                  // per warp and stage: codes 512 B per tile
+constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 scale bytes per tile
+constexpr int kWarpSmem = kStages * kStageBytes;            // 12 KiB
+constexpr int kSmemBytes = kWarps * kWarpSmem;              // 96 KiB: 2 blocks, 16 warps per SM
+static_assert((kStages & (kStages - 1)) == 0, "kStages must be a power of two");
+
+// Decode masks: see rocket_mpi/kernels/pack.py (CODE_Q_BITS / CODE_S_BITS).
+constexpr uint32_t kCodeMask = 0x81C081C0u;   // bf16x2 sign + exponent bits 0..1 + mantissa bit 6
+constexpr uint32_t kCodeQ = 0x01C001C0u;
+constexpr uint32_t kCodeS = 0x80008000u;
+constexpr uint32_t kScaleMask = 0x0FF00FF0u;  // scale byte at bf16 bits 4..11 of each half
+constexpr uint32_t kScaleHigh = 0x70007000u;  // bf16 exponent bits 5..7 of every scale * 2^118
+
+struct GemmParams {
+  const uint8_t* q;          // tiles of the expert in slot 0
+  const uint8_t* s;
+  int64_t q_slot_stride;     // bytes between slots
+  int64_t s_slot_stride;
+  const uint4* frag;         // B fragments [tiles][2 * nk][32]
+  const int4* groups;
+  int nk;                    // K / 64
+  int n_fgroups;             // feature groups of kFT tiles per expert
+  // gate/up epilogue
+  const float* s2;           // [slots][2]
+  float limit;
+  int has_limit;
+  uint32_t* h_frag;          // [tiles][h_pairs][32][4]
+  int h_pairs;               // inter_pad / 32
+  // down epilogue
+  __nv_bfloat16* out;
+  int hidden;
+  const int* pad_rows;
+};
+
+// The lane's A fragment for one k-step: 8 codes in `w`, scales of rows g and g+8 in the low and
+// high bf16 of `sc`. Returns exact bf16 pairs E2M1 * scale * 2^-8.
+__device__ __forceinline__ void decode_a(uint32_t w, uint32_t sc, uint32_t (&a)[4]) {
+  const uint32_t o0 = w & kCodeMask;                                  // (g,   k 2t..2t+1)
+  const uint32_t o1 = (w << 3) & kCodeMask;                           // (g+8, k 2t..2t+1)
+  const uint32_t o2 = ((w << 6) & kCodeQ) | ((w << 1) & kCodeS);      // (g,   k 2t+8..2t+9)
+  const uint32_t o3 = ((w >> 3) & kCodeQ) | ((w << 2) & kCodeS);      // (g+8, k 2t+8..2t+9)
+  const __nv_bfloat162 s = dev::bits_bf16x2(sc);
+  const __nv_bfloat162 lo = __low2bfloat162(s), hi = __high2bfloat162(s);
+  a[0] = dev::bf16x2_bits(__hmul2(dev::bits_bf16x2(o0), lo));
+  a[1] = dev::bf16x2_bits(__hmul2(dev::bits_bf16x2(o1), hi));
+  a[2] = dev::bf16x2_bits(__hmul2(dev::bits_bf16x2(o2), lo));
+  a[3] = dev::bf16x2_bits(__hmul2(dev::bits_bf16x2(o3), hi));
+}
+
+// bf16x2 (scale row g, scale row g+8) * 2^118 of k-step j from the lane's 8 scale bytes.
+template <int J>
+__device__ __forceinline__ uint32_t decode_scales(uint2 sv) {
+  uint32_t v = (J < 2) ? sv.x : sv.y;
+  if (J & 1) v = __funnelshift_r(v, v, 8);  // odd steps sit one byte up, rotated
+  return dev::lop3<0xEA>(v, kScaleMask, kScaleHigh);  // (v & mask) | high in one LOP3
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// The batch-invariant core: acc[i][rt] += W tile (fg*kFT + i) x rows of tile (tile0 + rt), all K.
+template <int RT>
+__device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp,
+                                         int lane, float (&acc)[kFT][RT][4]) {
+  const int nk = p.nk;
+  const int64_t q_tile = int64_t(nk) * kTileCodeBytes, s_tile = int64_t(nk) * kTileScaleBytes;
+  const uint8_t* qp[kFT];  // next k-tile to copy, per feature tile
+  const uint8_t* sp[kFT];
+#pragma unroll
+  for (int i = 0; i < kFT; ++i) {
+    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + lane * 16;
+    sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + (lane >> 2) * 8;
+  }
+  const uint64_t policy = dev::l2_evict_first_policy();
+  char* s_codes = smem_warp + lane * 16;
+  char* s_scales = smem_warp + kStageCodes + lane * 8;
+
+  auto issue = [&](int kt) {  // called for kt = 0, 1, 2, ... in order
+    const int st = kt & (kStages - 1);
+#pragma unroll
+    for (int i = 0; i < kFT; ++i) {
+      dev::cp_async_16_stream(s_codes + st * kStageBytes + i * 512, qp[i], policy);
+      dev::cp_async_8(s_scales + st * kStageBytes + i * 256, sp[i]);
+      qp[i] += kTileCodeBytes;
+      sp[i] += kTileScaleBytes;
+    }
+  };
+
+#pragma unroll
+  for (int kt = 0; kt < kLookahead; ++kt) {
+    if (kt < nk) issue(kt);
+    dev::cp_async_commit();
+  }
+
+  const uint4* fr = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;  // row tile rt at + rt * 2 nk * 32
+  for (int kt = 0; kt < nk; ++kt, fr += 2 * 32) {
+    uint4 b[RT][2];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+      for (int pp = 0; pp < 2; ++pp) b[rt][pp] = __ldg(fr + (rt * 2 * nk + pp) * 32);
+    }
+    dev::cp_async_wait<kLookahead - 1>();  // groups 0..kt have landed (one group per iteration)
+    if (kt + kLookahead < nk) issue(kt + kLookahead);
+    dev::cp_async_commit();
+
+    const int st = kt & (kStages - 1);
+    uint4 qv[kFT];
+    uint2 sv[kFT];
+#pragma unroll
+    for (int i = 0; i < kFT; ++i) {
+      qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
+      sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int i = 0; i < kFT; ++i) {
+        const uint32_t sc = j == 0 ? decode_scales<0>(sv[i]) : j == 1 ? decode_scales<1>(sv[i])
+                          : j == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
+        uint32_t a[4];
+        decode_a(word(qv[i], j), sc, a);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          const uint4& bb = b[rt][j >> 1];
+          dev::mma_bf16_16816(acc[i][rt], a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
+        }
+      }
+    }
+  }
+}
+
+// torch: gate, up = F.linear(x, W).chunk(2) (bf16); clamp; F.silu(gate) * up (bf16 each step).
+__device__ __forceinline__ uint32_t swiglu(float g_acc, float u_acc, float sg, float su, float limit, int has_limit) {
+  float g = dev::round_bf16(__fmul_rn(g_acc, sg));
+  float u = dev::round_bf16(__fmul_rn(u_acc, su));
+  if (has_limit) {  // gate.clamp(max=L), up.clamp(-L, L); NaN passes through as in torch
+    g = dev::round_bf16(g > limit ? limit : g);
+    u = dev::round_bf16(u > limit ? limit : (u < -limit ? -limit : u));
+  }
+  const float s = dev::round_bf16(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
+  return dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(s, u)));
+}
+
+// Tile i of this warp holds gate (rows g) and up (rows g+8) of intermediate features 16 fg + 8 i + g:
+// together one k-step (fg) of the down projection. Lanes g, g^1 swap one value so each stores a
+// bf16 pair straight into the down kernel's B fragment.
+template <int RT>
+__device__ __forceinline__ void epilogue_swiglu(const GemmParams& p, int slot, int tile0, int fg, int lane,
+                                                const float (&acc)[kFT][RT][4]) {
+  static_assert(kFT == 2, "two gate/up tiles make one 16-wide k-step of down");
+  const int g = lane >> 2, t = lane & 3, odd = g & 1;
+  const float sg = __fmul_rn(p.s2[2 * slot], 256.0f);      // 2^8 undoes the packed 2^-8, exactly
+  const float su = __fmul_rn(p.s2[2 * slot + 1], 256.0f);
+  const int dst_lane = (2 * t + odd) * 4 + (g >> 1);
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    uint32_t pair[kFT];
+#pragma unroll
+    for (int i = 0; i < kFT; ++i) {
+      const uint32_t h0 = swiglu(acc[i][rt][0], acc[i][rt][2], sg, su, p.limit, p.has_limit);  // row 2t
+      const uint32_t h1 = swiglu(acc[i][rt][1], acc[i][rt][3], sg, su, p.limit, p.has_limit);  // row 2t+1
+      const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? h0 : h1, 4);
+      pair[i] = odd ? (recv | (h1 << 16)) : (h0 | (recv << 16));
+    }
+    uint32_t* dst = p.h_frag + ((int64_t(tile0 + rt) * p.h_pairs + (fg >> 1)) * 32 + dst_lane) * 4 + (fg & 1) * 2;
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pair[0], pair[1]);
+  }
+}
+
+template <int RT>
+__device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, int fg, int lane,
+                                              const float (&acc)[kFT][RT][4]) {
+  const int g = lane >> 2, t = lane & 3, odd = g & 1;
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    const int row = p.pad_rows[(tile0 + rt) * kRowTile + 2 * t + odd];
+#pragma unroll
+    for (int i = 0; i < kFT; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // features g (c0, c1) and g + 8 (c2, c3)
+        const uint32_t v0 = dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(acc[i][rt][2 * half], 256.0f)));
+        const uint32_t v1 = dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(acc[i][rt][2 * half + 1], 256.0f)));
+        const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+        const uint32_t pair = odd ? (recv | (v1 << 16)) : (v0 | (recv << 16));
+        const int feat = (fg * kFT + i) * kTileN + 8 * half + (g & ~1);
+        if (row >= 0 && feat < p.hidden)
+          *reinterpret_cast<uint32_t*>(p.out + int64_t(row) * p.hidden + feat) = pair;
+      }
+    }
+  }
+}
+
+template <int RT, bool kSwiglu>
+__device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem_warp, int lane) {
+  float acc[kFT][RT][4];
+#pragma unroll
+  for (int i = 0; i < kFT; ++i)
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
+  mainloop<RT>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
+  if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
+  else epilogue_down<RT>(p, grp.y, fg, lane, acc);
+}
+
+// grid (feature groups / kWarps, groups): warp w of block x takes feature group x * kWarps + w of
+// group y. Which warp or block does the work never changes what it computes.
+template <bool kSwiglu>
+__global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(const GemmParams p) {
+  extern __shared__ __align__(16) char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int fg = blockIdx.x * kWarps + warp;
+  if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles below need all 32 lanes
+  const int4 grp = p.groups[blockIdx.y];
+  char* smem_warp = smem + warp * kWarpSmem;
+  switch (grp.z) {
+    case 1: run_group<1, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    case 2: run_group<2, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    case 3: run_group<3, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    default: run_group<4, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+  }
+}
+
+// One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.
+__global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows, int64_t x_ld_words,
+                                 const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
+                                 int n_tiles, int hidden, int pairs, uint4* __restrict__ frag) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(n_tiles) * pairs * 32) return;
+  const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
+  const int64_t rest = idx >> 5;
+  const int pp = int(rest % pairs), tile = int(rest / pairs);
+  int64_t src = pad_rows[tile * kRowTile + g];
+  if (src >= 0 && row_index != nullptr) src = row_index[src];
+  const bool valid = src >= 0 && src < x_rows;  // the binding checked indices; never read past x
+  uint32_t v[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int k = 32 * pp + 16 * (e >> 1) + 8 * (e & 1) + 2 * t;
+    v[e] = (valid && k < hidden) ? __ldg(x + src * x_ld_words + k / 2) : 0u;
+  }
+  frag[idx] = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// One thread per (tile, k-tile, lane): the same decode as the mainloop, written out as W [n, k].
+__global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s, int n_tiles,
+                                      int nk, int k_pad, __nv_bfloat16* __restrict__ out) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(n_tiles) * nk * 32) return;
+  const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
+  const int64_t tk = idx >> 5;  // tile * nk + kt
+  const int kt = int(tk % nk), tile = int(tk / nk);
+  const uint4 qv = *reinterpret_cast<const uint4*>(q + tk * kTileCodeBytes + lane * 16);
+  const uint2 sv = *reinterpret_cast<const uint2*>(s + tk * kTileScaleBytes + g * 8);
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  const int64_t ld = k_pad / 2;  // words per row
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t sc = j == 0 ? decode_scales<0>(sv) : j == 1 ? decode_scales<1>(sv)
+                      : j == 2 ? decode_scales<2>(sv) : decode_scales<3>(sv);
+    uint32_t a[4];
+    decode_a(word(qv, j), sc, a);
+    const int64_t r0 = int64_t(tile) * kTileN + g, kw = (int64_t(kt) * kTileK + 16 * j + 2 * t) / 2;
+    o[r0 * ld + kw] = a[0];
+    o[(r0 + 8) * ld + kw] = a[1];
+    o[r0 * ld + kw + 4] = a[2];
+    o[(r0 + 8) * ld + kw + 4] = a[3];
+  }
+}
+
+template <bool kSwiglu>
+void set_smem_attr() {
+  static bool done[64] = {};  // the attribute belongs to the function on each device
+  int dev = 0;
+  ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 64 || !done[dev]) {
+    ROCKET_CUDA_CHECK(cudaFuncSetAttribute(experts_gemm_kernel<kSwiglu>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    if (dev < 64) done[dev] = true;
+  }
+}
+
+}  // namespace
+
+void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
+  ROCKET_CHECK(a.hidden % 16 == 0 && a.inter % 16 == 0, "hidden " << a.hidden << ", inter " << a.inter
+               << ": NVFP4 needs multiples of 16");
+  ROCKET_CHECK(a.hidden_pad % kTileK == 0 && a.inter_pad % kTileK == 0 && a.hidden_pad >= a.hidden &&
+               a.inter_pad >= a.inter, "padded sizes " << a.hidden_pad << ", " << a.inter_pad);
+  ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && a.n_groups <= 65535, "groups " << a.n_groups);
+  if (a.n_tiles == 0 || a.n_groups == 0) return;
+
+  {  // rows -> fragments
+    const int pairs = a.hidden_pad / 32;
+    const int64_t n = int64_t(a.n_tiles) * pairs * 32;
+    const int threads = 256;
+    prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
+        static_cast<const uint32_t*>(a.x), a.x_rows, a.hidden / 2, a.row_index, a.pad_rows, a.n_tiles, a.hidden,
+        pairs, a.x_frag);
+    ROCKET_LAUNCH_CHECK();
+  }
+  {  // gate/up + SwiGLU: N = 2 inter_pad (tiles of 8 gate + 8 up), K = hidden_pad
+    GemmParams p{};
+    p.q = a.q_gu;
+    p.s = a.s_gu;
+    p.nk = a.hidden_pad / kTileK;
+    const int tiles = 2 * a.inter_pad / kTileN;
+    p.q_slot_stride = int64_t(tiles) * p.nk * kTileCodeBytes;
+    p.s_slot_stride = int64_t(tiles) * p.nk * kTileScaleBytes;
+    p.frag = a.x_frag;
+    p.groups = a.groups;
+    p.n_fgroups = tiles / kFT;
+    p.s2 = a.s2_gu;
+    p.limit = a.swiglu_limit;
+    p.has_limit = a.has_limit;
+    p.h_frag = reinterpret_cast<uint32_t*>(a.h_frag);
+    p.h_pairs = a.inter_pad / 32;
+    set_smem_attr<true>();
+    dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, a.n_groups);
+    experts_gemm_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(p);
+    ROCKET_LAUNCH_CHECK();
+  }
+  {  // down: N = hidden_pad, K = inter_pad
+    GemmParams p{};
+    p.q = a.q_dn;
+    p.s = a.s_dn;
+    p.nk = a.inter_pad / kTileK;
+    const int tiles = a.hidden_pad / kTileN;
+    p.q_slot_stride = int64_t(tiles) * p.nk * kTileCodeBytes;
+    p.s_slot_stride = int64_t(tiles) * p.nk * kTileScaleBytes;
+    p.frag = a.h_frag;
+    p.groups = a.groups;
+    p.n_fgroups = tiles / kFT;
+    p.out = static_cast<__nv_bfloat16*>(a.out);
+    p.hidden = a.hidden;
+    p.pad_rows = a.pad_rows;
+    set_smem_attr<false>();
+    dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, a.n_groups);
+    experts_gemm_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(p);
+    ROCKET_LAUNCH_CHECK();
+  }
+}
+
+void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,
+                                 cudaStream_t stream) {
+  ROCKET_CHECK(n_pad % kTileN == 0 && k_pad % kTileK == 0, "padded shape [" << n_pad << ", " << k_pad << "]");
+  const int n_tiles = n_pad / kTileN, nk = k_pad / kTileK;
+  const int64_t n = int64_t(n_tiles) * nk * 32;
+  if (n == 0) return;
+  const int threads = 256;
+  dequant_packed_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
+      q, s, n_tiles, nk, k_pad, static_cast<__nv_bfloat16*>(out));
+  ROCKET_LAUNCH_CHECK();
+}
+
+}  // namespace rocket

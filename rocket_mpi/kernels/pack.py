@@ -1,0 +1,345 @@
+"""Packed NVFP4 layout of the expert kernel (csrc/nvfp4_experts.cu), and its exact inverse.
+
+A matrix W [N, K] (N output features, K reduction; ModelOpt storage: `weight` [N, K/2] uint8 with
+element 2j in the low nibble, `weight_scale` [N, K/16] e4m3) is padded with zeros to N % 16 == 0,
+K % 64 == 0 and cut into tiles of 16 features x 64 k (four mma k-steps of 16):
+
+    codes  uint8 [N/16, K/64, 32, 16]   lane (g, t), k-step j: one little-endian 32-bit word
+    scales uint8 [N/16, K/64, 8, 8]     row group g: scales of rows g and g+8, k-steps 0..3
+
+so a warp reads each tile as one coalesced 512 B block, 16 B per lane (cp.async 16).
+
+Codes. mma.m16n8k16 gives lane (g, t) of k-step j the A fragment
+    reg0 (row g,   k 2t, 2t+1)     reg1 (row g+8, k 2t, 2t+1)
+    reg2 (row g,   k 2t+8, 2t+9)   reg3 (row g+8, k 2t+8, 2t+9)
+(k relative to the step). Its word holds those 8 codes; in each 16-bit half (low half = the even k)
+the 3 magnitude bits q = (e1 e0 m) of reg r sit at CODE_Q_POS[r] and the sign at CODE_S_POS[r]:
+
+    bits  0- 2 q(reg2)   3- 5 q(reg1)   6- 8 q(reg0)   9-11 q(reg3)   12 s(reg1) 13 s(reg3) 14 s(reg2) 15 s(reg0)
+
+The kernel moves each code to bf16 bits 15 (sign), 8..7 (exponent), 6 (mantissa) with
+    reg0 = w & 0x81C081C0              reg1 = (w << 3) & 0x81C081C0
+    reg2 = ((w << 6) & 0x01C001C0) | ((w << 1) & 0x80008000)
+    reg3 = ((w >> 3) & 0x01C001C0) | ((w << 2) & 0x80008000)
+(7 LOP/SHF on the integer pipe and 4 shifts the compiler may put on IMAD, per 8 codes: an exhaustive
+search over such shift-and-mask layouts finds none cheaper; no 4 shifts of one mask tile the 16 bits).
+A bf16 with exponent field e and mantissa m/2 is E2M1(code) * 2^-126 for every code: e >= 1
+is 2^(e-127)(1 + m/2) = 2^(e-1)(1 + m/2) * 2^-126, and e = 0 is the subnormal m/2 * 2^-126.
+
+Scales. Each e4m3 block scale is stored as the byte b = bits 4..11 of bf16(scale * 2^118). For every
+finite scale > 0 that bf16 has exponent field 236..253, so bits 12..14 are 1, bit 15 is 0 and bits 0..3
+are 0 (e4m3 has 3 mantissa bits): bf16 = 0x7000 | b << 4, one LOP3 in the kernel. A zero scale packs
+as b = 0 (reads 2^97) and its block's codes as 0, so the block still decodes to 0. Scale words: for
+k-steps 2p, 2p+1 one 32-bit word
+    S_p = (lo(2p) << 4 | hi(2p) << 20) | rotl8(lo(2p+1) << 4 | hi(2p+1) << 20)
+lo = row g, hi = row g+8: step 2p is (S_p & 0x0FF00FF0) | 0x70007000, step 2p+1 the same of
+rotr8(S_p), giving bf16x2 (scale row g, scale row g+8) * 2^118.
+
+One bf16 multiply of the two is exact: E2M1 * scale * 2^-8 has at most 6 significant bits and lies in
+[2^-18, 10.5]. The kernel multiplies its fp32 accumulator by 2^8 (exact) in the epilogue.
+
+Gate and up of one expert are packed as one matrix [2 * inter_pad, hidden_pad] whose tile T holds gate
+rows 8T..8T+7 (rows 0..7) and up rows 8T..8T+7 (rows 8..15): mma rows g and g+8 of one lane are then
+gate and up of the same intermediate feature, and SwiGLU needs no data exchange.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from rocket_mpi.checkpoint import nvfp4
+
+TILE_N = 16
+TILE_K = 64
+ROW_TILE = 8
+WEIGHT_SHIFT = 8            # packed weights are E2M1 * scale * 2^-WEIGHT_SHIFT
+SCALE_SHIFT = 118           # scale bytes hold bf16(scale * 2^SCALE_SHIFT) = 126 - WEIGHT_SHIFT
+CODE_Q_POS = (6, 3, 0, 9)   # magnitude field of A-fragment register 0..3, per 16-bit half
+CODE_S_POS = (15, 12, 14, 13)
+CODE_MASK, CODE_Q, CODE_S = 0x81C081C0, 0x01C001C0, 0x80008000
+SCALE_MASK, SCALE_HIGH = 0x0FF00FF0, 0x70007000
+_U32 = 0xFFFFFFFF
+
+
+def round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def scale_bytes(weight_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 block scales [...] -> the packed byte of each (bits 4..11 of bf16(scale * 2^118))."""
+    s = weight_scale.float()
+    if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
+        raise ValueError("NVFP4 block scales must be finite and >= 0 (as ModelOpt writes them)")
+    v = s * 2.0 ** SCALE_SHIFT                       # exact: a power of two, no overflow (448 * 2^118 < 2^127)
+    hi16 = (v.view(torch.int32) >> 16) & 0xFFFF      # bf16 bits of v; exact, e4m3 has 3 mantissa bits
+    nz = v > 0
+    if bool(((hi16 & 0xF00F) != 0x7000)[nz].any()):  # cannot happen for e4m3; guards the layout claim
+        raise AssertionError("an e4m3 scale * 2^118 fell outside bf16 exponents 224..255")
+    return torch.where(nz, (hi16 >> 4) & 0xFF, torch.zeros_like(hi16)).to(torch.uint8)
+
+
+def scale_from_bytes(b: torch.Tensor) -> torch.Tensor:
+    """Packed scale bytes -> fp32 scale (0 for byte 0), the inverse of scale_bytes."""
+    bits = (0x7000 | (b.to(torch.int32) << 4)) << 16
+    v = bits.view(torch.float32) * 2.0 ** -SCALE_SHIFT
+    return torch.where(b == 0, torch.zeros_like(v), v)
+
+
+def padded_codes(weight: torch.Tensor, weight_scale: torch.Tensor, n_pad: int,
+                 k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ModelOpt parts -> (codes uint8 [n_pad, k_pad], scale bytes uint8 [n_pad, k_pad/16]), zero padded,
+    with the codes of zero-scale blocks zeroed (they dequantise to 0 either way)."""
+    n, k2 = weight.shape
+    k = 2 * k2
+    if weight_scale.shape != (n, k // nvfp4.BLOCK):
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} does not match weight {tuple(weight.shape)}")
+    if n_pad < n or k_pad < k or n_pad % TILE_N or k_pad % TILE_K:
+        raise ValueError(f"padding [{n_pad}, {k_pad}] for [{n}, {k}]: need multiples of {TILE_N}, {TILE_K}")
+    codes = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=weight.device)
+    codes[:n, :k] = nvfp4.unpack_e2m1(weight)
+    sb = torch.zeros(n_pad, k_pad // nvfp4.BLOCK, dtype=torch.uint8, device=weight.device)
+    sb[:n, :k // nvfp4.BLOCK] = scale_bytes(weight_scale)
+    codes.view(n_pad, -1, nvfp4.BLOCK)[sb == 0] = 0
+    return codes, sb
+
+
+def _lane_index(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row in tile, k in step) of lane l, register r, half h: [32, 4, 2] each."""
+    lane = torch.arange(32, device=device).view(32, 1, 1)
+    reg = torch.arange(4, device=device).view(1, 4, 1)
+    half = torch.arange(2, device=device).view(1, 1, 2)
+    g, t = lane // 4, lane % 4
+    row = (g + 8 * (reg % 2)).expand(32, 4, 2)
+    kk = 2 * t + 8 * (reg // 2) + half
+    return row, kk
+
+
+def _shifts(device) -> tuple[torch.Tensor, torch.Tensor]:
+    half = torch.arange(2, device=device).view(1, 2) * 16
+    q = torch.tensor(CODE_Q_POS, device=device).view(4, 1) + half
+    s = torch.tensor(CODE_S_POS, device=device).view(4, 1) + half
+    return q, s                                          # [4, 2] bit positions
+
+
+def _to_u32_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int64 words (0..2^32-1) [..., n] -> uint8 [..., 4n] little-endian."""
+    w = words & _U32
+    w = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+    return w.contiguous().view(torch.uint8)
+
+
+def _from_u32_bytes(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4n] little-endian -> int64 words [..., n] in 0..2^32-1."""
+    return b.contiguous().view(torch.int32).to(torch.int64) & _U32
+
+
+def _rotl8(x: torch.Tensor) -> torch.Tensor:
+    return ((x << 8) | (x >> 24)) & _U32
+
+
+def _rotr8(x: torch.Tensor) -> torch.Tensor:
+    return ((x >> 8) | (x << 24)) & _U32
+
+
+def pack_codes(codes: torch.Tensor, sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes uint8 [N, K] (0..15), scale bytes uint8 [N, K/16], N % 16 == 0, K % 64 == 0 ->
+    (codes [N/16, K/64, 32, 16], scales [N/16, K/64, 8, 8]) in the kernel's tile layout."""
+    n, k = codes.shape
+    if n % TILE_N or k % TILE_K or sb.shape != (n, k // nvfp4.BLOCK):
+        raise ValueError(f"pack_codes: codes {tuple(codes.shape)}, scales {tuple(sb.shape)}")
+    nt, kt = n // TILE_N, k // TILE_K
+    dev = codes.device
+    c = codes.view(nt, TILE_N, kt, 4, 16).permute(0, 2, 3, 1, 4)          # [T, KT, j, row, kk]
+    row, kk = _lane_index(dev)
+    sel = c[:, :, :, row, kk].to(torch.int64)                              # [T, KT, j, 32, 4, 2]
+    qs, ss = _shifts(dev)
+    words = (((sel & 7) << qs) | ((sel >> 3) << ss)).sum(dim=(-1, -2))      # disjoint bits: sum = or
+    q = _to_u32_bytes(words.permute(0, 1, 3, 2)).view(nt, kt, 32, 16)      # [T, KT, lane, j] words
+
+    s = sb.view(nt, TILE_N, kt, 4).permute(0, 2, 1, 3).to(torch.int64)    # [T, KT, row, j]
+    lo, hi = s[:, :, :8], s[:, :, 8:]                                      # rows g, g+8: [T, KT, 8, 4]
+    step = lambda j: (lo[..., j] << 4) | (hi[..., j] << 20)               # noqa: E731
+    s0 = step(0) | _rotl8(step(1))
+    s1 = step(2) | _rotl8(step(3))
+    sc = _to_u32_bytes(torch.stack((s0, s1), dim=-1)).view(nt, kt, 8, 8)
+    return q, sc
+
+
+def unpack_codes(q: torch.Tensor, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_codes: -> (codes uint8 [N, K], scale bytes uint8 [N, K/16])."""
+    nt, kt = q.shape[:2]
+    dev = q.device
+    words = _from_u32_bytes(q.view(nt, kt, 32, 16)).permute(0, 1, 3, 2)  # [T, KT, j, lane]
+    qs, ss = _shifts(dev)
+    w = words.unsqueeze(-1).unsqueeze(-1)                                  # [T, KT, j, 32, 1, 1]
+    code = ((w >> qs) & 7) | (((w >> ss) & 1) << 3)                        # [T, KT, j, 32, 4, 2]
+    row, kk = _lane_index(dev)
+    c = torch.zeros(nt, kt, 4, TILE_N, 16, dtype=torch.uint8, device=dev)
+    c[:, :, :, row, kk] = code.to(torch.uint8)
+    codes = c.permute(0, 3, 1, 2, 4).reshape(nt * TILE_N, kt * TILE_K)
+
+    s = _from_u32_bytes(sc.view(nt, kt, 8, 8))                             # [T, KT, g, 2]
+    out = torch.zeros(nt, kt, TILE_N, 4, dtype=torch.int64, device=dev)
+    for p in range(2):
+        for odd, v in ((0, s[..., p]), (1, _rotr8(s[..., p]))):
+            out[:, :, :8, 2 * p + odd] = (v >> 4) & 0xFF
+            out[:, :, 8:, 2 * p + odd] = (v >> 20) & 0xFF
+    sb = out.permute(0, 2, 1, 3).reshape(nt * TILE_N, kt * 4).to(torch.uint8)
+    return codes, sb
+
+
+def dequant_codes(codes: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """codes [N, K], scale bytes [N, K/16] -> fp32 E2M1 * scale (exact, no weight_scale_2)."""
+    n, k = codes.shape
+    vals = nvfp4.E2M1_VALUES.to(codes.device)[codes.long()].view(n, k // nvfp4.BLOCK, nvfp4.BLOCK)
+    return (vals * scale_from_bytes(sb).unsqueeze(-1)).view(n, k)
+
+
+def dequant_packed(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """Packed tiles -> fp32 [N_pad, K_pad] = E2M1 * scale, exact."""
+    return dequant_codes(*unpack_codes(q, sc))
+
+
+def emulate_decode(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """The kernel's decode, bit for bit, in torch: packed tiles -> bf16 [N_pad, K_pad] as the mma sees
+    them (E2M1 * scale * 2^-8). Tests compare it with dequant_packed * 2^-8 to check the bit tricks."""
+    nt, kt = q.shape[:2]
+    dev = q.device
+    w = _from_u32_bytes(q.view(nt, kt, 32, 16)).permute(0, 1, 3, 2)      # [T, KT, j, lane]
+    regs = torch.stack((w & CODE_MASK, (w << 3) & CODE_MASK,
+                        ((w << 6) & CODE_Q) | ((w << 1) & CODE_S),
+                        ((w >> 3) & CODE_Q) | ((w << 2) & CODE_S)), dim=-1) & _U32   # [T, KT, j, lane, reg]
+    s = _from_u32_bytes(sc.view(nt, kt, 8, 8))                             # [T, KT, g, 2]
+    sw = torch.stack((s[..., 0], _rotr8(s[..., 0]), s[..., 1], _rotr8(s[..., 1])), dim=2)   # [T, KT, j, g]
+    scw = (sw & SCALE_MASK) | SCALE_HIGH
+    g = torch.arange(32, device=dev) // 4
+    scw = scw[:, :, :, g]                                                  # [T, KT, j, lane]
+    sc_lo, sc_hi = scw & 0xFFFF, scw >> 16
+    scale = torch.stack((sc_lo, sc_hi, sc_lo, sc_hi), dim=-1)              # reg 0, 2: row g; 1, 3: row g+8
+
+    def bf16_val(bits16):                                                  # bf16 bits -> fp32 value
+        b = (bits16 & 0xFFFF) << 16
+        return torch.where(b >= 2 ** 31, b - 2 ** 32, b).to(torch.int32).view(torch.float32)
+
+    prod = []
+    for h in range(2):                                                     # halves: even k, odd k
+        a = bf16_val(regs >> (16 * h)) * bf16_val(scale)                   # exact in fp32
+        prod.append(a.to(torch.bfloat16))
+    vals = torch.stack(prod, dim=-1)                                       # [T, KT, j, lane, reg, half]
+    row, kk = _lane_index(dev)
+    out = torch.zeros(nt, kt, 4, TILE_N, 16, dtype=torch.bfloat16, device=dev)
+    out[:, :, :, row, kk] = vals
+    return out.permute(0, 3, 1, 2, 4).reshape(nt * TILE_N, kt * TILE_K)
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[I_pad, ...] each -> [2 I_pad, ...]: tile T = gate rows 8T..8T+7, then up rows 8T..8T+7."""
+    i = gate.shape[0]
+    if i % ROW_TILE or up.shape != gate.shape:
+        raise ValueError(f"interleave_gate_up: gate {tuple(gate.shape)}, up {tuple(up.shape)}")
+    rest = gate.shape[1:]
+    return torch.stack((gate.view(i // 8, 8, *rest), up.view(i // 8, 8, *rest)), dim=1).reshape(2 * i, *rest)
+
+
+def deinterleave_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = w.shape[0]
+    v = w.view(n // 16, 2, 8, *w.shape[1:])
+    return v[:, 0].reshape(n // 2, *w.shape[1:]), v[:, 1].reshape(n // 2, *w.shape[1:])
+
+
+def split_fused_gate_up(weight: torch.Tensor, weight_scale: torch.Tensor):
+    """A fused gate_up [2I, H/2] (gate first) -> (gate weight, gate scale, up weight, up scale)."""
+    i = weight.shape[0] // 2
+    return weight[:i], weight_scale[:i], weight[i:], weight_scale[i:]
+
+
+@dataclass
+class PackedExperts:
+    """The owned experts of one layer in the kernel's layout; slot s holds expert experts[s]."""
+    experts: list[int]
+    hidden: int
+    inter: int
+    hidden_pad: int
+    inter_pad: int
+    q_gu: torch.Tensor     # uint8 [E, 2 inter_pad / 16, hidden_pad / 64, 32, 16]
+    s_gu: torch.Tensor     # uint8 [E, 2 inter_pad / 16, hidden_pad / 64, 8, 8]
+    s2_gu: torch.Tensor    # fp32  [E, 2] weight_scale_2 of gate, up
+    q_dn: torch.Tensor     # uint8 [E, hidden_pad / 16, inter_pad / 64, 32, 16]
+    s_dn: torch.Tensor     # uint8 [E, hidden_pad / 16, inter_pad / 64, 8, 8]
+    s2_dn: torch.Tensor    # fp32  [E] down weight_scale_2: NOT applied by the kernel (the scatter's)
+    slot: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.slot:
+            self.slot = {e: i for i, e in enumerate(self.experts)}
+
+    @property
+    def device(self) -> torch.device:
+        return self.q_gu.device
+
+    @property
+    def nbytes(self) -> int:
+        """Packed bytes one full pass over every slot reads (codes + scales)."""
+        return sum(t.numel() for t in (self.q_gu, self.s_gu, self.q_dn, self.s_dn))
+
+    def to(self, device) -> "PackedExperts":
+        mv = lambda t: t.to(device)  # noqa: E731
+        return PackedExperts(list(self.experts), self.hidden, self.inter, self.hidden_pad, self.inter_pad,
+                             mv(self.q_gu), mv(self.s_gu), mv(self.s2_gu), mv(self.q_dn), mv(self.s_dn),
+                             mv(self.s2_dn), dict(self.slot))
+
+    def dense(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 (gate [I, H], up [I, H], down [H, I]) of one slot as E2M1 * scale, no weight_scale_2."""
+        gu = dequant_packed(self.q_gu[slot], self.s_gu[slot])
+        g, u = deinterleave_gate_up(gu)
+        d = dequant_packed(self.q_dn[slot], self.s_dn[slot])
+        return g[:self.inter, :self.hidden], u[:self.inter, :self.hidden], d[:self.hidden, :self.inter]
+
+
+def _parts(lin) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(weight, weight_scale, weight_scale_2) of an NVFP4 Linear (checkpoint.reader.Linear) or a tuple."""
+    if isinstance(lin, (tuple, list)):
+        w, s, s2 = lin
+    else:
+        if getattr(lin, "weight_scale", None) is None:
+            raise ValueError(f"{getattr(lin, 'name', 'linear')}: not NVFP4 (no weight_scale); the NVFP4 "
+                             f"kernel packs NVFP4 experts only")
+        w, s, s2 = lin.weight, lin.weight_scale, lin.weight_scale_2
+    return w, s, float(s2)
+
+
+def pack_experts(experts: Mapping[int, Sequence], hidden: int, inter: int, device=None) -> PackedExperts:
+    """{expert id: (gate, up, down)} of NVFP4 Linears ([I, H], [I, H], [H, I]; each a reader.Linear or
+    (weight, weight_scale, weight_scale_2)) -> PackedExperts, slots in ascending expert id."""
+    if hidden % nvfp4.BLOCK or inter % nvfp4.BLOCK:
+        raise ValueError(f"hidden {hidden}, moe_intermediate {inter}: NVFP4 needs multiples of {nvfp4.BLOCK}")
+    hp, ip = round_up(hidden, TILE_K), round_up(inter, TILE_K)
+    ids = sorted(experts)
+    q_gu, s_gu, s2_gu, q_dn, s_dn, s2_dn = [], [], [], [], [], []
+    for e in ids:
+        (gw, gs, g2), (uw, us, u2), (dw, ds, d2) = (_parts(x) for x in experts[e])
+        for name, w, shape in (("gate", gw, (inter, hidden // 2)), ("up", uw, (inter, hidden // 2)),
+                               ("down", dw, (hidden, inter // 2))):
+            if tuple(w.shape) != shape or w.dtype != torch.uint8:
+                raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} uint8")
+        dev = device if device is not None else gw.device
+        gc, gsb = padded_codes(gw.to(dev), gs.to(dev), ip, hp)
+        uc, usb = padded_codes(uw.to(dev), us.to(dev), ip, hp)
+        q, s = pack_codes(interleave_gate_up(gc, uc), interleave_gate_up(gsb, usb))
+        q_gu.append(q)
+        s_gu.append(s)
+        s2_gu.append(torch.tensor([g2, u2], dtype=torch.float32))
+        q, s = pack_codes(*padded_codes(dw.to(dev), ds.to(dev), hp, ip))
+        q_dn.append(q)
+        s_dn.append(s)
+        s2_dn.append(d2)
+    dev = q_gu[0].device if ids else (device or "cpu")
+    stack = lambda xs, shape: torch.stack(xs) if xs else torch.zeros(shape, dtype=torch.uint8)  # noqa: E731
+    return PackedExperts(
+        ids, hidden, inter, hp, ip,
+        stack(q_gu, (0, 2 * ip // 16, hp // 64, 32, 16)), stack(s_gu, (0, 2 * ip // 16, hp // 64, 8, 8)),
+        (torch.stack(s2_gu) if ids else torch.zeros(0, 2)).to(dev),
+        stack(q_dn, (0, hp // 16, ip // 64, 32, 16)), stack(s_dn, (0, hp // 16, ip // 64, 8, 8)),
+        torch.tensor(s2_dn, dtype=torch.float32, device=dev))

@@ -1,0 +1,201 @@
+"""Routed-expert kernel benchmark (GPU): 64 NVFP4 experts of the GLM-5.3-Flash shape (hidden 4096,
+moe_intermediate 2048, swiglu_limit 10), R rows per expert, against the device copy bandwidth and
+torch's BF16 grouped GEMM on the same experts (dequantised to bf16).
+
+    python scripts/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--reps 20] [--profile]
+
+Checks first (ours against the bf16 path on the same weights), then one table:
+rows/expert, ours us (median, CUDA events), ours GB/s (packed weight bytes / time), % of copy BW,
+grouped_mm us, speed-up; plus the whole op with its plan upload ("op us"). Copy BW is a torch
+device-to-device copy of a few GB, counting read + write.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from rocket_mpi import kernels  # noqa: E402
+from rocket_mpi.kernels.pack import PackedExperts  # noqa: E402
+
+HIDDEN, INTER, LIMIT = 4096, 2048, 10.0
+TARGET_PCT, TARGET_SPEEDUP, TARGET_MAX_ROWS = 85.0, 4.0, 16
+
+
+def median_us(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, reps: int) -> float:
+    """GB/s of dst.copy_(src), counting bytes read + written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def random_experts(n: int, seed: int) -> PackedExperts:
+    """Random packed experts (any 4-bit code is valid; scale bytes 136..175 are e4m3 scales 2^-4..1.9);
+    weight_scale_2 = 1 so the bf16 baseline multiplies the very same weights."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hp, ip = HIDDEN, INTER
+    r = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)  # noqa: E731
+    s = lambda *shape: torch.randint(136, 176, shape, dtype=torch.uint8, device="cuda", generator=g)  # noqa: E731
+    return PackedExperts(list(range(n)), HIDDEN, INTER, hp, ip,
+                         r(n, 2 * ip // 16, hp // 64, 32, 16), s(n, 2 * ip // 16, hp // 64, 8, 8),
+                         torch.ones(n, 2, device="cuda"),
+                         r(n, hp // 16, ip // 64, 32, 16), s(n, hp // 16, ip // 64, 8, 8),
+                         torch.ones(n, device="cuda"))
+
+
+def bf16_weights(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, 2I, H] (gate/up interleaved by 8 as packed) and [E, H, I] bf16, the exact E2M1 * scale."""
+    n = len(p.experts)
+    w_gu = torch.empty(n, 2 * INTER, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    w_dn = torch.empty(n, HIDDEN, INTER, dtype=torch.bfloat16, device="cuda")
+    for e in range(n):  # the kernel's decode gives E2M1 * scale * 2^-8; * 256 is exact
+        w_gu[e] = kernels.dequant_packed_cuda(p.q_gu[e], p.s_gu[e]) * 256
+        w_dn[e] = kernels.dequant_packed_cuda(p.q_dn[e], p.s_dn[e]) * 256
+    return w_gu, w_dn
+
+
+def make_bf16_path(w_gu, w_dn, rows: int):
+    """torch's BF16 grouped GEMM (torch._grouped_mm), SwiGLU as rocket_mpi/moe/experts.py; falls back to a
+    per-expert F.linear loop where _grouped_mm is missing."""
+    n = w_gu.shape[0]
+    offs = torch.arange(rows, rows * n + 1, rows, dtype=torch.int32, device="cuda")
+    gu_t, dn_t = w_gu.transpose(-2, -1), w_dn.transpose(-2, -1)
+
+    def swiglu(gu):
+        v = gu.view(gu.shape[0], INTER // 8, 2, 8)
+        gate = v[:, :, 0].reshape(-1, INTER).clamp(max=LIMIT)
+        up = v[:, :, 1].reshape(-1, INTER).clamp(-LIMIT, LIMIT)
+        return F.silu(gate) * up
+
+    def grouped(x):
+        h = swiglu(torch._grouped_mm(x, gu_t, offs=offs, out_dtype=torch.bfloat16))
+        return torch._grouped_mm(h, dn_t, offs=offs, out_dtype=torch.bfloat16)
+
+    def loop(x):
+        out = torch.empty(x.shape[0], HIDDEN, dtype=torch.bfloat16, device="cuda")
+        for e in range(n):
+            xe = x[e * rows:(e + 1) * rows]
+            out[e * rows:(e + 1) * rows] = F.linear(swiglu(F.linear(xe, w_gu[e])), w_dn[e])
+        return out
+
+    try:
+        grouped(torch.zeros(rows * n, HIDDEN, dtype=torch.bfloat16, device="cuda"))
+        return grouped, "torch._grouped_mm"
+    except (AttributeError, RuntimeError) as e:
+        print(f"note: torch._grouped_mm unavailable ({str(e).splitlines()[0]}); baseline is a per-expert F.linear loop")
+        return loop, "F.linear loop"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--copy-gb", type=float, default=2.0, help="size of each copy buffer")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of ours at 8 rows (torch.profiler)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not kernels.available():
+        sys.exit(f"bench_experts: needs a GPU and the extension: {kernels.unavailable_reason()}")
+
+    prop = torch.cuda.get_device_properties(0)
+    print(f"device: {prop.name}, {prop.multi_processor_count} SMs, {prop.total_memory / 2**30:.0f} GiB; "
+          f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    copy_bw = copy_bandwidth(int(args.copy_gb * 2**30), args.reps)
+    p = random_experts(args.experts, seed=0)
+    wbytes = p.nbytes
+    roof_us = wbytes / (copy_bw * 1e9) * 1e6
+    print(f"{args.experts} NVFP4 experts of hidden {HIDDEN}, moe_intermediate {INTER}: {wbytes / 1e6:.0f} MB packed "
+          f"(bf16: {args.experts * 3 * HIDDEN * INTER * 2 / 1e6:.0f} MB); copy BW {copy_bw:.0f} GB/s (read + write) "
+          f"-> roofline {roof_us:.0f} us")
+    w_gu, w_dn = bf16_weights(p)
+
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for rows in rows_list:
+        n = args.experts
+        segs = [(e, e * rows, (e + 1) * rows) for e in range(n)]
+        x = (torch.randn(rows * n, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+        plan, tiles, groups, n_rows = kernels.launch_plan(segs, 0, p.slot)
+        launch = (x, None, plan.cuda(), tiles, groups, n_rows, p, LIMIT)
+        base_fn, base_name = make_bf16_path(w_gu, w_dn, rows)
+        # correctness first: the same weights, the same SwiGLU; only the fp32 summation order differs
+        a, b = kernels.nvfp4_experts_planned(*launch).float(), base_fn(x).float()
+        err = float((a - b).norm() / b.norm())
+        if not err < 2.0 ** -6:
+            print(f"rows/expert {rows}: ours vs {base_name}: relative error {err:.2e} EXCEEDS {2.0 ** -6:.2e}")
+        t_ours = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), args.reps)
+        t_op = median_us(functools.partial(kernels.nvfp4_experts, x, segs, p, 0, None, LIMIT), args.reps)
+        t_base = median_us(functools.partial(base_fn, x), args.reps)
+        results.append((rows, t_ours, t_op, t_base, err))
+        del x
+
+    print()
+    print(f"| rows/expert | ours us | ours GB/s | % of copy BW | {base_name} us | speed-up | op us | rel err |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rows, t_ours, t_op, t_base, err in results:
+        gbs = wbytes / (t_ours * 1e-6) / 1e9
+        print(f"| {rows} | {t_ours:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | {t_base:.1f} | "
+              f"{t_base / t_ours:.2f}x | {t_op:.1f} | {err:.1e} |")
+    print(f"\ncopy BW {copy_bw:.0f} GB/s; roofline {roof_us:.0f} us for {wbytes / 1e6:.0f} MB. Targets: >= "
+          f"{TARGET_PCT:.0f}% of copy BW up to {TARGET_MAX_ROWS} rows/expert, >= {TARGET_SPEEDUP:.0f}x {base_name}.")
+    for rows, t_ours, _, t_base, _ in results:
+        pct = 100 * wbytes / (t_ours * 1e-6) / 1e9 / copy_bw
+        ok_bw = pct >= TARGET_PCT or rows > TARGET_MAX_ROWS
+        ok_sp = t_base / t_ours >= TARGET_SPEEDUP or rows > TARGET_MAX_ROWS
+        print(f"  rows/expert {rows:>3}: BW {'met' if ok_bw else 'MISSED'} ({pct:.1f}%), speed-up "
+              f"{'met' if ok_sp else 'MISSED'} ({t_base / t_ours:.2f}x)")
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        rows = 8
+        segs = [(e, e * rows, (e + 1) * rows) for e in range(args.experts)]
+        x = torch.randn(rows * args.experts, HIDDEN, device="cuda").to(torch.bfloat16)
+        for _ in range(3):
+            kernels.nvfp4_experts(x, segs, p, 0, None, LIMIT)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                kernels.nvfp4_experts(x, segs, p, 0, None, LIMIT)
+            torch.cuda.synchronize()
+        print(f"\nper-kernel times at {rows} rows/expert (10 calls):")
+        stage_bytes = {"experts_gemm_kernel<true>": p.q_gu.numel() + p.s_gu.numel(),
+                       "experts_gemm_kernel<false>": p.q_dn.numel() + p.s_dn.numel(), "prep_rows_kernel": 0}
+        for evt in prof.key_averages():
+            us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+            if not evt.count or not us:
+                continue
+            us /= evt.count
+            stage = next((k for k in stage_bytes if k in evt.key), None)
+            extra = ""
+            if stage and stage_bytes[stage]:
+                gbs = stage_bytes[stage] / (us * 1e-6) / 1e9
+                extra = f"  {stage_bytes[stage] / 1e6:.0f} MB -> {gbs:.0f} GB/s = {100 * gbs / copy_bw:.1f}% of copy BW"
+            print(f"  {us:9.1f} us x{evt.count:<4} {evt.key[:90]}{extra}")
+
+
+if __name__ == "__main__":
+    main()

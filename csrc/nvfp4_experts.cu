@@ -111,7 +111,8 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + lane * 16;
     sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + (lane >> 2) * 8;
   }
-  const uint64_t policy = dev::l2_evict_first_policy();
+  // No L2 evict-first hint here: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an
+  // LDGSTS whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
   char* s_codes = smem_warp + lane * 16;
   char* s_scales = smem_warp + kStageCodes + lane * 8;
 
@@ -119,7 +120,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     const int st = kt & (kStages - 1);
 #pragma unroll
     for (int i = 0; i < kFT; ++i) {
-      dev::cp_async_16_stream(s_codes + st * kStageBytes + i * 512, qp[i], policy);
+      dev::cp_async_16(s_codes + st * kStageBytes + i * 512, qp[i]);
       dev::cp_async_8(s_scales + st * kStageBytes + i * 256, sp[i]);
       qp[i] += kTileCodeBytes;
       sp[i] += kTileScaleBytes;

@@ -95,14 +95,16 @@ class Engine:
         model_cls = family(self.cfg.model_type).MODEL
         self.model = model_cls.load(self.reader)
         prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
-        self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank),
-                                                prefix(self.reader, layer))
-                        for layer in self.cfg.moe_layers}
         self.device = torch.device(device)
+        self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank),
+                                                prefix(self.reader, layer), self.device)
+                        for layer in self.cfg.moe_layers}
         if self.device.type != "cpu":
             self.model.to(self.device)
             for store in self.experts.values():
                 store.to(self.device)
+        self._cuda_scatter = self.device.type == "cuda" and os.environ.get("ROCKET_KERNELS") != "0" and \
+            __import__("rocket_mpi.kernels", fromlist=["available"]).available()
         self.load_seconds = time.perf_counter() - t0
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
         self.seq = 0
@@ -149,6 +151,9 @@ class Engine:
         self._rows_owned += hi - lo
         self._rows_total += plan.rows
         self._expert_bytes += len(plan.segments[self.rank]) * store.read_bytes_per_expert
+        if rows.device.type == "cuda" and self._cuda_scatter:
+            from rocket_mpi import kernels  # bitwise the torch reference (tests/test_kernels.py), fewer launches
+            return kernels.moe_scatter_add(rows, plan.by_token, plan.coef)
         return moe_scatter_add(rows, plan.by_token, plan.coef)
 
     def _inject(self, kind: str, block: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
 
 import torch
 

@@ -32,7 +32,7 @@ build_ok=0
   ROCKET_PTXAS_VERBOSE=1 MAX_JOBS=4 "$PY" setup.py build_ext --inplace \
     || ROCKET_PTXAS_VERBOSE=1 MAX_JOBS=4 "$PY" -m pip install --no-deps --no-build-isolation -e .
 } > "$OUT/build.log" 2>&1
-if "$PY" -c "import rocket_mpi._C" >> "$OUT/build.log" 2>&1; then
+if "$PY" -c "import torch, rocket_mpi._C" >> "$OUT/build.log" 2>&1; then
   build_ok=1
   log "build ok: $(ls rocket_mpi/_C*.so 2>/dev/null | head -1)"
   grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -20 | tee -a "$OUT/summary.log"

@@ -4,7 +4,7 @@
 set -u
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-steps=${*:-check fire decode hf}
+steps=${*:-check build kernels fire decode hf}
 PRESET=${PRESET:-air8}
 run() { local name=$1; shift; echo "=== $name: $*"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
 for s in $steps; do case $s in
@@ -12,12 +12,21 @@ check)
   nvidia-smi -L; nvidia-smi topo -m | head -5
   python3 -c "import torch, mpi4py, transformers, safetensors, tokenizers; from cuda.bindings import driver; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'mpi4py', mpi4py.__version__, 'transformers', transformers.__version__)"
   mpirun --version | head -1 ;;
+build)
+  T=300 run build env ROCKET_CUDA_ARCHS=90 MAX_JOBS=8 python3 setup.py build_ext --inplace
+  python3 -c "import torch, rocket_mpi.kernels as k; print('kernels available:', k.available(), k.unavailable_reason() if not k.available() else '')" ;;
+kernels)
+  T=120 run kernels python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ;;
+fire_kernel)
+  T=240 run fire_ipc_nvfp4_kernel python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 12
+  T=240 run fire_nccl_nvfp4_kernel python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric nccl --sweep 1,8 --tokens 12 ;;
 fire)
   T=240 run fire_nccl python3 -m rocket_mpi static-fire --checkpoint preset:default --ranks 2 --device cuda --fabric nccl --sweep 1,8 --tokens 12
   T=240 run fire_ipc python3 -m rocket_mpi static-fire --checkpoint preset:default --ranks 2 --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 12
   T=240 run fire_ipc_nvfp4 python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 12 ;;
 decode)
-  for q in "" ":nvfp4"; do
+  for q in ${VARIANTS:-:nvfp4 bf16}; do
+    [ "$q" = bf16 ] && q=""
     T=300 run "decode1${q#:}" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --sweep 1,8 --tokens 16
     T=300 run "decode2${q#:}" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 16
   done ;;

@@ -28,14 +28,18 @@ class ExpertStore:
         self.packed_bytes = packed_bytes
         self.swiglu_limit = swiglu_limit
         # bytes one expert's weights cost to read per launch on the path compute() takes (dense BF16 here)
+        self.packed = None           # rocket_mpi.kernels.PackedExperts when the CUDA kernel runs them
         self.read_bytes_per_expert = 0
-        if owned:
+        if owned and gate_up:
             e = owned[0]
             self.read_bytes_per_expert = (gate_up[e].numel() + down[e].numel()) * gate_up[e].element_size()
 
     @classmethod
-    def load(cls, reader: CheckpointReader, layer: int, owned: list[int], prefix: str | None = None) -> "ExpertStore":
-        """`prefix`: the experts' tensor-name prefix (default model.layers.{layer}.mlp.experts)."""
+    def load(cls, reader: CheckpointReader, layer: int, owned: list[int], prefix: str | None = None,
+             device=None) -> "ExpertStore":
+        """`prefix`: the experts' tensor-name prefix (default model.layers.{layer}.mlp.experts).
+        On a GPU with the CUDA extension built, NVFP4 experts stay packed and run in the batch-invariant
+        kernel (rocket_mpi.kernels); otherwise they are dequantised to BF16 for the torch reference."""
         cfg = reader.config
         h, i, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         pre = prefix or f"model.layers.{layer}.mlp.experts"
@@ -44,23 +48,38 @@ class ExpertStore:
             name = f"{pre}.{e}.down_proj.weight_scale_2"
             if name in reader:
                 s2[e] = float(reader.get(name, None, (torch.float32,), finite=True).reshape(()))
-        gate_up, down, nbytes = {}, {}, 0
+        gate_up, down, nbytes, raw = {}, {}, 0, {}
+        use_kernel = _kernel_path(device)
         for e in owned:
             g = reader.linear(f"{pre}.{e}.gate_proj", i, h)
             u = reader.linear(f"{pre}.{e}.up_proj", i, h)
             d = reader.linear(f"{pre}.{e}.down_proj", h, i)
+            if use_kernel and g.nvfp4 and u.nvfp4 and d.nvfp4:
+                raw[e] = (g, u, d)
+                nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
+                continue
             gate_up[e] = torch.cat((g.dense(), u.dense()), dim=0)
             down[e] = d.dense(with_global_scale=False)
             if d.nvfp4 and float(d.weight_scale_2) != float(s2[e]):
                 raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
             nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
-        return cls(layer, owned, gate_up, down, s2, nbytes, cfg.swiglu_limit)
+        store = cls(layer, owned, gate_up, down, s2, nbytes, cfg.swiglu_limit)
+        if raw:
+            if len(raw) != len(owned):
+                raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
+            from rocket_mpi import kernels
+            store.packed = kernels.pack_experts(raw, h, i, device=device)
+            store.read_bytes_per_expert = nbytes // max(len(owned), 1)
+        return store
 
     def compute(self, x: torch.Tensor, tokens: torch.Tensor, segments: list[tuple[int, int, int]],
                 base: int) -> torch.Tensor:
         """Rows of this rank's block: x [T, H]; segments (expert, start, end) in canonical row indices
         starting at `base`. Returns [end-base, H] BF16 without s2_down."""
         n = (segments[-1][2] - base) if segments else 0
+        if self.packed is not None and n:
+            from rocket_mpi import kernels
+            return kernels.nvfp4_experts(x, segments, self.packed, base, tokens[base:base + n], self.swiglu_limit)
         out = torch.empty(n, x.shape[1], dtype=torch.bfloat16, device=x.device)
         for e, start, end in segments:
             xe = x[tokens[start:end]]                                        # [n_e, H]
@@ -72,9 +91,22 @@ class ExpertStore:
         return out
 
     def to(self, device) -> "ExpertStore":
+        if self.packed is not None and self.packed.device != torch.device(device):
+            raise AssertionError("packed experts are built on their device")
         self.gate_up = {e: t.to(device) for e, t in self.gate_up.items()}
         self.down = {e: t.to(device) for e, t in self.down.items()}
         return self
 
     def resident_bytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes()
         return sum(t.numel() * t.element_size() for t in list(self.gate_up.values()) + list(self.down.values()))
+
+
+def _kernel_path(device) -> bool:
+    """NVFP4 experts run in the CUDA kernel on a GPU where the extension is built (ROCKET_KERNELS=0: never)."""
+    import os
+    if device is None or torch.device(device).type != "cuda" or os.environ.get("ROCKET_KERNELS") == "0":
+        return False
+    from rocket_mpi import kernels
+    return kernels.available()

@@ -99,7 +99,7 @@ class ExpertStore:
 
     def resident_bytes(self) -> int:
         if self.packed is not None:
-            return self.packed.nbytes()
+            return self.packed.nbytes
         return sum(t.numel() * t.element_size() for t in list(self.gate_up.values()) + list(self.down.values()))
 
 

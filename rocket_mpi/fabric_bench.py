@@ -82,7 +82,9 @@ def _pos_int(s: str) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("fabric-bench", help="transport table of a fabric (run under mpiexec -n 2)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fabric", default="auto", choices=("auto", "shm", "mpi", "verbs"))
+    p.add_argument("--fabric", default="auto", choices=("auto", "shm", "mpi", "verbs", "cuda-ipc", "nccl"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: rows live on each rank's GPU (cuda-ipc, nccl); pingpong only")
     p.add_argument("--rails", help="verbs: device[:port],... or a count of ACTIVE ports; shm: a count of virtual rails")
     p.add_argument("--gid-index", type=int, default=None, help="verbs: GID index (default: RoCE v2 IPv4)")
     p.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
@@ -131,8 +133,12 @@ def _bench(args, comm) -> int:
     from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
     from rocket_mpi.run import _collective
 
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        from rocket_mpi.run import _pick_device
+        device = _pick_device("cuda", comm)
     with watchdog(comm, args.timeout, "choosing the fabric"):
-        name = choose(args.fabric, comm, "cpu")
+        name = choose(args.fabric, comm, args.device)
 
     def precheck():
         if args.perftest:  # first: without perftest or a device there is nothing to compare, whatever the fabric
@@ -141,7 +147,7 @@ def _bench(args, comm) -> int:
                 raise FabricError(f"--perftest: nothing to compare: {why}")
             if name != "verbs":
                 raise FabricError(f"--perftest compares ib_write_bw/ib_write_lat with --fabric verbs, not {name}")
-        fabric_precheck(name)
+        fabric_precheck(name, args.device)
         if args.rails and name not in ("shm", "verbs"):
             raise FabricError(f"--rails applies to --fabric shm or verbs, not {name}")
         if name == "shm" and args.rails and not args.rails.isdigit():
@@ -153,9 +159,10 @@ def _bench(args, comm) -> int:
         rails = int(args.rails) if name == "shm" else args.rails.split(",")
     max_rows = 4 * max(args.sizes) // ROW  # pingpong needs 2 messages per slot, a stream a ring of >= 4
     with watchdog(comm, max(args.timeout, 60.0), f"setting up fabric {name}"):
-        fab = make_fabric(name, comm, max_rows, HIDDEN, args.timeout, rails, args.split_min, args.gid_index)
+        fab = make_fabric(name, comm, max_rows, HIDDEN, args.timeout, rails, args.split_min, args.gid_index,
+                          device)
     try:
-        bench = Bench(fab, comm, args.timeout)
+        bench = Bench(fab, comm, args.timeout, device)
         results = [bench.measure(n, iters_for(n, args.iters), args.reps) for n in args.sizes]
         cmp = run_perftest(comm, fab, args.sizes, args.perftest_iters, args.timeout) if args.perftest else None
     finally:
@@ -197,8 +204,9 @@ def pattern(nbytes: int, sender: int) -> torch.Tensor:
 class Bench:
     """Both ranks run the same calls in the same order; `seq` stays in step on both."""
 
-    def __init__(self, fab, comm, timeout: float):
+    def __init__(self, fab, comm, timeout: float, device=torch.device("cpu")):
         self.fab, self.comm, self.timeout = fab, comm, timeout
+        self.device = device  # a GPU fabric: blocks on the GPU, exchanges only (no one-sided streams)
         self.rank, self.peer = comm.rank, 1 - comm.rank
         self.seq = 0
         self.doorbell = isinstance(fab, DoorbellFabric)
@@ -240,6 +248,22 @@ class Bench:
         stride = -(-nbytes // 64) * 64
         return torch.from_numpy(tx), torch.from_numpy(rx), stride, len(tx) // stride
 
+    def pingpong(self, nbytes: int, iters: int, reps: int) -> float:
+        """Median us of one symmetric exchange in flight (what a decode step blocks on per MoE layer)."""
+        block = pattern(nbytes, self.rank).view(torch.bfloat16).view(nbytes // ROW, HIDDEN).to(self.device)
+        for i in range(3):  # warm the path
+            self.exchange(nbytes, block, i)
+        ping = []
+        for _ in range(reps):
+            self.sync("a pingpong repetition")
+            t0 = time.perf_counter()
+            for i in range(iters):
+                self.exchange(nbytes, block, i)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            ping.append((time.perf_counter() - t0) / iters)
+        return statistics.median(ping) * 1e6
+
     def mpi_rings(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
         if nbytes not in self._mpi_rings:
             stride = -(-nbytes // 64) * 64
@@ -250,13 +274,15 @@ class Bench:
     def check(self, nbytes: int) -> None:
         """Before timing: exchanged rows and streamed messages arrive as the bytes that were sent."""
         r = nbytes // ROW
-        block = pattern(nbytes, self.rank).view(torch.bfloat16).view(r, HIDDEN)
+        block = pattern(nbytes, self.rank).view(torch.bfloat16).view(r, HIDDEN).to(self.device)
         rows = self.exchange(nbytes, block, 0)
-        got = rows[self.peer * r:(self.peer + 1) * r].reshape(-1).view(torch.uint8)
+        got = rows[self.peer * r:(self.peer + 1) * r].reshape(-1).view(torch.uint8).cpu()
         if not torch.equal(got, pattern(nbytes, self.peer)):
             raise FabricError(f"rank {self.rank}: fabric {self.fab.name}: the {nbytes}-byte block exchanged from "
                               f"rank {self.peer} differs from what it sent")
         self.sync("the exchange check")
+        if self.device.type != "cpu":
+            return
         for mode, send, recv in (("oneway", self.rank == 0, self.rank == 1), ("duplex", True, True)):
             tx, rx, stride, depth = self.rings(nbytes)
             if send:
@@ -275,6 +301,10 @@ class Bench:
     def measure(self, nbytes: int, iters: int, reps: int) -> dict:
         self.check(nbytes)
         out = {"bytes": nbytes}
+        if self.device.type != "cpu":  # GPU fabrics: the round trip a decode step blocks on, nothing else
+            out["oneway_gbs"] = out["duplex_gbs"] = float("nan")
+            out["pingpong_us"] = self.pingpong(nbytes, iters, reps)
+            return out
         oneway = []
         for _ in range(reps):
             self.sync("a oneway repetition")
@@ -286,17 +316,7 @@ class Bench:
                 self.sync("a one-rail repetition")
                 one.append(self.stream(nbytes, iters, self.rank == 0, self.rank == 1, rails=1))
             out["one_rail_gbs"] = nbytes * iters / statistics.median(one) / 1e9
-        block = pattern(nbytes, self.rank).view(torch.bfloat16).view(nbytes // ROW, HIDDEN)
-        for i in range(3):  # warm the path
-            self.exchange(nbytes, block, i)
-        ping = []
-        for _ in range(reps):
-            self.sync("a pingpong repetition")
-            t0 = time.perf_counter()
-            for i in range(iters):
-                self.exchange(nbytes, block, i)
-            ping.append((time.perf_counter() - t0) / iters)
-        out["pingpong_us"] = statistics.median(ping) * 1e6
+        out["pingpong_us"] = self.pingpong(nbytes, iters, reps)
         duplex = []
         for _ in range(reps):
             self.sync("a duplex repetition")
@@ -377,6 +397,7 @@ def format_table(results: list[dict], header: str) -> str:
     if any("one_rail_gbs" in r for r in results):
         cols.append(("1-rail GB/s", "one_rail_gbs"))
     cols += [("pingpong us", "pingpong_us"), ("duplex GB/s", "duplex_gbs")]
+    cols = [c for c in cols if not all(r[c[1]] != r[c[1]] for r in results)]  # all NaN: not measured (GPU)
     lines = [f"fabric-bench: {header}", f"{'message':>9}  " + "  ".join(f"{c[0]:>12}" for c in cols)]
     for r in results:
         lines.append(f"{human(r['bytes']):>9}  " + "  ".join(f"{num(r[key]):>12}" for _, key in cols))

@@ -30,6 +30,12 @@ decode)
     T=300 run "decode1${q#:}" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --sweep 1,8 --tokens 16
     T=300 run "decode2${q#:}" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 16
   done ;;
+fabbench)
+  for f in cuda-ipc nccl; do
+    T=200 run "fabbench_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --sizes 2K..4M --reps 3 --iters 200
+  done ;;
+experts)
+  T=200 run bench_experts python3 scripts/bench_experts.py ;;
 hf)
   T=400 run hf python3 scripts/bench_gpu.py --preset "$PRESET" --sweep 1,8 --tokens 16 ;;
 esac; done

@@ -275,7 +275,9 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
   const int pp = int(rest % pairs), tile = int(rest / pairs);
   int64_t src = pad_rows[tile * kRowTile + g];
   if (src >= 0 && row_index != nullptr) src = row_index[src];
-  const bool valid = src >= 0 && src < x_rows;  // the binding checked indices; never read past x
+  // row_index values live on the device and are not checked by the binding (that would sync): an
+  // out-of-range index reads as a zero row instead of past x. Without row_index, x_rows >= rows (checked).
+  const bool valid = src >= 0 && src < x_rows;
   uint32_t v[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {

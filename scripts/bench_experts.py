@@ -2,11 +2,18 @@
 moe_intermediate 2048, swiglu_limit 10), R rows per expert, against the device copy bandwidth and
 torch's BF16 grouped GEMM on the same experts (dequantised to bf16).
 
-    python scripts/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--reps 20] [--profile]
+    python scripts/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--topk 8] [--reps 20] [--profile]
 
-Checks first (ours against the bf16 path on the same weights), then one table:
-rows/expert, ours us (median, CUDA events), ours GB/s (packed weight bytes / time), % of copy BW,
-grouped_mm us, speed-up; plus the whole op with its plan upload ("op us"). Copy BW is a torch
+The kernel is called as the engine calls it (rocket_mpi/engine.py -> ExpertStore.compute ->
+kernels.nvfp4_experts): x is the tokens' hidden states [T, H], T = experts * R / topk, each token routed
+to topk distinct experts so that every expert gets R rows; rocket_mpi.moe.rows.plan_rows gives the
+canonical rows, and the kernel gathers them through row_index = tokens[lo:hi] of this (single) rank's block.
+
+Checks first (ours against the bf16 path on the same weights and the same gathered rows; NaN/inf on
+either side is reported by side), then one table: rows/expert, ours us (median, CUDA events: the three
+kernels, plan and row_index already on the device), ours GB/s (packed weight bytes / time), % of copy BW,
+grouped_mm us (including its x[tokens] gather, as the torch path of the engine gathers too), speed-up;
+plus the whole engine call with its host plan and upload ("op us"). Copy BW is a torch
 device-to-device copy of a few GB, counting read + write.
 """
 from __future__ import annotations
@@ -24,7 +31,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from rocket_mpi import kernels  # noqa: E402
+from rocket_mpi.kernels import pack  # noqa: E402
 from rocket_mpi.kernels.pack import PackedExperts  # noqa: E402
+from rocket_mpi.moe.rows import plan_rows  # noqa: E402
 
 HIDDEN, INTER, LIMIT = 4096, 2048, 10.0
 TARGET_PCT, TARGET_SPEEDUP, TARGET_MAX_ROWS = 85.0, 4.0, 16
@@ -53,18 +62,66 @@ def copy_bandwidth(nbytes: int, reps: int) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+def random_packed(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One random NVFP4 matrix [n, k] in the kernel's layout: uniform 4-bit codes and e4m3 block scales
+    2^-4..1.875 (e4m3 bytes 24..63), packed by pack.pack_codes. The packed scale words must come from
+    pack_codes: their bytes are not the scale bytes (nibble-shifted, rotated), and random bytes there
+    decode to bf16 exponent 255, i.e. inf/NaN weights."""
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda", generator=g)
+    e4m3 = torch.randint(24, 64, (n, k // 16), dtype=torch.uint8, device="cuda", generator=g)
+    return pack.pack_codes(codes, pack.scale_bytes(e4m3.view(torch.float8_e4m3fn)))
+
+
 def random_experts(n: int, seed: int) -> PackedExperts:
-    """Random packed experts (any 4-bit code is valid; scale bytes 136..175 are e4m3 scales 2^-4..1.9);
-    weight_scale_2 = 1 so the bf16 baseline multiplies the very same weights."""
+    """Random packed experts (valid codes and scales, see random_packed); weight_scale_2 = 1 so the bf16
+    baseline multiplies the very same weights."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     hp, ip = HIDDEN, INTER
-    r = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)  # noqa: E731
-    s = lambda *shape: torch.randint(136, 176, shape, dtype=torch.uint8, device="cuda", generator=g)  # noqa: E731
+    gu = [random_packed(2 * ip, hp, g) for _ in range(n)]
+    dn = [random_packed(hp, ip, g) for _ in range(n)]
     return PackedExperts(list(range(n)), HIDDEN, INTER, hp, ip,
-                         r(n, 2 * ip // 16, hp // 64, 32, 16), s(n, 2 * ip // 16, hp // 64, 8, 8),
+                         torch.stack([q for q, _ in gu]), torch.stack([s for _, s in gu]),
                          torch.ones(n, 2, device="cuda"),
-                         r(n, hp // 16, ip // 64, 32, 16), s(n, hp // 16, ip // 64, 8, 8),
+                         torch.stack([q for q, _ in dn]), torch.stack([s for _, s in dn]),
                          torch.ones(n, device="cuda"))
+
+
+def routing(n_exp: int, rows: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router output (experts [T, topk] int64, weights [T, topk] fp32) on the CPU, as engine.moe has it:
+    every token picks topk distinct experts, every expert gets exactly `rows` tokens, tokens shuffled."""
+    total = n_exp * rows
+    if topk > n_exp or total % topk:
+        raise ValueError(f"--topk {topk}: needs topk <= experts ({n_exp}) and experts * rows ({total}) % topk == 0")
+    t = total // topk
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.arange(total)
+    tok = torch.randperm(t, generator=gen)[q // topk]    # q and q + n_exp (same expert) are different tokens
+    experts = torch.empty(t, topk, dtype=torch.long)
+    experts[tok, q % topk] = q % n_exp                   # topk consecutive q: topk distinct experts
+    weights = torch.rand(t, topk, generator=gen)
+    return experts, weights / weights.sum(-1, keepdim=True)
+
+
+def engine_call(p: PackedExperts):
+    """fn(x, tokens, segments, lo) -> this rank's block, the engine's exact call: ExpertStore.compute
+    with the experts packed (-> kernels.nvfp4_experts(x, segments, packed, lo, tokens[lo:lo + n], limit));
+    where rocket_mpi.moe.experts cannot be imported (safetensors missing), that same line."""
+    try:
+        from rocket_mpi.moe.experts import ExpertStore
+    except ImportError as e:
+        print(f"note: ExpertStore unavailable ({e}); calling kernels.nvfp4_experts as ExpertStore.compute does")
+
+        def call(x, tokens, segs, lo):
+            n = (segs[-1][2] - lo) if segs else 0
+            return kernels.nvfp4_experts(x, segs, p, lo, tokens[lo:lo + n], LIMIT)
+        return call
+    store = ExpertStore(0, list(p.experts), {}, {}, torch.ones(len(p.experts)), p.nbytes, LIMIT)
+    store.packed = p
+    return store.compute
+
+
+def nonfinite(t: torch.Tensor) -> int:
+    return int((~torch.isfinite(t)).sum())
 
 
 def bf16_weights(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +171,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--topk", type=int, default=8, help="experts per token (T = experts * rows / topk tokens)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--copy-gb", type=float, default=2.0, help="size of each copy buffer")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of ours at 8 rows (torch.profiler)")
@@ -133,25 +191,51 @@ def main():
           f"-> roofline {roof_us:.0f} us")
     w_gu, w_dn = bf16_weights(p)
 
+    bad_w = nonfinite(w_gu) + nonfinite(w_dn)
+    if bad_w:
+        print(f"WARNING: {bad_w} non-finite bf16 weights (the packed experts decode to inf/NaN)")
+    compute = engine_call(p)
+
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
     for rows in rows_list:
         n = args.experts
-        segs = [(e, e * rows, (e + 1) * rows) for e in range(n)]
-        x = (torch.randn(rows * n, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
-        plan, tiles, groups, n_rows = kernels.launch_plan(segs, 0, p.slot)
-        launch = (x, None, plan.cuda(), tiles, groups, n_rows, p, LIMIT)
+        experts, weights = routing(n, rows, args.topk, seed=rows)
+        plan = plan_rows(experts, weights, torch.zeros(n, dtype=torch.long), torch.ones(n), 1)
+        segs = plan.segments[0]
+        lo, hi = plan.block(0)
+        tokens = plan.tokens.cuda()                      # engine.moe moves plan.tokens to x's device
+        x = (torch.randn(experts.shape[0], HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)   # [T, H]
+        if segs != [(e, lo + e * rows, lo + (e + 1) * rows) for e in range(n)]:
+            raise AssertionError(f"routing: expected {rows} canonical rows per expert in expert order, got {segs}")
+        lp, tiles, groups, n_rows = kernels.launch_plan(segs, lo, p.slot)
+        row_index = tokens[lo:hi].contiguous()
+        launch = (x, row_index, lp.cuda(), tiles, groups, n_rows, p, LIMIT)
         base_fn, base_name = make_bf16_path(w_gu, w_dn, rows)
-        # correctness first: the same weights, the same SwiGLU; only the fp32 summation order differs
-        a, b = kernels.nvfp4_experts_planned(*launch).float(), base_fn(x).float()
-        err = float((a - b).norm() / b.norm())
-        if not err < 2.0 ** -6:
-            print(f"rows/expert {rows}: ours vs {base_name}: relative error {err:.2e} EXCEEDS {2.0 ** -6:.2e}")
+        # correctness first: the same weights, the same SwiGLU, the same rows (canonical order: expert,
+        # token); only the fp32 summation order differs
+        a = kernels.nvfp4_experts_planned(*launch)
+        a_op = compute(x, tokens, segs, lo)
+        if not torch.equal(a.view(torch.int16), a_op.view(torch.int16)):
+            print(f"rows/expert {rows}: the engine call and the planned launch DIFFER bitwise")
+        xb = x[tokens[lo:hi]]
+        b = base_fn(xb)
+        a, b = a.float(), b.float()
+        bad_a, bad_b = nonfinite(a), nonfinite(b)
+        if bad_a or bad_b:
+            err = float("nan")
+            print(f"rows/expert {rows}: non-finite outputs: ours {bad_a} ({int(torch.isnan(a).sum())} NaN), "
+                  f"{base_name} {bad_b} ({int(torch.isnan(b).sum())} NaN) of {a.numel()}; "
+                  f"inputs: x {nonfinite(xb)} non-finite")
+        else:
+            err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+            if not err < 2.0 ** -6:
+                print(f"rows/expert {rows}: ours vs {base_name}: relative error {err:.2e} EXCEEDS {2.0 ** -6:.2e}")
         t_ours = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), args.reps)
-        t_op = median_us(functools.partial(kernels.nvfp4_experts, x, segs, p, 0, None, LIMIT), args.reps)
-        t_base = median_us(functools.partial(base_fn, x), args.reps)
+        t_op = median_us(functools.partial(compute, x, tokens, segs, lo), args.reps)
+        t_base = median_us(lambda: base_fn(x[tokens[lo:hi]]), args.reps)
         results.append((rows, t_ours, t_op, t_base, err))
-        del x
+        del x, xb, a, b, a_op
 
     print()
     print(f"| rows/expert | ours us | ours GB/s | % of copy BW | {base_name} us | speed-up | op us | rel err |")
@@ -172,14 +256,17 @@ def main():
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         rows = 8
-        segs = [(e, e * rows, (e + 1) * rows) for e in range(args.experts)]
-        x = torch.randn(rows * args.experts, HIDDEN, device="cuda").to(torch.bfloat16)
+        experts, weights = routing(args.experts, rows, args.topk, seed=rows)
+        plan = plan_rows(experts, weights, torch.zeros(args.experts, dtype=torch.long), torch.ones(args.experts), 1)
+        segs, (lo, _) = plan.segments[0], plan.block(0)
+        tokens = plan.tokens.cuda()
+        x = (torch.randn(experts.shape[0], HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
         for _ in range(3):
-            kernels.nvfp4_experts(x, segs, p, 0, None, LIMIT)
+            compute(x, tokens, segs, lo)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                kernels.nvfp4_experts(x, segs, p, 0, None, LIMIT)
+                compute(x, tokens, segs, lo)
             torch.cuda.synchronize()
         print(f"\nper-kernel times at {rows} rows/expert (10 calls):")
         stage_bytes = {"experts_gemm_kernel<true>": p.q_gu.numel() + p.s_gu.numel(),

@@ -414,6 +414,9 @@ def test_lane_emulation_matches_reference(limit):
     want = kernels.nvfp4_experts_ref(xs, segs, p, base=7, row_index=row_index, swiglu_limit=limit)
     assert not torch.isnan(got.float()).any(), "the emulated down epilogue left rows unwritten"
     assert_close(got, want, TOL_KERNEL, "lane emulation vs nvfp4_experts_ref")
+    # the prep's other path: the same rows pre-gathered, no row_index (same limit) -> the same bits
+    got2, _, _ = emulate_nvfp4_experts(xs[row_index], segs, p, base=7, limit=limit)
+    assert torch.equal(got.view(torch.int16), got2.view(torch.int16))
 
 
 def test_package_imports_without_extension():
@@ -518,9 +521,12 @@ def test_gpu_experts_match_reference(h, i, counts, limit):
     if store is not None:
         tokens = torch.cat((torch.zeros(3, dtype=torch.long), row_index))   # canonical row -> row of x
         assert_close(got, store.compute(x, tokens, segs, 3), TOL_STORE, "kernel vs ExpertStore.compute")
-    # the same rows given already gathered, without row_index: identical bits
-    got2 = kernels.nvfp4_experts(x[row_index].cuda(), segs, pc, 3).cpu()
-    assert torch.equal(got.view(torch.int16), got2.view(torch.int16))
+    # the same rows given already gathered, without row_index, and the same swiglu_limit: identical bits.
+    # (limit must be passed here too: without it the clamp is off and the output is a different function)
+    got2 = kernels.nvfp4_experts(x[row_index].cuda(), segs, pc, 3, None, limit).cpu()
+    differ = got.view(torch.int16) != got2.view(torch.int16)
+    assert not differ.any(), f"pre-gathered rows (no row_index) differ from row_index in {int(differ.sum())} of " \
+                             f"{differ.numel()} values; first (row, col) {differ.nonzero()[0].tolist()}"
 
 
 @gpu

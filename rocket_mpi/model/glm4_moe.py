@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import Rope, rms_norm, swiglu_mlp
+from rocket_mpi.model.layers import Rope, load_swiglu, rms_norm, swiglu_mlp, unique_nbytes
 
 DT = torch.bfloat16
 
@@ -63,10 +63,7 @@ class Glm4MoeModel:
             return reader.get_float(name, (n,), DT)
 
         def mlp(prefix, inter):
-            g, _ = lin(prefix + ".gate_proj", inter, h)
-            u, _ = lin(prefix + ".up_proj", inter, h)
-            dn, _ = lin(prefix + ".down_proj", h, inter)
-            return torch.cat((g, u), 0), dn
+            return load_swiglu(reader, prefix, h, inter, DT)
 
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -125,12 +122,7 @@ class Glm4MoeModel:
             for pair in (L.mlp, L.shared):
                 if pair is not None:
                     ts += list(pair)
-        seen, total = set(), 0
-        for t in ts:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+        return unique_nbytes(ts)
 
     # -- forward ---------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: KVCache, seqlens: list[int], moe) -> torch.Tensor:

@@ -28,7 +28,7 @@ from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_p
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER, move_weights
-from rocket_mpi.model.layers import rms_norm
+from rocket_mpi.model.layers import load_swiglu, rms_norm, unique_nbytes
 
 DT = torch.bfloat16
 
@@ -218,8 +218,7 @@ class Glm5NextModel:
             raise CheckpointError(f"{reader.dir}: missing tensor '{names[0]}'")
 
         def mlp(p, inter):
-            return torch.cat((lin(p + ".gate_proj", inter, h), lin(p + ".up_proj", inter, h)), 0), \
-                lin(p + ".down_proj", h, inter)
+            return load_swiglu(reader, p, h, inter, DT)
 
         nhc = r["hc_mult"]
         nmix = (2 + nhc) * nhc
@@ -316,12 +315,7 @@ class Glm5NextModel:
             for pair in (L.mlp, L.shared):
                 if pair is not None:
                     ts += list(pair)
-        seen, total = set(), 0
-        for t in ts:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+        return unique_nbytes(ts)
 
     # -- forward ---------------------------------------------------------------------
     def _mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

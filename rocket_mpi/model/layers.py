@@ -38,3 +38,20 @@ class Rope:
         half = self.dim // 2
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def load_swiglu(reader, prefix: str, hidden: int, inter: int, dtype=torch.bfloat16):
+    """A SwiGLU MLP at `prefix` as (gate_up [2I, H], down [H, I]), BF16 or NVFP4 dequantised."""
+    gate = reader.linear(prefix + ".gate_proj", inter, hidden).dense(dtype)
+    up = reader.linear(prefix + ".up_proj", inter, hidden).dense(dtype)
+    return torch.cat((gate, up), 0), reader.linear(prefix + ".down_proj", hidden, inter).dense(dtype)
+
+
+def unique_nbytes(tensors) -> int:
+    """Bytes of the distinct tensors among `tensors` (None skipped; a tied weight counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

@@ -97,3 +97,52 @@ def abort(comm, code: int = 1) -> None:
     if comm is not None and comm.size > 1:
         comm.Abort(code)
     sys.exit(code)
+
+
+def collective(comm, timeout: float, what: str, fn):
+    """Run a set-up step on every rank; if any rank fails, every rank learns it and rank 0 prints each
+    distinct error once, naming the ranks. Returns fn()'s value."""
+    val, err = None, None
+    try:
+        val = fn()
+    except RocketError as e:
+        err = str(e)
+    if comm is None or comm.size == 1:
+        if err:
+            raise RocketError(err)
+        return val
+    wait_all(comm, timeout, what)
+    errs = comm.allgather(err)
+    if any(errs):
+        by_msg: dict[str, list[int]] = {}
+        for r, e in enumerate(errs):
+            if e:
+                by_msg.setdefault(e, []).append(r)
+        lines = []
+        for msg, ranks in by_msg.items():
+            who = "all ranks" if len(ranks) == comm.size else "rank " + ",".join(map(str, ranks))
+            lines.append(f"({who}): {msg}")
+        raise AgreedError("; ".join(lines))
+    return val
+
+
+def run_guarded(comm, prog: str, fn) -> int:
+    """Run an SPMD command so that no failure leaves a peer waiting: an error every rank agreed on is
+    printed once by rank 0 and all exit 1 together; a local error prints one line and aborts the job
+    (MPI_Abort); a bug prints its traceback and aborts with status 3."""
+    rank = comm.rank if comm is not None else 0
+    try:
+        return fn()
+    except AgreedError as e:
+        if rank == 0:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except RocketError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        abort(comm, 1)
+    except Exception as e:
+        import traceback
+        traceback.print_exc()
+        print(f"{prog}: internal error on rank {rank}: {e!r}", file=sys.stderr, flush=True)
+        abort(comm, 3)
+    return 1

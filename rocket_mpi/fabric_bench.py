@@ -31,7 +31,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from rocket_mpi.errors import AgreedError, FabricError, FabricTimeout, RocketError
+from rocket_mpi.errors import FabricError, FabricTimeout
 from rocket_mpi.fabric.base import DoorbellFabric
 
 HIDDEN = 32                  # bench rows of 64 bytes: sizes are whole rows
@@ -103,7 +103,7 @@ def add_parser(sub) -> None:
 
 # -- entry -----------------------------------------------------------------------------------------------
 def main(args) -> int:
-    from rocket_mpi.dist import abort, world
+    from rocket_mpi.dist import run_guarded, world
     comm = world()
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
     if size != 2:
@@ -111,27 +111,12 @@ def main(args) -> int:
             print(f"rocket_mpi fabric-bench: error: needs exactly 2 ranks (mpiexec -n 2 python -m rocket_mpi "
                   f"fabric-bench ...), got {size}", file=sys.stderr, flush=True)
         return 1
-    try:
-        return _bench(args, comm)
-    except AgreedError as e:  # every rank raised it together: rank 0 says it once, all exit
-        if rank == 0:
-            print(f"rocket_mpi fabric-bench: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except RocketError as e:
-        print(f"rocket_mpi fabric-bench: error: {e}", file=sys.stderr, flush=True)
-        abort(comm, 1)
-    except Exception as e:  # a bug: still end the whole job rather than leave the peer waiting
-        import traceback
-        traceback.print_exc()
-        print(f"rocket_mpi fabric-bench: internal error on rank {rank}: {e!r}", file=sys.stderr, flush=True)
-        abort(comm, 3)
-    return 1
+    return run_guarded(comm, "rocket_mpi fabric-bench", lambda: _bench(args, comm))
 
 
 def _bench(args, comm) -> int:
-    from rocket_mpi.dist import watchdog
+    from rocket_mpi.dist import collective, watchdog
     from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
-    from rocket_mpi.run import _collective
 
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -152,7 +137,7 @@ def _bench(args, comm) -> int:
             raise FabricError(f"--rails applies to --fabric shm or verbs, not {name}")
         if name == "shm" and args.rails and not args.rails.isdigit():
             raise FabricError(f"--rails {args.rails}: shm takes a count of virtual rails")
-    _collective(comm, args.timeout, "fabric checks", precheck)
+    collective(comm, args.timeout, "fabric checks", precheck)
 
     rails = None
     if args.rails:

@@ -8,55 +8,14 @@ import sys
 import torch
 
 from rocket_mpi import __version__
-from rocket_mpi.dist import abort, handshake, wait_all, watchdog, world
-from rocket_mpi.errors import AgreedError, RocketError
-
-
-def _collective(comm, timeout: float, what: str, fn):
-    """Run a set-up step on every rank; if any rank fails, every rank learns it and rank 0 prints each
-    distinct error once, naming the ranks. Returns fn()'s value."""
-    val, err = None, None
-    try:
-        val = fn()
-    except RocketError as e:
-        err = str(e)
-    if comm is None or comm.size == 1:
-        if err:
-            raise RocketError(err)
-        return val
-    wait_all(comm, timeout, what)
-    errs = comm.allgather(err)
-    if any(errs):
-        by_msg: dict[str, list[int]] = {}
-        for r, e in enumerate(errs):
-            if e:
-                by_msg.setdefault(e, []).append(r)
-        lines = []
-        for msg, ranks in by_msg.items():
-            who = "all ranks" if len(ranks) == comm.size else "rank " + ",".join(map(str, ranks))
-            lines.append(f"({who}): {msg}")
-        raise AgreedError("; ".join(lines))
-    return val
+from rocket_mpi.dist import collective as _collective
+from rocket_mpi.dist import handshake, run_guarded, wait_all, watchdog, world
+from rocket_mpi.errors import RocketError
 
 
 def decode(args) -> int:
     comm = world()
-    rank = comm.rank if comm else 0
-    try:
-        return _decode(args, comm)
-    except AgreedError as e:  # every rank is here with the same error: exit together, no abort needed
-        if rank == 0:
-            print(f"rocket_mpi: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except RocketError as e:
-        print(f"rocket_mpi: error: {e}", file=sys.stderr, flush=True)
-        abort(comm, 1)
-    except Exception as e:  # a bug: still take the whole job down rather than leave peers waiting
-        import traceback
-        traceback.print_exc()
-        print(f"rocket_mpi: internal error on rank {rank}: {e!r}", file=sys.stderr, flush=True)
-        abort(comm, 3)
-    return 1
+    return run_guarded(comm, "rocket_mpi", lambda: _decode(args, comm))
 
 
 def _decode(args, comm) -> int:

@@ -343,7 +343,7 @@ class FakeNet:
         self.made: dict[str, int] = {}
         self.objects: list = []
         self.mrs: dict[int, tuple] = {}
-        self.qps: dict[int, "FakeQP"] = {}
+        self.qps: dict[int, object] = {}
         self.wrs: list[tuple] = []
         self.lock = threading.RLock()
         self.next_key = 0x100

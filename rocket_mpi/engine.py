@@ -96,6 +96,8 @@ class Engine:
         self.model = model_cls.load(self.reader)
         prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank),
                                                 prefix(self.reader, layer), self.device)
                         for layer in self.cfg.moe_layers}

@@ -18,7 +18,7 @@ from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.config import ModelConfig, family
 from rocket_mpi.errors import RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
-from rocket_mpi.moe.experts import ExpertStore
+from rocket_mpi.moe.experts import ExpertStore, kernels_enabled
 from rocket_mpi.moe.router import route
 from rocket_mpi.moe.rows import plan_rows
 from rocket_mpi.moe.scatter import moe_scatter_add
@@ -105,8 +105,7 @@ class Engine:
             self.model.to(self.device)
             for store in self.experts.values():
                 store.to(self.device)
-        self._cuda_scatter = self.device.type == "cuda" and os.environ.get("ROCKET_KERNELS") != "0" and \
-            __import__("rocket_mpi.kernels", fromlist=["available"]).available()
+        self._cuda_scatter = kernels_enabled(self.device)
         self.load_seconds = time.perf_counter() - t0
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
         self.seq = 0

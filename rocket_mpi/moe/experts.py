@@ -49,7 +49,7 @@ class ExpertStore:
             if name in reader:
                 s2[e] = float(reader.get(name, None, (torch.float32,), finite=True).reshape(()))
         gate_up, down, nbytes, raw = {}, {}, 0, {}
-        use_kernel = _kernel_path(device)
+        use_kernel = kernels_enabled(device)
         for e in owned:
             g = reader.linear(f"{pre}.{e}.gate_proj", i, h)
             u = reader.linear(f"{pre}.{e}.up_proj", i, h)
@@ -103,8 +103,9 @@ class ExpertStore:
         return sum(t.numel() * t.element_size() for t in list(self.gate_up.values()) + list(self.down.values()))
 
 
-def _kernel_path(device) -> bool:
-    """NVFP4 experts run in the CUDA kernel on a GPU where the extension is built (ROCKET_KERNELS=0: never)."""
+def kernels_enabled(device) -> bool:
+    """The CUDA kernels (NVFP4 experts, scatter) run on a GPU where the extension is built; ROCKET_KERNELS=0
+    forces the torch reference everywhere."""
     import os
     if device is None or torch.device(device).type != "cuda" or os.environ.get("ROCKET_KERNELS") == "0":
         return False

@@ -71,8 +71,18 @@ def row_checksum(rows: torch.Tensor, acc):
     if rows.device.type == "cpu":
         return zlib.crc32(rows.contiguous().view(torch.uint8).numpy(), int(acc))
     words = rows.reshape(-1).view(torch.int16).to(torch.int64)
-    weights = torch.arange(1, words.numel() + 1, device=rows.device) % 65521 + 1
+    weights = _checksum_weights(words.numel(), rows.device)
     return (acc * 1_000_003 + (words * weights).sum()) & 0xFFFFFFFF
+
+
+_WEIGHTS: dict = {}
+
+
+def _checksum_weights(n: int, device) -> torch.Tensor:
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() < n:
+        w = _WEIGHTS[device] = torch.arange(1, max(n, 1 << 16) + 1, device=device) % 65521 + 1
+    return w[:n]
 
 
 def parse_fault(spec: str | None):

@@ -135,9 +135,15 @@ class Glm4MoeModel:
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seqlens)]).to(dev)
         cos, sin = self.rope.cos_sin(positions)
         x = self.embed[tokens.to(dev)]                                # [T, H]
+        decode = None
+        if all(n == 1 for n in seqlens):  # one new token per stream: where it goes and what it sees, once
+            span = max(starts) + 1                                    # from the host list: no device sync
+            pos = torch.tensor(starts, device=dev)
+            mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [M,1,1,span]
+            decode = (torch.arange(len(seqlens), device=dev), pos, span, mask)
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
-            x = x + self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens)
+            x = x + self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, decode)
             h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
             if L.mlp is not None:
                 x = x + swiglu_mlp(h, *L.mlp)
@@ -148,7 +154,7 @@ class Glm4MoeModel:
         h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
-    def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens) -> torch.Tensor:
+    def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens, decode) -> torch.Tensor:
         cfg = self.cfg
         t, d = h.shape[0], cfg.head_dim
         q = F.linear(h, a.q, a.q_bias).view(t, -1, d)
@@ -159,14 +165,11 @@ class Glm4MoeModel:
             k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         kc, vc = cache.k[i], cache.v[i]
-        if all(n == 1 for n in seqlens):
+        if decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
-            idx = torch.arange(len(seqlens), device=h.device)
-            pos = torch.tensor(starts, device=h.device)
+            idx, pos, span, mask = decode
             kc[idx, :, pos] = k
             vc[idx, :, pos] = v
-            span = int(pos.max()) + 1
-            mask = (torch.arange(span, device=h.device)[None, :] <= pos[:, None])[:, None, None, :]  # [M,1,1,span]
             out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], mask, self.scale).reshape(t, -1)
         else:
             outs, off = [], 0

@@ -75,3 +75,35 @@ def test_error_on_one_rank_is_reported_once_with_its_rank(tiny_ckpt, tmp_path):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "(rank 1): " in lines[0] and "missing" in lines[0], r.stderr
+
+
+def _mpmd_env(parts, timeout=90):
+    """MPICH MPMD launch with per-rank environment: parts = [(env dict, args), ...]."""
+    cmd = launch.launcher()
+    for i, (env, args) in enumerate(parts):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", "1"]
+        for k, v in env.items():
+            cmd += ["-env", k, v]
+        cmd += [sys.executable, "-m", "rocket_mpi", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch.clean_env(), cwd=ROOT,
+                          start_new_session=True)
+
+
+def test_ranks_on_two_hosts_choose_mpi_and_refuse_shm(tiny_ckpt, tmp_path):
+    """Ranks that report different hosts: auto picks mpi (no RDMA device here), shm says why it cannot."""
+    if "mpich" not in " ".join(launch.launcher()).lower() and "hydra" not in subprocess.run(
+            [*launch.launcher(), "--version"], capture_output=True, text=True).stdout.lower():
+        pytest.skip("per-rank -env needs MPICH's mpiexec (hydra)")
+    out = tmp_path / "o.json"
+    args = ["decode", "--checkpoint", tiny_ckpt, "--streams", "2", "--tokens", "3", "--quiet", "--out", str(out)]
+    r = _mpmd_env([({"ROCKET_HOSTNAME": "nodeA"}, args), ({"ROCKET_HOSTNAME": "nodeB"}, args)])
+    assert r.returncode == 0, r.stderr
+    import json
+    assert json.loads(out.read_text())["fabric"] == "mpi"
+    r = _mpmd_env([({"ROCKET_HOSTNAME": "nodeA"}, args + ["--fabric", "shm"]),
+                   ({"ROCKET_HOSTNAME": "nodeB"}, args + ["--fabric", "shm"])])
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1 and "fabric shm needs all ranks on one host, these span 2 hosts" in lines[0], r.stderr

@@ -1,7 +1,7 @@
 """Fabric backends behind one interface (base.Fabric.exchange)."""
 from __future__ import annotations
 
-from rocket_mpi.errors import FabricError
+from rocket_mpi.errors import AgreedError, FabricError
 
 BACKENDS = ("auto", "local", "shm", "mpi", "verbs", "cuda-ipc", "nccl")
 
@@ -56,8 +56,11 @@ def fabric_precheck(name: str, device: str = "cpu") -> None:
 
 
 def _hostname() -> str:
+    """This rank's host, as the fabric choice sees it. ROCKET_HOSTNAME overrides it, so one machine can
+    stand in for several hosts in tests of the cross-host choices."""
+    import os
     import socket
-    return socket.gethostname()
+    return os.environ.get("ROCKET_HOSTNAME") or socket.gethostname()
 
 
 def make_fabric(name: str, comm, max_rows: int, hidden: int, timeout: float, rails=None,
@@ -67,8 +70,8 @@ def make_fabric(name: str, comm, max_rows: int, hidden: int, timeout: float, rai
         return LocalFabric(0, 1, max_rows, hidden, timeout)
     if name == "shm":
         hosts = set(comm.allgather(_hostname()))
-        if len(hosts) > 1:
-            raise FabricError(f"fabric shm needs all ranks on one host, these span {len(hosts)} hosts; "
+        if len(hosts) > 1:  # every rank saw the same host list: they agree, rank 0 says it once
+            raise AgreedError(f"fabric shm needs all ranks on one host, these span {len(hosts)} hosts; "
                               f"use --fabric mpi or verbs")
         from rocket_mpi.fabric.shm import ShmFabric
         return ShmFabric(comm, max_rows, hidden, timeout, rails=len(rails) if isinstance(rails, list) else (rails or 1),

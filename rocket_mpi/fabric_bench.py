@@ -31,6 +31,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from rocket_mpi.cli import _pos_int
 from rocket_mpi.errors import FabricError, FabricTimeout
 from rocket_mpi.fabric.base import DoorbellFabric
 
@@ -67,16 +68,6 @@ def parse_sizes(spec: str) -> list[int]:
         if n <= 0 or n % ROW:
             raise argparse.ArgumentTypeError(f"size {n} is not a positive multiple of {ROW} bytes (one bench row)")
     return sorted(set(sizes))
-
-
-def _pos_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: '{s}'") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
-    return v
 
 
 def add_parser(sub) -> None:

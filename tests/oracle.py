@@ -47,3 +47,18 @@ def dequantised_reference(model_bf16, tensors):
             else:
                 sd[mod + ".weight"].copy_(w)
     return ref
+
+
+def save_bf16(model, path, shards=False):
+    model.to(torch.bfloat16).save_pretrained(path, max_shard_size="200KB" if shards else "5GB")
+
+
+def reference_logits(model, prompts, generated):
+    """Teacher-forced fp32 logits at each generation position: [stream][step] -> [V]."""
+    out = []
+    with torch.no_grad():
+        for p, g in zip(prompts, generated):
+            ids = torch.tensor([p + g[:-1]])
+            logits = model(ids).logits[0].float()
+            out.append(logits[len(p) - 1:])
+    return out

@@ -34,7 +34,7 @@ from rocket_mpi.config import ModelConfig  # noqa: E402
 from rocket_mpi.engine import Engine  # noqa: E402
 from rocket_mpi.errors import ConfigError  # noqa: E402
 from rocket_mpi.prompts import default_prompts  # noqa: E402
-from oracle import assert_logits_close, dequantised_reference  # noqa: E402
+from oracle import assert_logits_close, dequantised_reference, reference_logits, save_bf16  # noqa: E402
 
 from conftest import rocket  # noqa: E402
 
@@ -92,21 +92,6 @@ def build_hf(variant: str, seed: int = 0) -> GlmMoeDsaForCausalLM:
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts))
     return model
-
-
-def save_bf16(model, path, shards=False):
-    model.to(torch.bfloat16).save_pretrained(path, max_shard_size="200KB" if shards else "5GB")
-
-
-def reference_logits(model, prompts, generated):
-    """Teacher-forced fp32 logits at each generation position: [stream][step] -> [V]."""
-    out = []
-    with torch.no_grad():
-        for p, g in zip(prompts, generated):
-            ids = torch.tensor([p + g[:-1]])
-            logits = model(ids).logits[0].float()
-            out.append(logits[len(p) - 1:])
-    return out
 
 
 def check_against(model, ckpt, patch=None):

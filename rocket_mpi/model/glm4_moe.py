@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import Rope, load_swiglu, rms_norm, swiglu_mlp, unique_nbytes
+from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, rms_norm, swiglu_mlp,
+                                     unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -76,19 +77,10 @@ class Glm4MoeModel:
             kn = vec(p + ".self_attn.k_norm.weight", d) if cfg.use_qk_norm else None
             layer = Layer(vec(p + ".input_layernorm.weight", h), vec(p + ".post_attention_layernorm.weight", h),
                           Attention(q, k, v, o, qb, kb, vb, qn, kn), None)
-            if cfg.is_moe_layer(i):
-                layer.router_w = reader.get_float(p + ".mlp.gate.weight", (cfg.n_routed_experts, h), torch.float32)
-                layer.router_b = reader.get(p + ".mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,),
-                                            (torch.float32, torch.bfloat16), finite=True).float()
-                layer.shared = mlp(p + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
-            else:
-                layer.mlp = mlp(p + ".mlp", cfg.intermediate_size)
+            for name, value in load_ffn(reader, p, i, cfg, mlp).items():
+                setattr(layer, name, value)
             layers.append(layer)
-        embed = reader.get_float("model.embed_tokens.weight", (cfg.vocab_size, h))
-        if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
-            head = embed
-        else:
-            head, _ = lin("lm_head", cfg.vocab_size, h)
+        embed, head = load_embed_head(reader, cfg, DT)
         return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
 
     def new_cache(self, streams: int, capacity: int) -> KVCache:

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
-from rocket_mpi.model.layers import Rope, load_swiglu, rms_norm, swiglu_mlp, unique_nbytes
+from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, rms_norm, swiglu_mlp,
+                                     unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -249,19 +250,10 @@ class GlmMoeDsaModel:
             q = f"model.layers.{i}"
             layer = Layer(vec(q + ".input_layernorm.weight", h), vec(q + ".post_attention_layernorm.weight", h),
                           attn, None)
-            if cfg.is_moe_layer(i):
-                layer.router_w = reader.get_float(q + ".mlp.gate.weight", (cfg.n_routed_experts, h), torch.float32)
-                layer.router_b = reader.get(q + ".mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,),
-                                            (torch.float32, torch.bfloat16), finite=True).float()
-                layer.shared = mlp(q + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
-            else:
-                layer.mlp = mlp(q + ".mlp", cfg.intermediate_size)
+            for name, value in load_ffn(reader, q, i, cfg, mlp).items():
+                setattr(layer, name, value)
             layers.append(layer)
-        embed = reader.get_float("model.embed_tokens.weight", (cfg.vocab_size, h))
-        if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
-            head = embed
-        else:
-            head, _ = lin("lm_head", cfg.vocab_size, h)
+        embed, head = load_embed_head(reader, cfg, DT)
         return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
 
     def new_cache(self, streams: int, capacity: int, device=None) -> LatentCache:

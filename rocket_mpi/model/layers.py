@@ -55,3 +55,23 @@ def unique_nbytes(tensors) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
+
+
+def load_ffn(reader, prefix: str, layer: int, cfg, mlp) -> dict:
+    """The MLP half of layer `layer` at `prefix` (model.layers.L): a dense SwiGLU, or the MoE block's
+    router (fp32 weight and correction bias) and shared expert. `mlp(prefix, inter)` loads a SwiGLU."""
+    if not cfg.is_moe_layer(layer):
+        return {"mlp": mlp(prefix + ".mlp", cfg.intermediate_size)}
+    e, h = cfg.n_routed_experts, cfg.hidden_size
+    return {"router_w": reader.get_float(prefix + ".mlp.gate.weight", (e, h), torch.float32),
+            "router_b": reader.get(prefix + ".mlp.gate.e_score_correction_bias", (e,),
+                                   (torch.float32, torch.bfloat16), finite=True).float(),
+            "shared": mlp(prefix + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)}
+
+
+def load_embed_head(reader, cfg, dtype=torch.bfloat16):
+    """(embed [V, H], lm_head [V, H]); a tied head without its own tensor is the embedding itself."""
+    embed = reader.get_float("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), dtype)
+    if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
+        return embed, embed
+    return embed, reader.linear("lm_head", cfg.vocab_size, cfg.hidden_size).dense(dtype)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, rms_norm, swiglu_mlp,
-                                     unique_nbytes)
+from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, move_weights, rms_norm,
+                                     swiglu_mlp, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -90,18 +90,11 @@ class Glm4MoeModel:
 
     def to(self, device) -> "Glm4MoeModel":
         """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
-        def mv(t):
-            return None if t is None else t.to(device)
-        self.embed, self.norm = mv(self.embed), mv(self.norm)
-        self.lm_head = self.embed if self.lm_head is self.embed else mv(self.lm_head)
+        tied = self.lm_head is self.embed
+        self.embed, self.norm = self.embed.to(device), self.norm.to(device)
+        self.lm_head = self.embed if tied else self.lm_head.to(device)
         for L in self.layers:
-            a = L.attn
-            for f in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"):
-                setattr(a, f, mv(getattr(a, f)))
-            L.input_norm, L.post_norm = mv(L.input_norm), mv(L.post_norm)
-            L.router_w, L.router_b = mv(L.router_w), mv(L.router_b)
-            L.mlp = None if L.mlp is None else tuple(mv(t) for t in L.mlp)
-            L.shared = None if L.shared is None else tuple(mv(t) for t in L.shared)
+            move_weights(L, device)
         self.rope.inv_freq = self.rope.inv_freq.to(device)
         return self
 
@@ -110,7 +103,7 @@ class Glm4MoeModel:
         for L in self.layers:
             a = L.attn
             ts += [L.input_norm, L.post_norm, a.q, a.k, a.v, a.o]
-            ts += [t for t in (a.q_bias, a.k_bias, a.v_bias, a.q_norm, a.k_norm, L.router_w, L.router_b) if t is not None]
+            ts += [a.q_bias, a.k_bias, a.v_bias, a.q_norm, a.k_norm, L.router_w, L.router_b]  # None skipped
             for pair in (L.mlp, L.shared):
                 if pair is not None:
                     ts += list(pair)

@@ -27,8 +27,8 @@ from rocket_mpi.errors import CheckpointError, ConfigError
 from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_pre
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_forward
-from rocket_mpi.model.glm_moe_dsa import NO_TIMER, move_weights
-from rocket_mpi.model.layers import load_swiglu, rms_norm, unique_nbytes
+from rocket_mpi.model.glm_moe_dsa import NO_TIMER
+from rocket_mpi.model.layers import load_swiglu, move_weights, rms_norm, unique_nbytes
 
 DT = torch.bfloat16
 

@@ -20,7 +20,6 @@ Python lists and CPU tensors, so a decode step does not wait on the GPU for them
 """
 from __future__ import annotations
 
-import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -30,8 +29,9 @@ import torch.nn.functional as F
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
+from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
 from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, rms_norm, swiglu_mlp,
-                                     unique_nbytes)
+                                     move_weights, unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -130,17 +130,6 @@ class Attention:
     indexer: Indexer | None       # None on "shared" layers
 
 
-@dataclass
-class Layer:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    attn: Attention
-    mlp: tuple[torch.Tensor, torch.Tensor] | None          # dense: (gate_up [2I, H], down [H, I])
-    router_w: torch.Tensor | None = None                   # [E, H] fp32
-    router_b: torch.Tensor | None = None                   # [E] fp32
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
 class LatentCache:
     """M streams of different lengths. Per layer: latent ‖ roped key [M, capacity, c + rope], and the
     indexer keys [M, capacity, index_dim] where the layer runs its own indexer (None on shared layers)."""
@@ -159,18 +148,6 @@ class LatentCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv + self.index_k if t is not None)
-
-
-def move_weights(obj, device) -> None:
-    """Every tensor of a weights dataclass (nested dataclasses and tuples of tensors too) to `device`, in place."""
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, torch.Tensor):
-            setattr(obj, f.name, v.to(device))
-        elif isinstance(v, tuple):
-            setattr(obj, f.name, tuple(t.to(device) for t in v))
-        elif dataclasses.is_dataclass(v):
-            move_weights(v, device)
 
 
 NO_TIMER = nullcontext()

@@ -1,6 +1,8 @@
 """Small building blocks of the replicated BF16 stack, each the same arithmetic as transformers'."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -75,3 +77,15 @@ def load_embed_head(reader, cfg, dtype=torch.bfloat16):
     if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
         return embed, embed
     return embed, reader.linear("lm_head", cfg.vocab_size, cfg.hidden_size).dense(dtype)
+
+
+def move_weights(obj, device) -> None:
+    """Every tensor of a weights dataclass (nested dataclasses and tuples of tensors too) to `device`, in place."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor):
+            setattr(obj, f.name, v.to(device))
+        elif isinstance(v, tuple):
+            setattr(obj, f.name, tuple(t.to(device) for t in v))
+        elif dataclasses.is_dataclass(v):
+            move_weights(v, device)

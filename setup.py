@@ -17,7 +17,8 @@ try:
             nvcc.append("-Xptxas=-v")
         ext_modules.append(CUDAExtension(
             "rocket_mpi._C",
-            sources=["csrc/bindings.cpp", "csrc/nvfp4_experts.cu", "csrc/scatter.cu"],
+            sources=["csrc/bindings.cpp", "csrc/nvfp4_experts.cu", "csrc/scatter.cu", "csrc/moe_plan.cu",
+                     "csrc/ipc_bells.cu"],
             extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc},
         ))
         cmdclass = {"build_ext": BuildExtension}

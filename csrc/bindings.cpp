@@ -24,19 +24,10 @@ void expect(const torch::Tensor& t, const char* name, c10::ScalarType dtype, int
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Returns {out, x_frag, h_frag}: the scratch fragments are kept for the tests' stage-by-stage checks.
-std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const std::optional<torch::Tensor>& row_index,
-                                                const torch::Tensor& plan, int64_t n_tiles, int64_t n_groups,
-                                                int64_t n_rows, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
-                                                const torch::Tensor& s2_gu, const torch::Tensor& q_dn,
-                                                const torch::Tensor& s_dn, int64_t hidden, int64_t inter,
-                                                std::optional<double> swiglu_limit) {
-  const c10::Device dev = x.device();
-  expect(x, "x", torch::kBFloat16, 2, dev, 4);
-  ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, experts have hidden " << hidden);
-  expect(plan, "plan", torch::kInt, 1, dev);
-  ROCKET_CHECK(plan.numel() == n_tiles * rocket::kRowTile + n_groups * 4,
-               "plan has " << plan.numel() << " ints for " << n_tiles << " tiles and " << n_groups << " groups");
+// The packed experts' shapes against hidden / inter; returns the number of slots.
+int64_t check_packed(const c10::Device& dev, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
+                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
+                     int64_t inter) {
   const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
   expect(q_gu, "q_gu", torch::kByte, 5, dev);
   const int64_t slots = q_gu.size(0);
@@ -50,6 +41,56 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
   ROCKET_CHECK(q_dn.sizes() == torch::IntArrayRef({slots, hp / 16, ip / 64, 32, 16}), "q_dn " << q_dn.sizes());
   expect(s_dn, "s_dn", torch::kByte, 5, dev);
   ROCKET_CHECK(s_dn.sizes() == torch::IntArrayRef({slots, hp / 16, ip / 64, 8, 8}), "s_dn " << s_dn.sizes());
+  return slots;
+}
+
+// Fills ExpertsLaunch from checked tensors and launches on the current stream.
+void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int* pad_rows, const int* groups,
+                    int64_t n_tiles, int64_t n_groups, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
+                    const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
+                    int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
+                    torch::Tensor& out, int64_t out_rows) {
+  rocket::ExpertsLaunch a{};
+  a.x = x.data_ptr();
+  a.x_rows = x.size(0);
+  a.row_index = row_index;
+  a.pad_rows = pad_rows;
+  a.groups = reinterpret_cast<const int4*>(groups);
+  a.n_groups = static_cast<int>(n_groups);
+  a.n_tiles = static_cast<int>(n_tiles);
+  a.q_gu = q_gu.data_ptr<uint8_t>();
+  a.s_gu = s_gu.data_ptr<uint8_t>();
+  a.s2_gu = s2_gu.data_ptr<float>();
+  a.q_dn = q_dn.data_ptr<uint8_t>();
+  a.s_dn = s_dn.data_ptr<uint8_t>();
+  a.hidden = static_cast<int>(hidden);
+  a.inter = static_cast<int>(inter);
+  a.hidden_pad = static_cast<int>(round_up(hidden, rocket::kTileK));
+  a.inter_pad = static_cast<int>(round_up(inter, rocket::kTileK));
+  a.has_limit = swiglu_limit.has_value() ? 1 : 0;
+  a.swiglu_limit = swiglu_limit.has_value() ? static_cast<float>(*swiglu_limit) : 0.0f;
+  a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
+  a.h_frag = reinterpret_cast<uint4*>(h_frag.data_ptr<int>());
+  a.out = out.data_ptr();
+  a.out_rows = out_rows;
+  rocket::launch_nvfp4_experts(a, c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// Returns {out, x_frag, h_frag}: the scratch fragments are kept for the tests' stage-by-stage checks.
+std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const std::optional<torch::Tensor>& row_index,
+                                                const torch::Tensor& plan, int64_t n_tiles, int64_t n_groups,
+                                                int64_t n_rows, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
+                                                const torch::Tensor& s2_gu, const torch::Tensor& q_dn,
+                                                const torch::Tensor& s_dn, int64_t hidden, int64_t inter,
+                                                std::optional<double> swiglu_limit) {
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 2, dev, 4);
+  ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, experts have hidden " << hidden);
+  expect(plan, "plan", torch::kInt, 1, dev);
+  ROCKET_CHECK(plan.numel() == n_tiles * rocket::kRowTile + n_groups * 4,
+               "plan has " << plan.numel() << " ints for " << n_tiles << " tiles and " << n_groups << " groups");
+  check_packed(dev, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter);
+  const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
   const int64_t* ri = nullptr;
   if (row_index.has_value()) {
     expect(*row_index, "row_index", torch::kLong, 1, dev, 8);
@@ -65,31 +106,8 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
   auto x_frag = torch::empty({n_tiles, hp / 32, 32, 4}, i32);
   auto h_frag = torch::empty({n_tiles, ip / 32, 32, 4}, i32);
   if (n_tiles == 0 || n_groups == 0) return {out, x_frag, h_frag};
-
-  rocket::ExpertsLaunch a{};
-  a.x = x.data_ptr();
-  a.x_rows = x.size(0);
-  a.row_index = ri;
-  a.pad_rows = plan.data_ptr<int>();
-  a.groups = reinterpret_cast<const int4*>(plan.data_ptr<int>() + n_tiles * rocket::kRowTile);
-  a.n_groups = static_cast<int>(n_groups);
-  a.n_tiles = static_cast<int>(n_tiles);
-  a.q_gu = q_gu.data_ptr<uint8_t>();
-  a.s_gu = s_gu.data_ptr<uint8_t>();
-  a.s2_gu = s2_gu.data_ptr<float>();
-  a.q_dn = q_dn.data_ptr<uint8_t>();
-  a.s_dn = s_dn.data_ptr<uint8_t>();
-  a.hidden = static_cast<int>(hidden);
-  a.inter = static_cast<int>(inter);
-  a.hidden_pad = static_cast<int>(hp);
-  a.inter_pad = static_cast<int>(ip);
-  a.has_limit = swiglu_limit.has_value() ? 1 : 0;
-  a.swiglu_limit = swiglu_limit.has_value() ? static_cast<float>(*swiglu_limit) : 0.0f;
-  a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
-  a.h_frag = reinterpret_cast<uint4*>(h_frag.data_ptr<int>());
-  a.out = out.data_ptr();
-  a.out_rows = n_rows;
-  rocket::launch_nvfp4_experts(a, c10::cuda::getCurrentCUDAStream().stream());
+  launch_experts(x, ri, plan.data_ptr<int>(), plan.data_ptr<int>() + n_tiles * rocket::kRowTile, n_tiles, n_groups,
+                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows);
   return {out, x_frag, h_frag};
 }
 
@@ -133,6 +151,145 @@ torch::Tensor moe_scatter_add(const torch::Tensor& rows, const torch::Tensor& by
   return out;
 }
 
+// The experts of a device plan (moe_plan): rows into `out` (block row r at out[r]), fixed grid over the
+// plan's capacity; unused groups (tiles = 0) exit at once. No host value depends on the routing.
+void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, const torch::Tensor& pad_rows,
+                        const torch::Tensor& groups, torch::Tensor& out, const torch::Tensor& q_gu,
+                        const torch::Tensor& s_gu, const torch::Tensor& s2_gu, const torch::Tensor& q_dn,
+                        const torch::Tensor& s_dn, int64_t hidden, int64_t inter, std::optional<double> swiglu_limit) {
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 2, dev, 4);
+  ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, experts have hidden " << hidden);
+  check_packed(dev, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter);
+  expect(pad_rows, "pad_rows", torch::kInt, 1, dev);
+  expect(groups, "groups", torch::kInt, 2, dev);
+  const int64_t cap = groups.size(0);
+  ROCKET_CHECK(groups.size(1) == 4 && pad_rows.numel() == cap * rocket::kRowTile,
+               "groups " << groups.sizes() << ", pad_rows " << pad_rows.sizes());
+  expect(row_index, "row_index", torch::kLong, 1, dev, 8);
+  ROCKET_CHECK(row_index.numel() == cap, "row_index has " << row_index.numel() << " rows, capacity " << cap);
+  expect(out, "out", torch::kBFloat16, 2, dev, 4);
+  ROCKET_CHECK(out.size(0) >= cap && out.size(1) == hidden, "out " << out.sizes() << " for capacity " << cap);
+  const c10::cuda::CUDAGuard guard(dev);
+  const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
+  auto i32 = x.options().dtype(torch::kInt);
+  auto x_frag = torch::empty({cap, hp / 32, 32, 4}, i32);
+  auto h_frag = torch::empty({cap, ip / 32, 32, 4}, i32);
+  if (cap == 0) return;
+  launch_experts(x, row_index.data_ptr<int64_t>(), pad_rows.data_ptr<int>(), groups.data_ptr<int>(), cap, cap, q_gu,
+                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
+}
+
+// Device row plan of one MoE layer; returns {by_token, coef, row_index, pad_rows, groups, canon_slot, meta}.
+std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::Tensor& weights,
+                                    const torch::Tensor& owner, const torch::Tensor& slot, const torch::Tensor& canon,
+                                    const torch::Tensor& s2_down, int64_t rank, int64_t n_ranks, int64_t n_sets,
+                                    int64_t set_stride, torch::Tensor& seq) {
+  const c10::Device dev = experts.device();
+  expect(experts, "experts", torch::kLong, 2, dev, 8);
+  expect(weights, "weights", torch::kFloat, 2, dev, 4);
+  ROCKET_CHECK(weights.sizes() == experts.sizes(), "weights " << weights.sizes() << " vs experts " << experts.sizes());
+  const int64_t n_exp = owner.numel();
+  expect(owner, "owner", torch::kInt, 1, dev, 4);
+  expect(slot, "slot", torch::kInt, 1, dev, 4);
+  expect(canon, "canon", torch::kInt, 1, dev, 4);
+  expect(s2_down, "s2_down", torch::kFloat, 1, dev, 4);
+  ROCKET_CHECK(slot.numel() == n_exp && canon.numel() == n_exp && s2_down.numel() == n_exp,
+               "owner/slot/canon/s2_down lengths " << n_exp << "/" << slot.numel() << "/" << canon.numel() << "/"
+               << s2_down.numel());
+  expect(seq, "seq", torch::kLong, 1, dev, 8);
+  const int64_t t = experts.size(0), k = experts.size(1), cap = t * k;
+  const c10::cuda::CUDAGuard guard(dev);
+  auto l = experts.options();
+  auto by_token = torch::empty({t, k}, l);
+  auto coef = torch::empty({t, k}, weights.options());
+  auto row_index = torch::empty({cap}, l);
+  auto pad_rows = torch::empty({cap * rocket::kRowTile}, l.dtype(torch::kInt));
+  auto groups = torch::empty({cap, 4}, l.dtype(torch::kInt));
+  auto canon_slot = torch::empty({cap}, l);
+  auto meta = torch::empty({rocket::kPlanMetaHead + n_ranks}, l);
+  rocket::PlanLaunch a{};
+  a.experts = experts.data_ptr<int64_t>();
+  a.weights = weights.data_ptr<float>();
+  a.tokens = static_cast<int>(t);
+  a.topk = static_cast<int>(k);
+  a.owner = owner.data_ptr<int>();
+  a.slot = slot.data_ptr<int>();
+  a.canon = canon.data_ptr<int>();
+  a.s2_down = s2_down.data_ptr<float>();
+  a.n_experts = static_cast<int>(n_exp);
+  a.rank = static_cast<int>(rank);
+  a.n_ranks = static_cast<int>(n_ranks);
+  a.cap = static_cast<int>(cap);
+  a.n_sets = static_cast<int>(n_sets);
+  a.set_stride = set_stride;
+  a.seq = seq.data_ptr<int64_t>();
+  a.by_token = by_token.data_ptr<int64_t>();
+  a.coef = coef.data_ptr<float>();
+  a.row_index = row_index.data_ptr<int64_t>();
+  a.pad_rows = pad_rows.data_ptr<int>();
+  a.groups = reinterpret_cast<int4*>(groups.data_ptr<int>());
+  a.canon_slot = canon_slot.data_ptr<int64_t>();
+  a.meta = meta.data_ptr<int64_t>();
+  rocket::launch_moe_plan(a, c10::cuda::getCurrentCUDAStream().stream());
+  return {by_token, coef, row_index, pad_rows, groups, canon_slot, meta};
+}
+
+// cuda-ipc push: this rank's block (src, meta rows) into every rank's row buffer (dst addresses, set 0 row
+// 0; ours included), then the doorbell words (bells[r]: rank r's word for this rank; ours unused).
+void ipc_push(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
+              const std::vector<int64_t>& bells, torch::Tensor& counter, int64_t cap, int64_t set_rows, int64_t rank,
+              int64_t blocks) {
+  const c10::Device dev = src.device();
+  expect(src, "src", torch::kBFloat16, 2, dev, 16);
+  expect(meta, "meta", torch::kLong, 1, dev, 8);
+  expect(counter, "counter", torch::kInt, 1, dev, 4);
+  const int64_t n = static_cast<int64_t>(dst.size());
+  ROCKET_CHECK(n >= 1 && n <= rocket::kPlanMaxRanks && static_cast<int64_t>(bells.size()) == n && rank < n,
+               dst.size() << " destinations, " << bells.size() << " doorbells, rank " << rank);
+  ROCKET_CHECK(meta.numel() == rocket::kPlanMetaHead + n, "meta has " << meta.numel() << " values for " << n
+               << " ranks");
+  const int64_t row_bytes = src.size(1) * 2;
+  ROCKET_CHECK(row_bytes % 16 == 0, "rows of " << row_bytes << " bytes: the push moves 16-byte words");
+  ROCKET_CHECK(src.size(0) >= cap, "src has " << src.size(0) << " rows, capacity " << cap);
+  rocket::IpcPush a{};
+  a.src = reinterpret_cast<const uint4*>(src.data_ptr());
+  for (int64_t r = 0; r < n; ++r) {
+    ROCKET_CHECK(dst[r] % 16 == 0, "destination of rank " << r << " is not 16-byte aligned");
+    a.dst[r] = reinterpret_cast<uint4*>(dst[r]);
+    a.bells[r] = reinterpret_cast<int64_t*>(bells[r]);
+  }
+  a.meta = meta.data_ptr<int64_t>();
+  a.counter = reinterpret_cast<unsigned*>(counter.data_ptr<int>());
+  a.row_words = row_bytes / 16;
+  a.cap_words = cap * a.row_words;
+  a.set_words = set_rows * a.row_words;
+  a.rank = static_cast<int>(rank);
+  a.n_ranks = static_cast<int>(n);
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_ipc_push(a, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
+}
+
+void ipc_wait(const torch::Tensor& bells, const torch::Tensor& meta, torch::Tensor& err, double timeout_s,
+              int64_t rank, int64_t layer) {
+  const c10::Device dev = bells.device();
+  expect(bells, "bells", torch::kLong, 1, dev, 8);
+  expect(meta, "meta", torch::kLong, 1, dev, 8);
+  expect(err, "err", torch::kLong, 1, dev, 8);
+  ROCKET_CHECK(err.numel() >= 4, "err needs 4 words");
+  ROCKET_CHECK(timeout_s > 0, "timeout " << timeout_s);
+  rocket::IpcWait a{};
+  a.bells = bells.data_ptr<int64_t>();
+  a.meta = meta.data_ptr<int64_t>();
+  a.err = err.data_ptr<int64_t>();
+  a.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  a.rank = static_cast<int>(rank);
+  a.n_ranks = static_cast<int>(bells.numel());
+  a.layer = static_cast<int>(layer);
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_ipc_wait(a, c10::cuda::getCurrentCUDAStream().stream());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -143,5 +300,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("inter"), py::arg("swiglu_limit"));
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)");
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
+  m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe)");
+  m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe)");
+  m.def("ipc_push", &ipc_push, "cuda-ipc: block rows to every rank, then doorbells (one kernel)");
+  m.def("ipc_wait", &ipc_wait, "cuda-ipc: wait for every peer's doorbell, bounded by a timeout");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding");
 }

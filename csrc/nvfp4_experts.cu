@@ -255,12 +255,14 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(const GemmPar
   const int fg = blockIdx.x * kWarps + warp;
   if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles below need all 32 lanes
   const int4 grp = p.groups[blockIdx.y];
+  if (grp.z == 0) return;  // uniform over the block
   char* smem_warp = smem + warp * kWarpSmem;
   switch (grp.z) {
     case 1: run_group<1, kSwiglu>(p, grp, fg, smem_warp, lane); break;
     case 2: run_group<2, kSwiglu>(p, grp, fg, smem_warp, lane); break;
     case 3: run_group<3, kSwiglu>(p, grp, fg, smem_warp, lane); break;
-    default: run_group<4, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    case 4: run_group<4, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
 

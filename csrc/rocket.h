@@ -83,4 +83,57 @@ void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, 
 void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_token, const float* coef,
                             void* out, int tokens, int topk, int hidden, cudaStream_t stream);
 
+// ---- device row plan (moe_plan.cu; torch reference and layout in rocket_mpi/kernels/plan.py) ----
+constexpr int kPlanThreads = 1024;
+constexpr int kPlanMaxExperts = 2048;
+constexpr int kPlanMaxRows = 2048;    // tokens x topk of one call
+constexpr int kPlanMaxRanks = 64;
+constexpr int kPlanMaxTopk = 32;
+constexpr int kPlanMetaHead = 6;      // meta: tiles, groups, rows here, set, seq, experts here, rows per rank...
+
+struct PlanLaunch {
+  const int64_t* experts;   // [tokens, topk] router choice
+  const float* weights;     // [tokens, topk] router weights
+  int tokens, topk;
+  const int* owner;         // [E] rank of each expert
+  const int* slot;          // [E] slot in this rank's packed experts (-1: not here)
+  const int* canon;         // [E] experts in (owner, id) order
+  const float* s2_down;     // [E]
+  int n_experts, rank, n_ranks;
+  int cap;                  // rows a rank's block can hold: tokens * topk
+  int n_sets;               // row buffer sets used in turn (seq % n_sets)
+  int64_t set_stride;       // rows between sets (>= n_ranks * cap)
+  int64_t* seq;             // device counter: +1 per call, the layer's exchange seq
+  // outputs
+  int64_t* by_token;        // [tokens, topk] slot-space row of each token's experts, ascending id
+  float* coef;              // [tokens, topk] weight x s2_down, matching by_token
+  int64_t* row_index;       // [cap] token of each row of this rank's block
+  int* pad_rows;            // [cap * 8] block row of each padded row, -1 = padding
+  int4* groups;             // [cap] weight passes; tiles = 0 past the last
+  int64_t* canon_slot;      // [tokens * topk] slot-space row of canonical row i
+  int64_t* meta;            // [kPlanMetaHead + n_ranks]  (layout in rocket_mpi/kernels/plan.py)
+};
+
+void launch_moe_plan(const PlanLaunch& a, cudaStream_t stream);
+
+// ---- cuda-ipc exchange kernels (ipc_bells.cu) ----
+struct IpcPush {
+  const uint4* src;                  // this rank's block rows, row-major
+  uint4* dst[kPlanMaxRanks];         // rank r's row buffer (set 0, row 0), ours included
+  int64_t* bells[kPlanMaxRanks];     // rank r's doorbell word for this rank
+  const int64_t* meta;               // the layer's plan meta (rows, set, seq)
+  unsigned* counter;                 // zero between pushes
+  int64_t row_words, cap_words, set_words;  // uint4 per row, per block capacity, per set
+  int rank, n_ranks;
+};
+struct IpcWait {
+  const int64_t* bells;              // this rank's doorbell words, one per peer
+  const int64_t* meta;
+  int64_t* err;                      // [4] (1, peer, seq, layer) after a timeout
+  uint64_t timeout_ns;
+  int rank, n_ranks, layer;
+};
+void launch_ipc_push(const IpcPush& a, int blocks, cudaStream_t stream);
+void launch_ipc_wait(const IpcWait& a, cudaStream_t stream);
+
 }  // namespace rocket

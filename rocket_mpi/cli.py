@@ -58,6 +58,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                                    "shm: a count of virtual rails")
     p.add_argument("--gid-index", type=int, default=None, help="verbs: GID index (default: RoCE v2 IPv4)")
     p.add_argument("--rail-split-min-bytes", type=_pos_int, default=8192)
+    p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "device", "host"),
+                   help="GPU decode steps: graph = row plan on the device, the step one CUDA graph; device = the "
+                        "same without the graph; host = row plan on the host each layer; auto = graph where it "
+                        "can run (NVFP4 experts, glm4_moe, fabric local/cuda-ipc/nccl), else host")
 
 
 def build_parser() -> argparse.ArgumentParser:

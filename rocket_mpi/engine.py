@@ -44,6 +44,8 @@ class RunResult:
     streams: int
     tokens: list[list[int]]
     steps: list[StepLog] = field(default_factory=list)
+    path: str = "host"       # the decode steps' path: host, device or graph (rocket_mpi/graph.py)
+    note: str = ""           # why a wanted graph did not capture, if it did not
 
     def timed(self) -> list[StepLog]:
         """Decode steps after the warm-up (step 0 is the prefill)."""
@@ -61,7 +63,7 @@ class RunResult:
                 "bytes_per_step": sum(s.bytes_sent for s in t) / n,
                 "rows_per_step": sum(s.rows_owned for s in t) / n,
                 "rows_total_per_step": sum(s.rows_total for s in t) / n,
-                "weight_bytes_per_step": sum(s.weight_bytes for s in t) / n}
+                "weight_bytes_per_step": sum(s.weight_bytes for s in t) / n, "path": self.path}
 
 
 def row_checksum(rows: torch.Tensor, acc):
@@ -125,6 +127,24 @@ class Engine:
         self._rows_owned = 0
         self._rows_total = 0
         self._expert_bytes = 0
+        self.decode_path = "host"
+
+    def set_decode_path(self, want: str, fabric_name: str) -> str:
+        """auto | graph | device | host (rocket_mpi/graph.py): where decode steps plan their rows and
+        whether they run as one CUDA graph. auto takes graph where it can run. Returns the path taken."""
+        from rocket_mpi.graph import unsupported
+        why = unsupported(self, fabric_name)
+        if want == "auto":
+            self.decode_path = "graph" if not why else "host"
+        elif want in ("graph", "device"):
+            if why:
+                raise RocketError(f"--decode-path {want}: not possible here: {why}")
+            self.decode_path = want
+        elif want == "host":
+            self.decode_path = "host"
+        else:
+            raise RocketError(f"--decode-path: unknown path {want!r} (auto, graph, device, host)")
+        return self.decode_path
 
     # -- accounting ------------------------------------------------------------------
     def resident_bytes(self) -> int:
@@ -182,7 +202,8 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------
     def max_rows(self, prompts_list: list[list[list[int]]]) -> int:
-        worst = max(max(sum(len(p) for p in prompts), len(prompts)) for prompts in prompts_list)
+        # the prefill's rows, or the graphed decode step's: each rank's block at a fixed place (graph.py)
+        worst = max(max(sum(len(p) for p in prompts), len(prompts) * self.size) for prompts in prompts_list)
         return worst * self.cfg.num_experts_per_tok
 
     def check_prompts(self, prompts: list[list[int]], n_tokens: int) -> None:
@@ -205,21 +226,39 @@ class Engine:
         result = RunResult(m, [[] for _ in range(m)])
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         seqlens = [len(p) for p in prompts]
+        result.path = "host" if self.decode_path == "host" or n_tokens < 2 else self.decode_path
+        static = None
         for step in range(n_tokens):
             self.step = step
-            self._crc, self._rows_owned, self._rows_total, self._expert_bytes = 0, 0, 0, 0
-            f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
-            t0 = time.perf_counter()
-            logits = self.model.forward(tokens, cache, seqlens, self.moe)
-            nxt = torch.argmax(logits, dim=-1)
-            chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
-            dt = time.perf_counter() - t0
+            if step > 0 and result.path != "host":
+                if static is None:
+                    from rocket_mpi.graph import GraphStep
+                    static = GraphStep(self, cache, tokens, graph=result.path == "graph")
+                t0 = time.perf_counter()
+                chosen, c = static.run(step)
+                dt = time.perf_counter() - t0
+                cache.lengths += 1
+                logits = static.logits
+                per_expert = next((s.read_bytes_per_expert for s in self.experts.values() if s.owned), 0)
+                log = StepLog(dt, 0.0, c["rows_mine"], c["rows_total"], c["bytes_sent"], c["crc"],
+                              c["experts_mine"] * per_expert + self.stack_read_bytes())
+                if static.graph_error and not result.note:
+                    result.note = f"CUDA graph capture failed, steps ran eagerly: {static.graph_error}"
+            else:
+                self._crc, self._rows_owned, self._rows_total, self._expert_bytes = 0, 0, 0, 0
+                f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
+                t0 = time.perf_counter()
+                logits = self.model.forward(tokens, cache, seqlens, self.moe)
+                nxt = torch.argmax(logits, dim=-1)
+                chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
+                dt = time.perf_counter() - t0
+                log = StepLog(dt, self.fabric.stats.seconds - f0, self._rows_owned, self._rows_total,
+                              self.fabric.stats.bytes_sent - b0, int(self._crc),
+                              self._expert_bytes + self.stack_read_bytes())
+                tokens, seqlens = nxt, [1] * m
             for s, t in enumerate(chosen):
                 result.tokens[s].append(t)
-            result.steps.append(StepLog(dt, self.fabric.stats.seconds - f0, self._rows_owned, self._rows_total,
-                                        self.fabric.stats.bytes_sent - b0, int(self._crc),
-                                        self._expert_bytes + self.stack_read_bytes()))
+            result.steps.append(log)
             if on_step:
                 on_step(step, logits)
-            tokens, seqlens = nxt, [1] * m
         return result

@@ -90,6 +90,9 @@ def add_parser(sub) -> None:
     p.add_argument("--perftest", action="store_true",
                    help="also run ib_write_bw / ib_write_lat on the same sizes and rails (verbs) and compare")
     p.add_argument("--perftest-iters", type=_pos_int, default=1000, help="perftest's -n")
+    p.add_argument("--graph", action="store_true",
+                   help="--device cuda, cuda-ipc or nccl: the exchange as the graphed decode step runs it, captured "
+                        "in a CUDA graph, beside a plain peer copy (rocket_mpi/graph_bench.py)")
 
 
 # -- entry -----------------------------------------------------------------------------------------------
@@ -126,6 +129,8 @@ def _bench(args, comm) -> int:
         fabric_precheck(name, args.device)
         if args.rails and name not in ("shm", "verbs"):
             raise FabricError(f"--rails applies to --fabric shm or verbs, not {name}")
+        if args.graph and (args.device != "cuda" or name not in ("cuda-ipc", "nccl")):
+            raise FabricError(f"--graph needs --device cuda and --fabric cuda-ipc or nccl, not {args.device}/{name}")
         if name == "shm" and args.rails and not args.rails.isdigit():
             raise FabricError(f"--rails {args.rails}: shm takes a count of virtual rails")
     collective(comm, args.timeout, "fabric checks", precheck)
@@ -137,6 +142,15 @@ def _bench(args, comm) -> int:
     with watchdog(comm, max(args.timeout, 60.0), f"setting up fabric {name}"):
         fab = make_fabric(name, comm, max_rows, HIDDEN, args.timeout, rails, args.split_min, args.gid_index,
                           device)
+    if args.graph:
+        from rocket_mpi import graph_bench
+        try:
+            results = graph_bench.run(fab, comm, args.sizes, args.iters, args.reps, device)
+        finally:
+            fab.close()
+        if comm.rank == 0:
+            print(graph_bench.format_table(results, describe(fab, args)), flush=True)
+        return 0
     try:
         bench = Bench(fab, comm, args.timeout, device)
         results = [bench.measure(n, iters_for(n, args.iters), args.reps) for n in args.sizes]

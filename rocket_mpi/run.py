@@ -58,7 +58,7 @@ def _decode(args, comm) -> int:
              "config": hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16],
              "checkpoint fingerprint": _collective(comm, args.startup_timeout, "fingerprint", reader.fingerprint),
              "streams": sweep, "tokens": args.tokens, "threads": args.threads, "device": args.device,
-             "fabric": fabric_name, "placement": placement.digest(),
+             "fabric": fabric_name, "placement": placement.digest(), "decode path": args.decode_path,
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16]}
     handshake(comm, facts, args.startup_timeout)
 
@@ -76,6 +76,12 @@ def _decode(args, comm) -> int:
     with watchdog(comm, args.startup_timeout, f"setting up fabric {fabric_name}"):
         engine.fabric = make_fabric(fabric_name, comm, max_rows, cfg.hidden_size, args.fabric_timeout,
                                     rails, args.rail_split_min_bytes, args.gid_index, device)
+    path = _collective(comm, args.startup_timeout, "decode path",
+                       lambda: engine.set_decode_path(args.decode_path, fabric_name))
+    with watchdog(comm, args.startup_timeout, "agreeing on the decode path"):
+        paths = comm.allgather(path) if comm else [path]
+    if len(set(paths)) > 1:  # every rank must take the same path (parity); all ranks see the same list
+        raise RocketError(f"the ranks chose different decode paths: {paths}")
     wait_all(comm, args.startup_timeout, "the start of decoding")
 
     copy_bw = measure_copy_bandwidth(device)
@@ -97,7 +103,7 @@ def _decode(args, comm) -> int:
     tok = load_tokenizer(args.checkpoint)
     out_runs = []
     for i, r in enumerate(results):
-        run = {"streams": r.streams, "tokens": r.tokens,
+        run = {"streams": r.streams, "tokens": r.tokens, "path": r.path, "note": r.note,
                "row_checksums": {str(g[0]["rank"]): g[2][i] for g in gathered},
                "per_rank": [g[1][i] for g in gathered]}
         if tok is not None:
@@ -151,6 +157,9 @@ def _pick_device(name: str, comm):
         raise RocketError("--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU here)")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # deterministic mode would also fill every torch.empty with NaN: a kernel per allocation, on the hot
+    # path and in the captured graph; every buffer here is written before it is read
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     from rocket_mpi.dist import local_rank
     dev = torch.device("cuda", local_rank(comm) % torch.cuda.device_count())
@@ -170,11 +179,15 @@ def print_report(doc: dict, cfg) -> None:
     bw = {ld["rank"]: ld.get("copy_gbps") for ld in doc["load"]}
     for run in doc["runs"]:
         steps = run["per_rank"][0]["steps"]
-        print(f"\nM={run['streams']}: {steps} timed decode steps after warm-up")
+        print(f"\nM={run['streams']}: {steps} timed decode steps after warm-up, decode path {run['path']}")
+        if run.get("note"):
+            print(f"  note: {run['note']}")
         print(hdr)
         for s in run["per_rank"]:
-            print(f"{s['rank']:>4} {s['M']:>3} {s['ms_per_step']:>9.2f} {s['tok_per_s']:>8.1f} {s['fabric_ms']:>9.2f} "
-                  f"{s['fabric_pct']:>8.1f} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f} "
+            host = s.get("path", "host") == "host"  # inside a graph the exchange is not timed apart
+            fab_ms, fab_pct = (f"{s['fabric_ms']:.2f}", f"{s['fabric_pct']:.1f}") if host else ("graph", "-")
+            print(f"{s['rank']:>4} {s['M']:>3} {s['ms_per_step']:>9.2f} {s['tok_per_s']:>8.1f} {fab_ms:>9} "
+                  f"{fab_pct:>8} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f} "
                   f"{s['weight_bytes_per_step'] / 1e9:>12.3f} {_roofline(s, bw.get(s['rank'])):>10}")
         if any(bw.values()):
             print("roofline % = (GB read/step / measured copy GB/s) / ms per step; copy GB/s counts read + write: "

@@ -17,6 +17,25 @@ build)
   python3 -c "import torch, rocket_mpi.kernels as k; print('kernels available:', k.available(), k.unavailable_reason() if not k.available() else '')" ;;
 kernels)
   T=120 run kernels python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ;;
+devtests)
+  T=200 run devtests python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_plan.py tests/test_kernels.py ;;
+fire_graph)
+  for f in cuda-ipc nccl; do
+    T=240 run "fire_graph_$f" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 12
+  done
+  T=240 run fire_graph_ipc3 python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 3 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12 ;;
+paths)
+  for p in ${PATHS:-host device graph}; do
+    T=300 run "decode1_${PRESET}_$p" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --decode-path $p --sweep 1,8 --tokens 16
+  done ;;
+paths2)
+  for f in ${FABRICS:-cuda-ipc nccl}; do
+    T=300 run "decode2_${PRESET}_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 16
+  done ;;
+fabgraph)
+  for f in cuda-ipc nccl; do
+    T=200 run "fabgraph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --graph --sizes 2K..4M --reps 5
+  done ;;
 fire_kernel)
   T=240 run fire_ipc_nvfp4_kernel python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 12
   T=240 run fire_nccl_nvfp4_kernel python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric nccl --sweep 1,8 --tokens 12 ;;

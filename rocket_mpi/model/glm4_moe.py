@@ -126,6 +126,28 @@ class Glm4MoeModel:
             pos = torch.tensor(starts, device=dev)
             mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [M,1,1,span]
             decode = (torch.arange(len(seqlens), device=dev), pos, span, mask)
+        x = self._layers(x, cos, sin, cache, starts, seqlens, decode, moe)
+        cache.lengths += torch.tensor(seqlens)
+        last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
+        h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, moe) -> torch.Tensor:
+        """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
+        tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
+        over the cache's whole capacity under a length mask. The caller advances pos and cache.lengths."""
+        cfg = self.cfg
+        dev = self.embed.device
+        cos, sin = self.rope.cos_sin(pos)
+        x = self.embed[tokens]
+        span = cache.capacity
+        mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
+        decode = (torch.arange(tokens.numel(), device=dev), pos, span, mask)
+        x = self._layers(x, cos, sin, cache, None, None, decode, moe)
+        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+
+    def _layers(self, x, cos, sin, cache, starts, seqlens, decode, moe) -> torch.Tensor:
+        cfg = self.cfg
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
             x = x + self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, decode)
@@ -134,10 +156,7 @@ class Glm4MoeModel:
                 x = x + swiglu_mlp(h, *L.mlp)
             else:
                 x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
-        cache.lengths += torch.tensor(seqlens)
-        last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
-        h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return x
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens, decode) -> torch.Tensor:
         cfg = self.cfg

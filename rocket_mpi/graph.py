@@ -1,0 +1,223 @@
+"""Decode steps without the host: the row plan on the device, the exchange in kernels, the step in a CUDA graph.
+
+The eager GPU step is host-bound: Python launches a few hundred small kernels per step and reads the
+routing back once per MoE layer (the host plan). Here every MoE layer is
+
+    route (torch) -> moe_plan (one kernel: the canonical plan in slot space, kernels/plan.py)
+    -> nvfp4_experts_into (this rank's block, fixed grid) -> exchange -> row checksum -> moe_scatter_add
+
+with shapes fixed by (streams, top-k, ranks), so the whole decode step (attention over the cache's full
+capacity with a length mask, MoE layers, lm_head, argmax, the next positions) is captured once in a
+CUDA graph and replayed: one launch and one small device-to-host read (tokens + plan counters) per step.
+
+Exchange per fabric (rows of rank r's block live at slot space r * cap + i on every rank):
+    local     one rank: the block is the row set
+    nccl      all_gather_into_tensor of every rank's cap rows (captured by NCCL)
+    cuda-ipc  ipc_push (block rows into every peer's buffer over NVLink, then doorbells, one kernel) and
+              ipc_wait (spin on our doorbells with a timeout; a timeout is recorded on the device and
+              raised by the host after the step naming peer, layer and step); two row buffer sets used
+              in turn (seq parity) as the eager path's double buffer
+
+Parity: canonical order, the kernel's weight passes and the scatter order are the host plan's
+(tests/test_kernels.py checks moe_plan against its reference), so the split and one rank compute the
+same bits. The graphed step attends over the whole capacity where the eager step attends over the
+longest stream: its tokens can differ from the eager GPU step's in the last bit of a softmax sum, never
+between ranks, since every rank takes the same path (the handshake checks --graph).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rocket_mpi.errors import FabricTimeout, RocketError
+from rocket_mpi.kernels import plan as kplan
+from rocket_mpi.moe.router import route
+
+PUSH_BLOCKS = 32
+
+
+def unsupported(engine, fabric_name: str) -> str:
+    """'' where the graphed step can run for this engine, else why not."""
+    import os
+    from rocket_mpi import kernels
+    if engine.device.type != "cuda":
+        return "it needs --device cuda"
+    if not kernels.available():
+        return kernels.unavailable_reason()
+    if not hasattr(engine.model, "forward_static"):
+        return f"model type {engine.cfg.model_type} has no fixed-shape decode step yet (glm4_moe has)"
+    if any(s.packed is None for s in engine.experts.values() if s.owned):
+        return "the routed experts are not NVFP4 (the graphed step runs them in the NVFP4 kernel)"
+    if fabric_name not in ("local", "cuda-ipc", "nccl"):
+        return f"fabric {fabric_name} is host-driven"
+    if os.environ.get("ROCKET_FAULT"):
+        return "ROCKET_FAULT injects faults on the eager path"
+    return ""
+
+
+class DeviceMoE:
+    """The engine's MoE layer with a device plan and a fixed-capacity exchange (CUDA-graph safe)."""
+
+    def __init__(self, engine, streams: int):
+        from rocket_mpi.fabric.base import LocalFabric
+        from rocket_mpi.fabric.cuda_ipc import BELL_BYTES, CudaIpcFabric
+        from rocket_mpi.fabric.nccl import NcclFabric
+        e = self.engine = engine
+        cfg, dev = e.cfg, e.device
+        self.rank, self.size = e.rank, e.size
+        self.cap = streams * cfg.num_experts_per_tok
+        self.hidden = cfg.hidden_size
+        self.tables = {}
+        for layer, store in e.experts.items():
+            owner = e.placement.owners[layer]
+            slot = store.packed.slot if store.packed is not None else {}
+            self.tables[layer] = (owner.to(dev, torch.int32), kplan.slot_table(owner.numel(), slot).to(dev),
+                                  kplan.canonical_experts(owner).to(dev), store.s2_down.to(dev, torch.float32))
+        self.seq = torch.tensor([e.seq], dtype=torch.long, device=dev)  # continues the host's seq
+        self.err = torch.zeros(4, dtype=torch.long, device=dev)
+        fab = e.fabric
+        rows_needed = self.size * self.cap
+        if isinstance(fab, LocalFabric) or self.size == 1:
+            self.mode, self.n_sets, self.set_stride = "local", 1, self.cap
+            self.rows = torch.empty(self.cap, self.hidden, dtype=torch.bfloat16, device=dev)
+            self.out = self.rows
+        elif isinstance(fab, NcclFabric):
+            self.mode, self.n_sets, self.set_stride = "nccl", 1, rows_needed
+            self.rows = torch.empty(rows_needed, self.hidden, dtype=torch.bfloat16, device=dev)
+            self.out = self.rows[self.rank * self.cap:(self.rank + 1) * self.cap]
+        elif isinstance(fab, CudaIpcFabric):
+            slot_rows = fab.slot_bytes // fab.row_bytes
+            if slot_rows < rows_needed:
+                raise RocketError(f"cuda-ipc: row buffers of {slot_rows} rows, the graphed step needs {rows_needed}")
+            self.mode, self.n_sets, self.set_stride = "cuda-ipc", 2, slot_rows
+            self.rows = fab.buf[BELL_BYTES:BELL_BYTES + 2 * fab.slot_bytes].view(torch.bfloat16).view(-1, self.hidden)
+            self.out = torch.empty(self.cap, self.hidden, dtype=torch.bfloat16, device=dev)
+            self.dst = [fab.base[r] + BELL_BYTES for r in range(self.size)]
+            self.peer_bells = [fab.base[r] + 8 * self.rank for r in range(self.size)]
+            self.bells = fab.bells
+            self.counter = torch.zeros(1, dtype=torch.int32, device=dev)
+            self.timeout = fab.timeout
+        else:
+            raise RocketError(f"the graphed step has no exchange for fabric {fab.name}")
+        self.metas: list[torch.Tensor] = []
+        self.crc = None
+
+    def bytes_sent(self, rows_mine: int) -> int:
+        row = self.hidden * 2
+        if self.mode == "nccl":
+            return self.cap * row * (self.size - 1)
+        return rows_mine * row * (self.size - 1)
+
+    def __call__(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
+        from rocket_mpi import kernels
+        from rocket_mpi.engine import row_checksum
+        cfg = self.engine.cfg
+        store = self.engine.experts[layer]
+        weights, experts = route(x, L.router_w, L.router_b, cfg)
+        owner, slot, canon, s2 = self.tables[layer]
+        p = kplan.moe_plan(experts, weights, owner, slot, canon, s2, self.rank, self.size, self.n_sets,
+                           self.set_stride, self.seq)
+        if store.packed is not None:
+            pk = store.packed
+            kernels._ext.require().nvfp4_experts_into(x.contiguous(), p["row_index"], p["pad_rows"], p["groups"],
+                                                      self.out, pk.q_gu, pk.s_gu, pk.s2_gu, pk.q_dn, pk.s_dn,
+                                                      pk.hidden, pk.inter, store.swiglu_limit)
+        C = kernels._ext.require()
+        if self.mode == "nccl":
+            import torch.distributed as dist
+            dist.all_gather_into_tensor(self.rows, self.out)
+        elif self.mode == "cuda-ipc":
+            C.ipc_push(self.out, p["meta"], self.dst, self.peer_bells, self.counter, self.cap, self.set_stride,
+                       self.rank, PUSH_BLOCKS)
+            C.ipc_wait(self.bells, p["meta"], self.err, self.timeout, self.rank, layer)
+        self.crc = row_checksum(self.rows[p["canon_slot"]], 0 if self.crc is None else self.crc)
+        self.metas.append(p["meta"])
+        return kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"])
+
+
+class GraphStep:
+    """One decode step for M streams at device positions, run eagerly once, then captured and replayed.
+
+    tokens/pos are the graph's inputs and outputs: the step writes the chosen tokens into `tokens` and
+    advances `pos`, so consecutive replays need nothing from the host."""
+
+    def __init__(self, engine, cache, tokens: torch.Tensor, graph: bool):
+        self.engine, self.cache = engine, cache
+        dev = engine.device
+        self.tokens = tokens.to(dev, torch.long).clone()
+        self.pos = cache.lengths.to(dev).clone()
+        self.moe = DeviceMoE(engine, self.tokens.numel())
+        self.want_graph = graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_error = ""
+        self.out = None
+
+    def _body(self):
+        m = self.moe
+        m.metas, m.crc = [], None
+        logits = self.engine.model.forward_static(self.tokens, self.pos, self.cache, m)
+        nxt = torch.argmax(logits, dim=-1)
+        self.tokens.copy_(nxt)
+        self.pos.add_(1)
+        meta = torch.stack(m.metas) if m.metas else torch.zeros(0, kplan.META_HEAD, dtype=torch.long,
+                                                                   device=nxt.device)
+        crc = m.crc if m.crc is not None else torch.zeros((), dtype=torch.long, device=nxt.device)
+        self.logits = logits
+        self.out = torch.cat((nxt, crc.view(1).to(torch.long), meta[:, kplan.META_ROWS], meta[:, kplan.META_EXPERTS]))
+
+    def run(self, step: int) -> tuple[list[int], dict]:
+        """One step; returns (chosen tokens, counters). The first call runs eagerly (and warms up), the
+        second captures the graph (where wanted) and every call from then on replays it."""
+        if self.out is None or not self.want_graph or (self.graph is None and self.graph_error):
+            self._body()
+        else:
+            if self.graph is None:
+                self._capture()
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._body()
+        self._finish(step)
+        vals = self.out.tolist()
+        m = self.tokens.numel()
+        n_moe = (len(vals) - m - 1) // 2
+        rows = vals[m + 1:m + 1 + n_moe]
+        self.engine.seq += n_moe  # each MoE layer's plan bumped the device seq by one
+        return vals[:m], {"crc": vals[m], "rows_mine": sum(rows), "experts_mine": sum(vals[m + 1 + n_moe:]),
+                          "rows_total": n_moe * self.moe.cap, "bytes_sent": sum(self.moe.bytes_sent(r) for r in rows)}
+
+    def _capture(self):
+        torch.cuda.synchronize(self.engine.device)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                self._body()
+        except Exception as e:  # noqa: BLE001 - reported, and the step runs eagerly instead
+            self.graph_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            torch.cuda.synchronize(self.engine.device)
+            self.out = None
+            return
+        self.graph = g
+
+    def _finish(self, step: int):
+        """Bound the wait for the step (a dead peer must not hang the host), then report a fabric timeout."""
+        done = torch.cuda.Event()
+        done.record()
+        fab = self.engine.fabric
+        n_moe = max(len(self.engine.cfg.moe_layers), 1)
+        limit = fab.timeout * (n_moe + 1) + 30
+        deadline = time.monotonic() + limit
+        spins = 0
+        while not done.query():
+            spins += 1
+            if spins % 1024 == 0:
+                if time.monotonic() > deadline:
+                    raise FabricTimeout(f"rank {self.engine.rank}: decode step {step} did not finish in "
+                                        f"{limit:.0f} s "
+                                        f"(fabric {fab.name}, graphed step): a peer is dead or stalled")
+                time.sleep(0)
+        if self.moe.mode == "cuda-ipc":
+            err = self.moe.err.tolist()
+            if err[0]:
+                raise fab.timeout_error(int(err[1]), int(err[3]), step, int(err[2]))

@@ -1,0 +1,171 @@
+"""fabric-bench --graph: the GPU exchange as the graphed decode step runs it, captured in a CUDA graph.
+
+    mpirun -np 2 python -m rocket_mpi fabric-bench --device cuda --fabric cuda-ipc|nccl --graph [--sizes ...]
+
+Per message size, medians over --reps replays of one graph holding --iters exchanges back to back:
+  exchange us    one symmetric exchange (both ranks send the size, each waits for the other's doorbell):
+                 cuda-ipc = ipc_push + ipc_wait kernels (graph.py), nccl = all_gather_into_tensor;
+  GB/s           size / exchange time: what one rank's rows move at;
+  peer copy GB/s a plain peer copy (cudaMemcpyAsync to the peer's mapped buffer) of the same size, timed
+                 with events: the bandwidth bar; and the exchange's share of it.
+Every size is checked first: the rows that arrive are the bytes the peer sent.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from rocket_mpi.errors import FabricError
+
+ROW_HIDDEN = 32   # rows of 64 bytes, as fabric-bench
+ROW_BYTES = ROW_HIDDEN * 2
+
+
+def push_blocks(nbytes: int) -> int:
+    """Blocks of the push kernel: enough stores in flight to fill NVLink, one per 16 KiB, 132 at most."""
+    return max(1, min(132, nbytes // 16384))
+
+
+class GraphExchange:
+    """`iters` exchanges of `nbytes` per rank, captured once; replay() runs them all."""
+
+    def __init__(self, fab, comm, nbytes: int, iters: int, device):
+        self.fab, self.comm, self.device = fab, comm, device
+        self.rank, self.size = comm.rank, comm.size
+        self.rows = nbytes // ROW_BYTES
+        self.nbytes, self.iters = nbytes, iters
+        self.src = (torch.arange(self.rows * ROW_HIDDEN, device=device, dtype=torch.int32) * (self.rank + 3)
+                    ).to(torch.int16).view(torch.bfloat16).view(self.rows, ROW_HIDDEN)
+        if fab.name == "cuda-ipc":
+            from rocket_mpi.fabric.cuda_ipc import BELL_BYTES
+            slot_rows = fab.slot_bytes // fab.row_bytes
+            if fab.row_bytes != ROW_BYTES or slot_rows < self.size * self.rows:
+                raise FabricError(f"graph bench: cuda-ipc buffers of {slot_rows} rows of {fab.row_bytes} B are too "
+                                  f"small for {self.size} x {self.rows}")
+            self.recv = fab.buf[BELL_BYTES:BELL_BYTES + fab.slot_bytes].view(torch.bfloat16).view(-1, ROW_HIDDEN)
+            self.dst = [fab.base[r] + BELL_BYTES for r in range(self.size)]
+            self.peer_bells = [fab.base[r] + 8 * self.rank for r in range(self.size)]
+            self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+            self.err = torch.zeros(4, dtype=torch.long, device=device)
+            start = int(fab.bells.max()) + 1 if self.size > 1 else 1
+            start = max(comm.allgather(start))
+            head = [0, 0, self.rows, 0, 0, 0] + [self.rows] * self.size
+            self.metas = torch.tensor([head] * iters, dtype=torch.long, device=device)
+            self.metas[:, 4] = torch.arange(start, start + iters, device=device)
+        else:
+            self.recv = torch.empty(self.size * self.rows, ROW_HIDDEN, dtype=torch.bfloat16, device=device)
+        self.graph = None
+
+    def _body(self):
+        from rocket_mpi import kernels
+        if self.fab.name == "cuda-ipc":
+            C = kernels._ext.require()
+            for i in range(self.iters):
+                C.ipc_push(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0, self.rank,
+                           push_blocks(self.nbytes))
+                C.ipc_wait(self.fab.bells, self.metas[i], self.err, self.fab.timeout, self.rank, -1)
+            self.metas[:, 4] += self.iters  # the next replay's seqs
+        else:
+            import torch.distributed as dist
+            for _ in range(self.iters):
+                dist.all_gather_into_tensor(self.recv, self.src)
+
+    def check(self):
+        """One eager pass; the peer's rows must arrive exactly."""
+        self._body()
+        torch.cuda.synchronize(self.device)
+        self._raise_err()
+        peer = (self.rank + 1) % self.size
+        want = (torch.arange(self.rows * ROW_HIDDEN, device=self.device, dtype=torch.int32) * (peer + 3)
+                ).to(torch.int16).view(torch.bfloat16).view(self.rows, ROW_HIDDEN)
+        got = self.recv[peer * self.rows:(peer + 1) * self.rows]
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            raise FabricError(f"graph bench: rank {self.rank}: rows from rank {peer} differ at {self.nbytes} B")
+
+    def _raise_err(self):
+        if self.fab.name == "cuda-ipc":
+            err = self.err.tolist()
+            if err[0]:
+                raise self.fab.timeout_error(int(err[1]), -1, 0, int(err[2]))
+
+    def capture(self) -> str:
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                self._body()
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            torch.cuda.synchronize(self.device)
+            return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        self.graph = g
+        return ""
+
+    def time_us(self, reps: int) -> float:
+        """Median us per exchange over `reps` replays (ranks start each replay together)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize(self.device)
+            self.comm.Barrier()
+            start.record()
+            self.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / self.iters)
+        self._raise_err()
+        return statistics.median(times)
+
+
+def peer_copy_gbps(fab, comm, nbytes: int, device, reps: int = 20) -> float:
+    """A plain cudaMemcpyAsync of nbytes into the peer's mapped buffer (cuda-ipc), timed with events."""
+    if fab.name != "cuda-ipc":
+        return float("nan")
+    from rocket_mpi.fabric.cuda_ipc import BELL_BYTES
+    peer = (comm.rank + 1) % comm.size
+    st = fab.peer_storages[peer]
+    dst = torch.empty(0, dtype=torch.uint8, device=device).set_(st)[BELL_BYTES + fab.slot_bytes:][:nbytes]
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    comm.Barrier()
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run(fab, comm, sizes: list[int], iters: int | None, reps: int, device) -> list[dict]:
+    out = []
+    for n in sizes:
+        k = iters or max(10, min(200, (64 << 20) // max(n, 1)))
+        ex = GraphExchange(fab, comm, n, k, device)
+        ex.check()
+        why = ex.capture()
+        if comm.allreduce(1 if why else 0) == 0:
+            ex.graph.replay()  # warm
+            us = ex.time_us(reps)
+        else:
+            us = float("nan")
+        copy = peer_copy_gbps(fab, comm, n, device)
+        out.append({"bytes": n, "exchange_us": us, "gbs": float("nan") if math.isnan(us) else n / (us * 1e-6) / 1e9,
+                    "copy_gbs": copy, "note": why})
+        torch.cuda.synchronize(device)
+    return out
+
+
+def format_table(results: list[dict], header: str) -> str:
+    from rocket_mpi.fabric_bench import human, num
+    lines = [f"fabric-bench --graph: {header}",
+             f"{'message':>9}  {'exchange us':>12}  {'GB/s':>8}  {'peer copy GB/s':>14}  {'% of copy':>9}"]
+    for r in results:
+        pct = None if math.isnan(r["gbs"]) or math.isnan(r["copy_gbs"]) else 100 * r["gbs"] / r["copy_gbs"]
+        lines.append(f"{human(r['bytes']):>9}  {num(r['exchange_us']):>12}  {num(r['gbs']):>8}  "
+                     f"{num(r['copy_gbs']):>14}  {(f'{pct:.0f}' if pct is not None else '-'):>9}"
+                     + (f"  capture failed: {r['note']}" if r["note"] else ""))
+    return "\n".join(lines)

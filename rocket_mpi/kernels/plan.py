@@ -1,0 +1,87 @@
+"""The device row plan (csrc/moe_plan.cu) and its torch reference.
+
+The host plan (rocket_mpi/moe/rows.py plan_rows + kernels.launch_plan) gives each rank's block at
+offsets that depend on routing, so the host must read the routing every layer. The device plan puts
+every rank's block at a fixed place in "slot space" instead:
+
+    slot-space row of canonical row i (owner o) = set * set_stride + o * cap + (i - offsets[o])
+
+with cap = tokens * topk (the most rows one rank can own) and set = seq % n_sets (row buffer sets used
+in turn, for fabrics that need double buffering). Canonical order, segments, tiles and weight passes
+are the host plan's, so a row's expert output and the scatter order are the same bits either way.
+
+Outputs, all fixed-size for a given (tokens, topk, ranks):
+    by_token   [T, k] int64   slot-space row of each token's experts, ascending expert id
+    coef       [T, k] fp32    router weight x s2_down, matching by_token
+    row_index  [cap] int64    token of each row of this rank's block (0 past its rows)
+    pad_rows   [cap * 8] i32  the kernel's padded rows (launch_plan), -1 past them
+    groups     [cap, 4] i32   the kernel's weight passes (launch_plan), zeros past them
+    canon_slot [T * k] int64  slot-space row of canonical row i (the row checksum reads rows in this order)
+    meta       [6 + N] int64  tiles, passes, rows of this rank, set, seq, experts of this rank with rows,
+                              then rows per rank
+"""
+from __future__ import annotations
+
+import torch
+
+from rocket_mpi.moe.rows import plan_rows
+
+META_HEAD = 6
+META_TILES, META_GROUPS, META_ROWS, META_SET, META_SEQ, META_EXPERTS = range(META_HEAD)
+
+
+def canonical_experts(owner: torch.Tensor) -> torch.Tensor:
+    """Experts in (owner rank, expert id) order: the order of canonical rows' segments."""
+    n = owner.numel()
+    return torch.argsort(owner.long() * n + torch.arange(n)).to(torch.int32)
+
+
+def slot_table(n_experts: int, slot: dict[int, int]) -> torch.Tensor:
+    """[E] int32: slot of each expert in this rank's packed experts, -1 where it is not here."""
+    t = torch.full((n_experts,), -1, dtype=torch.int32)
+    for e, s in slot.items():
+        t[e] = s
+    return t
+
+
+def moe_plan_ref(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, slot: dict[int, int],
+                 s2_down: torch.Tensor, rank: int, n_ranks: int, n_sets: int, set_stride: int,
+                 seq: int) -> dict[str, torch.Tensor]:
+    """What moe_plan computes, from the host plan. `seq` is the counter before the call (the plan uses seq + 1)."""
+    from rocket_mpi.kernels import launch_plan
+    experts, weights = experts.cpu(), weights.cpu().float()
+    owner = owner.cpu().long()
+    t, k = experts.shape
+    cap = t * k
+    plan = plan_rows(experts, weights, owner, s2_down.cpu().float(), n_ranks)
+    s = seq + 1
+    set_ = s % n_sets if n_sets > 1 else 0
+    offsets = torch.tensor(plan.offsets)
+    own = owner[plan.experts]
+    canon_slot = set_ * set_stride + own * cap + (torch.arange(plan.rows) - offsets[own])
+    lo, hi = plan.block(rank)
+    row_index = torch.zeros(cap, dtype=torch.long)
+    row_index[:hi - lo] = plan.tokens[lo:hi]
+    lp, n_tiles, n_groups, _ = launch_plan(plan.segments[rank], lo, slot)
+    pad_rows = torch.full((cap * 8,), -1, dtype=torch.int32)
+    pad_rows[:n_tiles * 8] = lp[:n_tiles * 8]
+    groups = torch.zeros(cap, 4, dtype=torch.int32)
+    groups[:n_groups] = lp[n_tiles * 8:].view(-1, 4)
+    mine = sum(1 for _, a, b in plan.segments[rank] if b > a)
+    meta = torch.tensor([n_tiles, n_groups, hi - lo, set_, s, mine]
+                        + [plan.offsets[r + 1] - plan.offsets[r] for r in range(n_ranks)], dtype=torch.long)
+    return {"by_token": canon_slot[plan.by_token], "coef": plan.coef, "row_index": row_index, "pad_rows": pad_rows,
+            "groups": groups, "canon_slot": canon_slot, "meta": meta}
+
+
+PLAN_KEYS = ("by_token", "coef", "row_index", "pad_rows", "groups", "canon_slot", "meta")
+
+
+def moe_plan(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,
+             canon: torch.Tensor, s2_down: torch.Tensor, rank: int, n_ranks: int, n_sets: int, set_stride: int,
+             seq: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The device plan (one kernel, no host read; `seq` [1] int64 on the device is bumped by one)."""
+    from rocket_mpi.kernels import _ext
+    out = _ext.require().moe_plan(experts.contiguous(), weights.float().contiguous(), owner, slot, canon, s2_down,
+                                  rank, n_ranks, n_sets, set_stride, seq)
+    return dict(zip(PLAN_KEYS, out))

@@ -1,0 +1,230 @@
+"""The device decode path (rocket_mpi/graph.py): the device row plan, the fixed-shape decode step, the
+cuda-ipc push/wait kernels and the CUDA graph.
+
+CPU tests (always run):
+  - the plan's reference (kernels/plan.py) against the host plan: rows placed in slot space and
+    scattered through its by_token give the host plan's scatter bit for bit; each rank's padded rows
+    and weight passes cover exactly its block; sets alternate with seq;
+  - glm4_moe forward_static (attends over the whole cache capacity) against forward, teacher-forced.
+GPU tests (skip, saying why, without a GPU or the extension):
+  - moe_plan (the kernel) bitwise equal to its reference, 1 to 3 ranks, one or two sets;
+  - nvfp4_experts_into through the device plan bitwise equal to nvfp4_experts through the host plan;
+  - ipc_push / ipc_wait in one process (two buffers stand for two ranks), and the wait's timeout record;
+  - a graphed decode gives the same tokens and row checksums as the same step run eagerly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rocket_mpi import kernels
+from rocket_mpi.kernels import plan as kplan
+from rocket_mpi.moe.rows import plan_rows
+from rocket_mpi.moe.scatter import moe_scatter_add
+
+
+def random_routing(tokens, topk, n_exp, seed):
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(tokens)])
+    weights = torch.rand(tokens, topk, generator=gen)
+    return experts, weights
+
+
+def placement(n_exp, ranks, scrambled, seed):
+    owner = torch.arange(n_exp) * ranks // n_exp
+    if scrambled:
+        owner = owner[torch.randperm(n_exp, generator=torch.Generator().manual_seed(seed))]
+    return owner
+
+
+CASES = [(1, 8, 16, 1, False), (5, 4, 16, 2, False), (8, 8, 32, 3, True), (3, 2, 16, 2, True), (16, 8, 64, 3, False)]
+
+
+@pytest.mark.parametrize("tokens,topk,n_exp,ranks,scrambled", CASES)
+def test_plan_reference_matches_host_plan(tokens, topk, n_exp, ranks, scrambled):
+    experts, weights = random_routing(tokens, topk, n_exp, seed=tokens)
+    owner = placement(n_exp, ranks, scrambled, seed=7)
+    s2 = torch.rand(n_exp) + 0.5
+    host = plan_rows(experts, weights, owner, s2, ranks)
+    cap, h = tokens * topk, 24
+    canon_rows = torch.randn(host.rows, h).to(torch.bfloat16)
+    want = moe_scatter_add(canon_rows, host.by_token, host.coef)
+    for n_sets in (1, 2):
+        stride = ranks * cap + 3                          # a set need not be packed tight
+        for seq in (4, 5):
+            for rank in range(ranks):
+                mine = {e: i for i, e in enumerate(e for e in range(n_exp) if int(owner[e]) == rank)}
+                ref = kplan.moe_plan_ref(experts, weights, owner, mine, s2, rank, ranks, n_sets, stride, seq)
+                set_ = (seq + 1) % n_sets if n_sets > 1 else 0
+                assert int(ref["meta"][kplan.META_SEQ]) == seq + 1 and int(ref["meta"][kplan.META_SET]) == set_
+                assert ref["canon_slot"].min() >= set_ * stride and ref["canon_slot"].max() < (set_ + 1) * stride
+                buf = torch.full((n_sets * stride, h), float("nan")).to(torch.bfloat16)  # unused rows poison
+                buf[ref["canon_slot"]] = canon_rows
+                got = moe_scatter_add(buf, ref["by_token"], ref["coef"])
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+                lo, hi = host.block(rank)
+                meta = ref["meta"].tolist()
+                assert meta[kplan.META_ROWS] == hi - lo
+                assert meta[kplan.META_HEAD:] == [host.offsets[r + 1] - host.offsets[r] for r in range(ranks)]
+                pad = ref["pad_rows"]
+                used = sorted(int(p) for p in pad if p >= 0)
+                assert used == list(range(hi - lo))          # every block row once, nothing else
+                assert torch.equal(ref["row_index"][:hi - lo], host.tokens[lo:hi])
+                # every weight pass runs an expert of this rank over its rows only
+                inv = {s: e for e, s in mine.items()}
+                for slot, tile0, ntiles, _ in ref["groups"].tolist():
+                    if ntiles == 0:
+                        continue
+                    e = inv[slot]
+                    rows = [int(p) for p in pad[tile0 * 8:(tile0 + ntiles) * 8] if p >= 0]
+                    assert rows and all(int(host.experts[lo + r]) == e for r in rows)
+                assert meta[kplan.META_EXPERTS] == sum(1 for _, a, b in host.segments[rank] if b > a)
+
+
+def test_forward_static_matches_forward(tiny_ckpt):
+    """The fixed-shape step (whole-capacity attention, device positions) against the eager step, with
+    the same tokens fed to both: logits agree to rounding."""
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.prompts import default_prompts
+    torch.set_num_threads(1)
+    eng = Engine(tiny_ckpt)
+    prompts = default_prompts(4, eng.cfg.vocab_size)
+    steps = 6
+    res = eng.generate(prompts, steps)
+    model = eng.model
+    with torch.inference_mode():
+        cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + steps)
+        tokens = torch.tensor([t for p in prompts for t in p])
+        logits = model.forward(tokens, cache, [len(p) for p in prompts], eng.moe)
+        worst = 0.0
+        for step in range(1, steps):
+            fed = torch.tensor([toks[step - 1] for toks in res.tokens])
+            got = model.forward_static(fed, cache.lengths.clone(), cache, eng.moe)
+            cache.lengths += 1
+            assert got.shape == logits.shape
+            assert torch.equal(got.argmax(-1), torch.tensor([toks[step] for toks in res.tokens]))
+            worst = max(worst, float((got - _eager_logits(eng, res, prompts, step)).abs().max()))
+        assert worst < 0.02, f"forward_static differs from forward by {worst}"
+
+
+def _eager_logits(eng, res, prompts, step):
+    """Logits of decode step `step` from a fresh eager run fed the same tokens."""
+    model = eng.model
+    cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + step + 1)
+    tokens = torch.tensor([t for p in prompts for t in p])
+    seqlens = [len(p) for p in prompts]
+    for s in range(step + 1):
+        logits = model.forward(tokens, cache, seqlens, eng.moe)
+        tokens, seqlens = torch.tensor([toks[s] for toks in res.tokens]), [1] * len(prompts)
+    return logits
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__})"
+    if not kernels.available():
+        return kernels.unavailable_reason()
+    return None
+
+
+_SKIP = _skip_reason()
+if _SKIP:
+    print(f"\n[test_device_plan] GPU tests skipped: {_SKIP}")
+gpu = pytest.mark.skipif(_SKIP is not None, reason=f"GPU tests need a CUDA device and the extension: {_SKIP}")
+
+
+@gpu
+@pytest.mark.parametrize("tokens,topk,n_exp,ranks,scrambled", CASES + [(64, 8, 288, 2, False), (1, 8, 288, 3, True)])
+def test_gpu_moe_plan_matches_reference(tokens, topk, n_exp, ranks, scrambled):
+    dev = torch.device("cuda")
+    experts, weights = random_routing(tokens, topk, n_exp, seed=tokens + 1)
+    owner = placement(n_exp, ranks, scrambled, seed=3)
+    s2 = torch.rand(n_exp) + 0.5
+    canon = kplan.canonical_experts(owner).to(dev)
+    for n_sets, stride in ((1, ranks * tokens * topk), (2, ranks * tokens * topk + 5)):
+        for rank in range(ranks):
+            mine = {e: i for i, e in enumerate(e for e in range(n_exp) if int(owner[e]) == rank)}
+            seq = torch.tensor([11], device=dev)
+            got = kplan.moe_plan(experts.to(dev), weights.to(dev), owner.to(dev, torch.int32),
+                                 kplan.slot_table(n_exp, mine).to(dev), canon, s2.to(dev), rank, ranks, n_sets,
+                                 stride, seq)
+            ref = kplan.moe_plan_ref(experts, weights, owner, mine, s2, rank, ranks, n_sets, stride, 11)
+            assert int(seq) == 12
+            for k in kplan.PLAN_KEYS:
+                g, r = got[k].cpu(), ref[k]
+                assert g.dtype == r.dtype and torch.equal(g.view(-1), r.view(-1)), f"{k} (rank {rank}, sets {n_sets})"
+
+
+def _packed_random(n_exp, hidden, inter, dev):
+    from test_kernels import make_experts
+    return kernels.pack_experts(make_experts(range(n_exp), hidden, inter, seed=5), hidden, inter, device=dev)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_gpu_experts_into_matches_host_plan(tokens):
+    dev = torch.device("cuda")
+    n_exp, hidden, inter, topk = 12, 256, 192, 4
+    packed = _packed_random(n_exp, hidden, inter, dev)
+    experts, weights = random_routing(tokens, topk, n_exp, seed=9)
+    owner = torch.zeros(n_exp, dtype=torch.long)
+    x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
+    host = plan_rows(experts, weights, owner, torch.ones(n_exp), 1)
+    want = kernels.nvfp4_experts(x, host.segments[0], packed, 0, host.tokens, 0.5)
+    p = kplan.moe_plan(experts.to(dev), weights.to(dev), owner.to(dev, torch.int32),
+                       kplan.slot_table(n_exp, packed.slot).to(dev), kplan.canonical_experts(owner).to(dev),
+                       torch.ones(n_exp, device=dev), 0, 1, 1, tokens * topk, torch.zeros(1, dtype=torch.long,
+                                                                                           device=dev))
+    out = torch.full((tokens * topk, hidden), float("nan"), device=dev).to(torch.bfloat16)
+    kernels._ext.require().nvfp4_experts_into(x, p["row_index"], p["pad_rows"], p["groups"], out, packed.q_gu,
+                                              packed.s_gu, packed.s2_gu, packed.q_dn, packed.s_dn, hidden, inter, 0.5)
+    assert torch.equal(out[:host.rows].view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_gpu_ipc_push_and_wait_one_process():
+    """Two row buffers of one GPU stand for two ranks: rank 0 pushes, rank 1's wait passes; a wait on a
+    doorbell nobody rings records (1, peer, seq, layer) after its timeout instead of hanging."""
+    dev = torch.device("cuda")
+    C = kernels._ext.require()
+    cap, h, ranks, stride = 6, 64, 2, 16
+    bufs = [torch.zeros(2 * stride, h, dtype=torch.bfloat16, device=dev) for _ in range(ranks)]
+    bells = [torch.zeros(ranks, dtype=torch.long, device=dev) for _ in range(ranks)]
+    src = torch.randn(cap, h, device=dev).to(torch.bfloat16)
+    meta = torch.tensor([0, 0, 4, 1, 7, 0, 4, 2], device=dev)   # 4 rows of rank 0, set 1, seq 7
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    C.ipc_push(src, meta, [b.data_ptr() for b in bufs], [bells[r].data_ptr() + 8 * 0 for r in range(ranks)],
+               counter, cap, stride, 0, 8)
+    err = torch.zeros(4, dtype=torch.long, device=dev)
+    C.ipc_wait(bells[1], meta, err, 5.0, 1, 3)
+    torch.cuda.synchronize()
+    assert err.tolist() == [0, 0, 0, 0]
+    assert bells[1].tolist() == [7, 0] and int(counter) == 0
+    for b in bufs:
+        assert torch.equal(b[stride:stride + 4], src[:4])
+        assert not b[:stride].any() and not b[stride + 4:].any()
+    C.ipc_wait(bells[0], meta, err, 0.05, 0, 5)                 # rank 1 never rang rank 0
+    torch.cuda.synchronize()
+    assert err.tolist() == [1, 1, 7, 5]
+
+
+@gpu
+@pytest.mark.parametrize("streams", [1, 8])
+def test_gpu_graph_decode_equals_eager_device_step(streams):
+    """The captured step replays exactly what the same step computes when launched eagerly."""
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.prompts import default_prompts
+    runs = {}
+    for path in ("device", "graph"):
+        reader = SyntheticReader("preset:default:nvfp4", "cuda")
+        eng = Engine("preset:default:nvfp4", reader=reader, device="cuda")
+        assert eng.set_decode_path(path, "local") == path
+        prompts = default_prompts(streams, eng.cfg.vocab_size)
+        r = eng.generate(prompts, 10)
+        assert r.path == path and not r.note, r.note
+        runs[path] = (r.tokens, [s.row_crc for s in r.steps])
+    assert runs["graph"] == runs["device"]

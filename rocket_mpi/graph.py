@@ -91,6 +91,7 @@ class DeviceMoE:
             if slot_rows < rows_needed:
                 raise RocketError(f"cuda-ipc: row buffers of {slot_rows} rows, the graphed step needs {rows_needed}")
             self.mode, self.n_sets, self.set_stride = "cuda-ipc", 2, slot_rows
+            fab.enable_peer_access()
             self.rows = fab.buf[BELL_BYTES:BELL_BYTES + 2 * fab.slot_bytes].view(torch.bfloat16).view(-1, self.hidden)
             self.out = torch.empty(self.cap, self.hidden, dtype=torch.bfloat16, device=dev)
             self.dst = [fab.base[r] + BELL_BYTES for r in range(self.size)]

@@ -44,6 +44,7 @@ class GraphExchange:
             if fab.row_bytes != ROW_BYTES or slot_rows < self.size * self.rows:
                 raise FabricError(f"graph bench: cuda-ipc buffers of {slot_rows} rows of {fab.row_bytes} B are too "
                                   f"small for {self.size} x {self.rows}")
+            fab.enable_peer_access()
             self.recv = fab.buf[BELL_BYTES:BELL_BYTES + fab.slot_bytes].view(torch.bfloat16).view(-1, ROW_HIDDEN)
             self.dst = [fab.base[r] + BELL_BYTES for r in range(self.size)]
             self.peer_bells = [fab.base[r] + 8 * self.rank for r in range(self.size)]

@@ -32,6 +32,8 @@ paths2)
   for f in ${FABRICS:-cuda-ipc nccl}; do
     T=300 run "decode2_${PRESET}_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 16
   done ;;
+profile)
+  T=200 run "profile_${PRESET}" python3 scripts/profile_gpu_step.py "preset:$PRESET:nvfp4" 8 ;;
 fabgraph)
   for f in cuda-ipc nccl; do
     T=200 run "fabgraph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --graph --sizes 2K..4M --reps 5

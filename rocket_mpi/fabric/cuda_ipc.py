@@ -51,12 +51,15 @@ class CudaIpcFabric(Fabric):
         storage = self.buf.untyped_storage()
         handles = comm.allgather(storage._share_cuda_())
         self.peer_storages = {}
+        self.peer_devices = {r: int(h[0]) for r, h in enumerate(handles)}  # (device, handle, ...) as torch shares
         self.base = [0] * self.size
         for r, h in enumerate(handles):
             if r == self.rank:
                 self.base[r] = self.buf.data_ptr()
             else:
-                st = torch.UntypedStorage._new_shared_cuda(*h)
+                # opened on OUR device: cudaIpcOpenMemHandle maps into the current device's address space and
+                # its lazy peer access then covers our kernels (the graphed step's push stores into it)
+                st = torch.UntypedStorage._new_shared_cuda(device.index, *h[1:])
                 self.peer_storages[r] = st  # keep the mapping alive
                 self.base[r] = st.data_ptr()
         comm.Barrier()
@@ -65,6 +68,24 @@ class CudaIpcFabric(Fabric):
                      .view(torch.bfloat16).view(max(max_rows, 1), hidden) for k in (0, 1)]
         self.done = torch.cuda.Event()
         self.row_bytes = hidden * 2
+
+    def enable_peer_access(self) -> None:
+        """Let kernels on our GPU load and store peers' buffers (the graphed step's push kernel does). Copies
+        need no such thing, so the eager path never asks. torch opens a peer's IPC handle on the peer's device,
+        and its lazy peer access covers that device, not ours: enable ours -> theirs here."""
+        from cuda.bindings import runtime as rt
+        mine = self.device.index
+        for r, dev in self.peer_devices.items():
+            if r == self.rank or dev == mine:
+                continue
+            if not torch.cuda.can_device_access_peer(mine, dev):
+                raise FabricError(f"cuda-ipc: rank {self.rank}: GPU {mine} cannot access GPU {dev} (rank {r}) as a "
+                                  f"peer (no NVLink/PCIe P2P): use --decode-path host or --fabric nccl")
+            with torch.cuda.device(mine):
+                err, = rt.cudaDeviceEnablePeerAccess(dev, 0)
+            if err not in (rt.cudaError_t.cudaSuccess, rt.cudaError_t.cudaErrorPeerAccessAlreadyEnabled):
+                raise FabricError(f"cuda-ipc: rank {self.rank}: enabling peer access GPU {mine} -> {dev} failed: {err}")
+            rt.cudaGetLastError()  # an 'already enabled' leaves a sticky-free error behind: clear it
 
     def _stream(self):
         return self.drv.CUstream(torch.cuda.current_stream(self.device).cuda_stream)

@@ -290,6 +290,66 @@ void ipc_wait(const torch::Tensor& bells, const torch::Tensor& meta, torch::Tens
   rocket::launch_ipc_wait(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const c10::Device dev = x.device();
+  ROCKET_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() >= 1,
+               "rms_norm: x must be contiguous bf16 on a GPU, got " << x.scalar_type() << " " << x.sizes());
+  expect(w, "w", torch::kBFloat16, 1, dev, 2);
+  const int64_t n = w.numel();
+  ROCKET_CHECK(x.size(-1) == n, "rms_norm: x " << x.sizes() << ", weight " << w.sizes());
+  const c10::cuda::CUDAGuard guard(dev);
+  auto out = torch::empty_like(x);
+  rocket::launch_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() / std::max<int64_t>(n, 1),
+                          static_cast<int>(n), static_cast<float>(eps), c10::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
+
+void rope_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin, int64_t rot) {
+  const c10::Device dev = q.device();
+  expect(q, "q", torch::kBFloat16, 3, dev, 2);
+  expect(k, "k", torch::kBFloat16, 3, dev, 2);
+  expect(cos, "cos", torch::kBFloat16, 2, dev, 2);
+  expect(sin, "sin", torch::kBFloat16, 2, dev, 2);
+  const int64_t t = q.size(0), d = q.size(2);
+  ROCKET_CHECK(k.size(0) == t && k.size(2) == d, "rope: q " << q.sizes() << ", k " << k.sizes());
+  ROCKET_CHECK(cos.sizes() == torch::IntArrayRef({t, rot}) && sin.sizes() == cos.sizes(),
+               "rope: cos " << cos.sizes() << ", sin " << sin.sizes() << " for " << t << " tokens, rotary " << rot);
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_rope(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(t),
+                      static_cast<int>(q.size(1)), static_cast<int>(k.size(1)), static_cast<int>(d),
+                      static_cast<int>(rot), c10::cuda::getCurrentCUDAStream().stream());
+}
+
+void kv_append(torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& k, const torch::Tensor& v,
+               const torch::Tensor& pos) {
+  const c10::Device dev = kc.device();
+  expect(kc, "kc", torch::kBFloat16, 4, dev, 2);
+  expect(vc, "vc", torch::kBFloat16, 4, dev, 2);
+  expect(k, "k", torch::kBFloat16, 3, dev, 2);
+  expect(v, "v", torch::kBFloat16, 3, dev, 2);
+  expect(pos, "pos", torch::kLong, 1, dev, 8);
+  const int64_t m = kc.size(0), h = kc.size(1), cap = kc.size(2), d = kc.size(3);
+  ROCKET_CHECK(vc.sizes() == kc.sizes() && k.sizes() == torch::IntArrayRef({m, h, d}) && v.sizes() == k.sizes() &&
+               pos.numel() == m, "kv_append: caches " << kc.sizes() << ", k " << k.sizes() << ", pos " << pos.sizes());
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_kv_append(kc.data_ptr(), vc.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr<int64_t>(),
+                           static_cast<int>(m), static_cast<int>(h), static_cast<int>(cap), static_cast<int>(d),
+                           c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// out (one int64, e.g. sums[i]) += the row checksum sum of rows[canon] (decode_ops.cu).
+void row_sums(const torch::Tensor& rows, const torch::Tensor& canon, torch::Tensor& out) {
+  const c10::Device dev = rows.device();
+  expect(rows, "rows", torch::kBFloat16, 2, dev, 2);
+  expect(canon, "canon", torch::kLong, 1, dev, 8);
+  ROCKET_CHECK(out.is_cuda() && out.device() == dev && out.scalar_type() == torch::kLong && out.numel() == 1,
+               "row_sums: out must be one int64 on " << dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_row_sums(rows.data_ptr(), canon.data_ptr<int64_t>(), static_cast<int>(canon.numel()),
+                          static_cast<int>(rows.size(1)), out.data_ptr<int64_t>(),
+                          c10::cuda::getCurrentCUDAStream().stream());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -304,5 +364,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe)");
   m.def("ipc_push", &ipc_push, "cuda-ipc: block rows to every rank, then doorbells (one kernel)");
   m.def("ipc_wait", &ipc_wait, "cuda-ipc: wait for every peer's doorbell, bounded by a timeout");
+  m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step)");
+  m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");
+  m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
+  m.def("row_sums", &row_sums, "row checksum sum of rows in canonical order, added into out");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding");
 }

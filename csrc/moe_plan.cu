@@ -16,59 +16,106 @@
 namespace rocket {
 namespace {
 
+// Exclusive prefix sum of one value per thread over the block (kPlanThreads threads); `total` gets the sum.
+__device__ __forceinline__ uint64_t block_exclusive_scan(uint64_t v, uint64_t* warp_sums, uint64_t& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint64_t incl = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint64_t y = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += y;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    uint64_t w = lane < kPlanThreads / 32 ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const uint64_t y = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += y;
+    }
+    warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  total = warp_sums[kPlanThreads / 32 - 1];
+  const uint64_t before = warp == 0 ? 0 : warp_sums[warp - 1];
+  __syncthreads();  // warp_sums may be reused by the caller
+  return before + incl - v;
+}
+
+// Counts packed in one 64-bit scan: rows (bits 0..20), tiles (21..41), weight passes (42..62).
+constexpr int kTilesShift = 21, kGroupsShift = 42;
+constexpr uint64_t kField = (uint64_t(1) << 21) - 1;
+
 __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch a) {
   __shared__ int cnt[kPlanMaxExperts];
   __shared__ int start[kPlanMaxExperts];
   __shared__ int tstart[kPlanMaxExperts];
+  __shared__ int own[kPlanMaxExperts];
   __shared__ int expk[kPlanMaxRows];     // expert of flat (token, slot) i
   __shared__ int rowpos[kPlanMaxRows];   // slot-space row of flat (token, slot) i
+  __shared__ int rank_rows[kPlanMaxRanks];
   __shared__ int off[kPlanMaxRanks + 1];
+  __shared__ uint64_t warp_sums[32];
+  __shared__ int mine;
   __shared__ long long s_seq;
   const int tid = threadIdx.x, nt = blockDim.x;
   const int R = a.tokens * a.topk, E = a.n_experts, C = a.cap;
 
-  for (int e = tid; e < E; e += nt) cnt[e] = 0;
+  for (int e = tid; e < E; e += nt) {
+    cnt[e] = 0;
+    own[e] = a.owner[e];
+  }
+  for (int r = tid; r < a.n_ranks; r += nt) rank_rows[r] = 0;
+  if (tid == 0) mine = 0;
   for (int i = tid; i < C * kRowTile; i += nt) a.pad_rows[i] = -1;
   for (int i = tid; i < C; i += nt) {
-    a.groups[i] = make_int4(0, 0, 0, 0);  // tiles = 0: the expert kernels skip the group
+    a.groups[i] = make_int4(0, 0, 0, 0);  // tiles = 0: the expert kernels skip the entry
     a.row_index[i] = 0;
   }
   __syncthreads();
   for (int i = tid; i < R; i += nt) {
     const int e = static_cast<int>(a.experts[i]);
     expk[i] = e;
-    atomicAdd(&cnt[e], 1);  // a count: the order of the adds does not matter
+    atomicAdd(&cnt[e], 1);  // counts: the order of the adds does not matter
   }
   __syncthreads();
 
+  // experts in canonical (owner, id) order: one thread each (E <= kPlanThreads), one scan for rows,
+  // tiles and weight passes together
+  int ce = -1, n_t = 0;
+  uint64_t v = 0;
+  if (tid < E) {
+    ce = a.canon[tid];
+    const int c = cnt[ce];
+    if (own[ce] == a.rank && c > 0) n_t = (c + kRowTile - 1) / kRowTile;
+    v = uint64_t(c) | (uint64_t(n_t) << kTilesShift) |
+        (uint64_t((n_t + kMaxRowTiles - 1) / kMaxRowTiles) << kGroupsShift);
+    atomicAdd(&rank_rows[own[ce]], c);
+    if (n_t) atomicAdd(&mine, 1);
+  }
+  uint64_t total;
+  const uint64_t ex = block_exclusive_scan(v, warp_sums, total);
+  if (ce >= 0) {
+    start[ce] = static_cast<int>(ex & kField);
+    const int t0 = static_cast<int>((ex >> kTilesShift) & kField), g0 = static_cast<int>(ex >> kGroupsShift);
+    tstart[ce] = t0;
+    for (int q = 0; q < n_t; q += kMaxRowTiles)
+      a.groups[g0 + q / kMaxRowTiles] = make_int4(a.slot[ce], t0 + q, min(kMaxRowTiles, n_t - q), 0);
+  }
   if (tid == 0) {
     const long long s = static_cast<long long>(*a.seq) + 1;  // one exchange per call, as the host's seq
     *a.seq = s;
     s_seq = s;
-    int row = 0, tiles = 0, ng = 0, r = 0, mine = 0;
     off[0] = 0;
-    for (int c = 0; c < E; ++c) {  // experts in (owner, id) order
-      const int e = a.canon[c], o = a.owner[e];
-      while (r < o) off[++r] = row;
-      start[e] = row;
-      row += cnt[e];
-      if (o == a.rank && cnt[e] > 0) {
-        const int n_t = (cnt[e] + kRowTile - 1) / kRowTile;
-        tstart[e] = tiles;
-        for (int q = 0; q < n_t; q += kMaxRowTiles)
-          a.groups[ng++] = make_int4(a.slot[e], tiles + q, min(kMaxRowTiles, n_t - q), 0);
-        tiles += n_t;
-        ++mine;
-      }
-    }
-    while (r < a.n_ranks) off[++r] = row;
-    a.meta[0] = tiles;
-    a.meta[1] = ng;
-    a.meta[2] = off[a.rank + 1] - off[a.rank];
+    for (int r = 0; r < a.n_ranks; ++r) off[r + 1] = off[r] + rank_rows[r];
+    a.meta[0] = static_cast<int64_t>((total >> kTilesShift) & kField);
+    a.meta[1] = static_cast<int64_t>(total >> kGroupsShift);
+    a.meta[2] = rank_rows[a.rank];
     a.meta[3] = a.n_sets > 1 ? s % a.n_sets : 0;
     a.meta[4] = s;
     a.meta[5] = mine;
-    for (int q = 0; q < a.n_ranks; ++q) a.meta[kPlanMetaHead + q] = off[q + 1] - off[q];
+    for (int q = 0; q < a.n_ranks; ++q) a.meta[kPlanMetaHead + q] = rank_rows[q];
   }
   __syncthreads();
 
@@ -77,7 +124,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     const int t = i / a.topk, e = expk[i];
     int rnk = 0;
     for (int q = 0; q < t * a.topk; ++q) rnk += expk[q] == e;  // a token routes to an expert at most once
-    const int row = start[e] + rnk, o = a.owner[e], rel = row - off[o];
+    const int row = start[e] + rnk, o = own[e], rel = row - off[o];
     const int64_t sp = base + int64_t(o) * C + rel;
     rowpos[i] = static_cast<int>(sp);
     a.canon_slot[row] = sp;
@@ -113,7 +160,7 @@ void launch_moe_plan(const PlanLaunch& a, cudaStream_t stream) {
   ROCKET_CHECK(a.tokens > 0 && a.topk > 0 && a.topk <= kPlanMaxTopk, "tokens " << a.tokens << ", topk " << a.topk);
   ROCKET_CHECK(int64_t(a.tokens) * a.topk <= kPlanMaxRows, a.tokens << " tokens x top-" << a.topk
                << " rows exceed the device plan's " << kPlanMaxRows);
-  ROCKET_CHECK(a.n_experts > 0 && a.n_experts <= kPlanMaxExperts, a.n_experts << " experts (device plan: at most "
+  ROCKET_CHECK(a.n_experts > 0 && a.n_experts <= kPlanMaxExperts && a.n_experts <= kPlanThreads, a.n_experts << " experts (device plan: at most "
                << kPlanMaxExperts << ")");
   ROCKET_CHECK(a.n_ranks > 0 && a.n_ranks <= kPlanMaxRanks && a.rank >= 0 && a.rank < a.n_ranks,
                "rank " << a.rank << " of " << a.n_ranks);

@@ -85,7 +85,7 @@ void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_
 
 // ---- device row plan (moe_plan.cu; torch reference and layout in rocket_mpi/kernels/plan.py) ----
 constexpr int kPlanThreads = 1024;
-constexpr int kPlanMaxExperts = 2048;
+constexpr int kPlanMaxExperts = 1024;  // one thread per expert in the canonical scan
 constexpr int kPlanMaxRows = 2048;    // tokens x topk of one call
 constexpr int kPlanMaxRanks = 64;
 constexpr int kPlanMaxTopk = 32;
@@ -135,5 +135,13 @@ struct IpcWait {
 };
 void launch_ipc_push(const IpcPush& a, int blocks, cudaStream_t stream);
 void launch_ipc_wait(const IpcWait& a, cudaStream_t stream);
+
+// ---- fused ops of the fixed-shape decode step (decode_ops.cu) ----
+void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream);
+void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens, int hq, int hk, int d, int rot,
+                 cudaStream_t stream);
+void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,
+                      int cap, int d, cudaStream_t stream);
+void launch_row_sums(const void* rows, const int64_t* canon, int n_rows, int n, int64_t* out, cudaStream_t stream);
 
 }  // namespace rocket

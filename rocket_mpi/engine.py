@@ -68,13 +68,25 @@ class RunResult:
 
 def row_checksum(rows: torch.Tensor, acc):
     """Checksum of a layer's full row set, chained over a step's layers (the static fire shows it at a
-    divergence). CPU: crc32 of the bytes. GPU: a position-weighted sum of the 16-bit words kept on the
-    device, so the per-layer path gains no device-to-host copy; read once per step."""
+    divergence). CPU: crc32 of the bytes. GPU: row_sum (kept on the device, so the per-layer path gains no
+    device-to-host copy; read once per step) chained as fold_row_sums does."""
     if rows.device.type == "cpu":
         return zlib.crc32(rows.contiguous().view(torch.uint8).numpy(), int(acc))
+    return (acc * 1_000_003 + row_sum(rows)) & 0xFFFFFFFF
+
+
+def row_sum(rows: torch.Tensor) -> torch.Tensor:
+    """Position-weighted sum of the rows' 16-bit words (int64; the graphed step's kernels.row_sums)."""
     words = rows.reshape(-1).view(torch.int16).to(torch.int64)
-    weights = _checksum_weights(words.numel(), rows.device)
-    return (acc * 1_000_003 + (words * weights).sum()) & 0xFFFFFFFF
+    return (words * _checksum_weights(words.numel(), rows.device)).sum()
+
+
+def fold_row_sums(sums: list[int]) -> int:
+    """The GPU checksum chain of row_checksum over per-layer row_sum values."""
+    acc = 0
+    for v in sums:
+        acc = (acc * 1_000_003 + v) & 0xFFFFFFFF
+    return acc
 
 
 _WEIGHTS: dict = {}

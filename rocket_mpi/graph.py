@@ -102,7 +102,8 @@ class DeviceMoE:
         else:
             raise RocketError(f"the graphed step has no exchange for fabric {fab.name}")
         self.metas: list[torch.Tensor] = []
-        self.crc = None
+        # per MoE layer of a step, its rows' checksum sum (engine.row_sum), folded by the host after the step
+        self.sums = torch.zeros(max(len(cfg.moe_layers), 1), dtype=torch.long, device=dev)
 
     def bytes_sent(self, rows_mine: int) -> int:
         row = self.hidden * 2
@@ -112,7 +113,6 @@ class DeviceMoE:
 
     def __call__(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
         from rocket_mpi import kernels
-        from rocket_mpi.engine import row_checksum
         cfg = self.engine.cfg
         store = self.engine.experts[layer]
         weights, experts = route(x, L.router_w, L.router_b, cfg)
@@ -132,7 +132,7 @@ class DeviceMoE:
             C.ipc_push(self.out, p["meta"], self.dst, self.peer_bells, self.counter, self.cap, self.set_stride,
                        self.rank, PUSH_BLOCKS)
             C.ipc_wait(self.bells, p["meta"], self.err, self.timeout, self.rank, layer)
-        self.crc = row_checksum(self.rows[p["canon_slot"]], 0 if self.crc is None else self.crc)
+        C.row_sums(self.rows, p["canon_slot"], self.sums[len(self.metas)])
         self.metas.append(p["meta"])
         return kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"])
 
@@ -156,16 +156,16 @@ class GraphStep:
 
     def _body(self):
         m = self.moe
-        m.metas, m.crc = [], None
+        m.metas = []
+        m.sums.zero_()
         logits = self.engine.model.forward_static(self.tokens, self.pos, self.cache, m)
         nxt = torch.argmax(logits, dim=-1)
         self.tokens.copy_(nxt)
         self.pos.add_(1)
         meta = torch.stack(m.metas) if m.metas else torch.zeros(0, kplan.META_HEAD, dtype=torch.long,
                                                                    device=nxt.device)
-        crc = m.crc if m.crc is not None else torch.zeros((), dtype=torch.long, device=nxt.device)
         self.logits = logits
-        self.out = torch.cat((nxt, crc.view(1).to(torch.long), meta[:, kplan.META_ROWS], meta[:, kplan.META_EXPERTS]))
+        self.out = torch.cat((nxt, m.sums[:len(m.metas)], meta[:, kplan.META_ROWS], meta[:, kplan.META_EXPERTS]))
 
     def run(self, step: int) -> tuple[list[int], dict]:
         """One step; returns (chosen tokens, counters). The first call runs eagerly (and warms up), the
@@ -180,12 +180,13 @@ class GraphStep:
             else:
                 self._body()
         self._finish(step)
+        from rocket_mpi.engine import fold_row_sums
         vals = self.out.tolist()
         m = self.tokens.numel()
-        n_moe = (len(vals) - m - 1) // 2
-        rows = vals[m + 1:m + 1 + n_moe]
+        n_moe = (len(vals) - m) // 3
+        sums, rows, experts = (vals[m + i * n_moe:m + (i + 1) * n_moe] for i in range(3))
         self.engine.seq += n_moe  # each MoE layer's plan bumped the device seq by one
-        return vals[:m], {"crc": vals[m], "rows_mine": sum(rows), "experts_mine": sum(vals[m + 1 + n_moe:]),
+        return vals[:m], {"crc": fold_row_sums(sums), "rows_mine": sum(rows), "experts_mine": sum(experts),
                           "rows_total": n_moe * self.moe.cap, "bytes_sent": sum(self.moe.bytes_sent(r) for r in rows)}
 
     def _capture(self):

@@ -7,7 +7,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: E402
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic  # noqa: E402

@@ -228,3 +228,53 @@ def test_gpu_graph_decode_equals_eager_device_step(streams):
         assert r.path == path and not r.note, r.note
         runs[path] = (r.tokens, [s.row_crc for s in r.steps])
     assert runs["graph"] == runs["device"]
+
+
+@gpu
+@pytest.mark.parametrize("rows,n", [(8, 4096), (64, 128), (5, 80), (96, 128)])
+def test_gpu_fused_rms_norm(rows, n):
+    from rocket_mpi.model.layers import rms_norm
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, n, generator=gen) * 3).to(torch.bfloat16).cuda()
+    w = (torch.rand(n, generator=gen) + 0.5).to(torch.bfloat16).cuda()
+    got, ref = kernels.rms_norm(x, w, 1e-5).float(), rms_norm(x, w, 1e-5).float()
+    # only the fp32 sum's order differs: at most one bf16 rounding step apart, in each of the two roundings
+    assert ((got - ref).abs() <= ref.abs() * 2.0 ** -6 + 1e-30).all(), float((got - ref).abs().max())
+
+
+@gpu
+@pytest.mark.parametrize("tokens,hq,hk,d,rot", [(8, 12, 2, 128, 64), (1, 4, 4, 64, 64), (3, 6, 1, 80, 40)])
+def test_gpu_fused_rope_bitwise(tokens, hq, hk, d, rot):
+    from rocket_mpi.model.layers import Rope
+    rope = Rope(rot, 10000.0, torch.bfloat16)
+    rope.inv_freq = rope.inv_freq.cuda()
+    gen = torch.Generator().manual_seed(d)
+    q = torch.randn(tokens, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    k = torch.randn(tokens, hk, d, generator=gen).to(torch.bfloat16).cuda()
+    cos, sin = rope.cos_sin(torch.tensor([5, 900, 17, 3, 0, 1, 2, 33][:tokens], device="cuda"))
+    want_q, want_k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    kernels.rope_(q, k, cos, sin, rot)
+    assert torch.equal(q.view(torch.int16), want_q.view(torch.int16))
+    assert torch.equal(k.view(torch.int16), want_k.view(torch.int16))
+
+
+@gpu
+def test_gpu_kv_append_and_row_sums():
+    from rocket_mpi.engine import fold_row_sums, row_checksum
+    m, h, cap, d = 4, 2, 9, 16
+    kc, vc = (torch.randn(m, h, cap, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+    want_k, want_v = kc.clone(), vc.clone()
+    k, v = (torch.randn(m, h, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+    pos = torch.tensor([0, 8, 3, 3], device="cuda")
+    want_k[torch.arange(m), :, pos] = k
+    want_v[torch.arange(m), :, pos] = v
+    kernels.kv_append(kc, vc, k, v, pos)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    rows = torch.randn(40, 96, device="cuda").to(torch.bfloat16)
+    canon = torch.randperm(40, device="cuda")[:25]
+    sums = torch.zeros(2, dtype=torch.long, device="cuda")
+    kernels.row_sums(rows, canon, sums[0])
+    kernels.row_sums(rows, canon.flip(0), sums[1])
+    acc = row_checksum(rows[canon], 0)
+    acc = row_checksum(rows[canon.flip(0)], acc)
+    assert fold_row_sums(sums.tolist()) == int(acc)

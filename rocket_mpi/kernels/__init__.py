@@ -2,6 +2,7 @@
 
     nvfp4_experts(x, segments, packed, ...)   this rank's routed experts (NVFP4 W4A16, batch-invariant)
     moe_scatter_add(rows, by_token, coef)     per token, fp32 sum of coef * row in expert order, bf16 once
+    rms_norm / rope_ / kv_append / row_sums   fused ops of the fixed-shape decode step (graph.py), CUDA only
 
 CPU tensors run the reference; CUDA tensors need the extension (csrc/, built by setup.py) and raise a
 RuntimeError saying why when it is missing. The package imports everywhere: the extension is looked
@@ -113,6 +114,26 @@ def moe_scatter_add(rows: torch.Tensor, by_token: torch.Tensor, coef: torch.Tens
     C = _ext.require()
     return C.moe_scatter_add(rows.contiguous(), by_token.to(device=rows.device, dtype=torch.int64).contiguous(),
                              coef.to(device=rows.device, dtype=torch.float32).contiguous())
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.rms_norm in one kernel (fp32 statistics; the sum's order is the kernel's)."""
+    return _ext.require().rms_norm(x.contiguous(), w, eps)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> None:
+    """layers.Rope.apply on q [T, hq, d] and k [T, hk, d] in place, bitwise torch's bf16 ops."""
+    _ext.require().rope_(q, k, cos.contiguous(), sin.contiguous(), rot)
+
+
+def kv_append(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    """kc[s, :, pos[s]] = k[s] (and v) for every stream s."""
+    _ext.require().kv_append(kc, vc, k.contiguous(), v.contiguous(), pos)
+
+
+def row_sums(rows: torch.Tensor, canon: torch.Tensor, out: torch.Tensor) -> None:
+    """out (one int64) += sum of int16(rows[canon]) words x ((i + 1) % 65521 + 1): engine.row_sum's value."""
+    _ext.require().row_sums(rows, canon, out)
 
 
 def dequant_packed_cuda(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

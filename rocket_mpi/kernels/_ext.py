@@ -12,7 +12,7 @@ _tried = False
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(ROOT, "csrc")
-SOURCES = ("bindings.cpp", "nvfp4_experts.cu", "scatter.cu", "moe_plan.cu", "ipc_bells.cu")
+SOURCES = ("bindings.cpp", "nvfp4_experts.cu", "scatter.cu", "moe_plan.cu", "ipc_bells.cu", "decode_ops.cu")
 
 
 def load():

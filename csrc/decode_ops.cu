@@ -1,0 +1,148 @@
+// Small fused ops of the fixed-shape decode step (rocket_mpi/graph.py): each replaces a chain of torch
+// kernels with one launch, which is what a CUDA-graphed step of M tokens is made of.
+//
+//   rms_norm   x [rows, n] bf16, w [n] -> bf16: fp32 sum of squares, x * rsqrt(mean + eps) rounded to
+//              bf16, times w rounded to bf16 (transformers' order; the sum's order is the kernel's own)
+//   rope       q [T, hq, d], k [T, hk, d] in place, rotate-half on the first `rot` channels with the
+//              step's cos/sin [T, rot] (bf16): out = bf16(bf16(x * cos) + bf16(rotated * sin)), exactly
+//              torch's bf16 ops on the same inputs
+//   kv_append  k/v [M, hkv, d] into the caches [M, hkv, cap, d] at each stream's position pos[M]
+//   row_sums   sum over canonical rows i, columns c of int16(row) * ((i*n + c + 1) % 65521 + 1), into an
+//              int64 (integer adds: any order gives the same sum): the row checksum of engine.row_checksum
+#include "common.cuh"
+
+namespace rocket {
+namespace {
+
+constexpr int kNormThreads = 256;
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int w = 0; w < warps; ++w) t += red[w];  // every thread, same order
+  __syncthreads();
+  return t;
+}
+
+__global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                const __nv_bfloat16* __restrict__ w,
+                                                                __nv_bfloat16* __restrict__ out, int n, float eps) {
+  __shared__ float red[32];
+  const __nv_bfloat16* xr = x + int64_t(blockIdx.x) * n;
+  __nv_bfloat16* o = out + int64_t(blockIdx.x) * n;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < n; c += blockDim.x) {
+    const float v = __bfloat162float(xr[c]);
+    ss = __fmaf_rn(v, v, ss);
+  }
+  const float total = block_sum(ss, red);
+  const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, float(n)), eps));
+  for (int c = threadIdx.x; c < n; c += blockDim.x) {
+    const float y = dev::round_bf16(__fmul_rn(__bfloat162float(xr[c]), r));
+    o[c] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(w[c]), y));
+  }
+}
+
+__global__ void rope_kernel(__nv_bfloat16* __restrict__ q, __nv_bfloat16* __restrict__ k,
+                            const __nv_bfloat16* __restrict__ cos, const __nv_bfloat16* __restrict__ sin, int tokens,
+                            int hq, int hk, int d, int rot) {
+  const int half = rot / 2;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int heads = hq + hk;
+  if (idx >= int64_t(tokens) * heads * half) return;
+  const int j = int(idx % half);
+  const int h = int((idx / half) % heads);
+  const int t = int(idx / (int64_t(half) * heads));
+  __nv_bfloat16* base = h < hq ? q + (int64_t(t) * hq + h) * d : k + (int64_t(t) * hk + (h - hq)) * d;
+  const float x1 = __bfloat162float(base[j]), x2 = __bfloat162float(base[j + half]);
+  const float c1 = __bfloat162float(cos[int64_t(t) * rot + j]), s1 = __bfloat162float(sin[int64_t(t) * rot + j]);
+  const float c2 = __bfloat162float(cos[int64_t(t) * rot + j + half]);
+  const float s2 = __bfloat162float(sin[int64_t(t) * rot + j + half]);
+  base[j] = __float2bfloat16_rn(__fadd_rn(dev::round_bf16(__fmul_rn(x1, c1)), dev::round_bf16(__fmul_rn(-x2, s1))));
+  base[j + half] =
+      __float2bfloat16_rn(__fadd_rn(dev::round_bf16(__fmul_rn(x2, c2)), dev::round_bf16(__fmul_rn(x1, s2))));
+}
+
+__global__ void kv_append_kernel(__nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc,
+                                 const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,
+                                 const int64_t* __restrict__ pos, int streams, int hkv, int cap, int d) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(streams) * hkv * d) return;
+  const int c = int(idx % d);
+  const int h = int((idx / d) % hkv);
+  const int s = int(idx / (int64_t(d) * hkv));
+  const int64_t p = pos[s];
+  if (p < 0 || p >= cap) return;  // the caller sized the cache; never write past it
+  const int64_t dst = ((int64_t(s) * hkv + h) * cap + p) * d + c;
+  kc[dst] = k[idx];
+  vc[dst] = v[idx];
+}
+
+__global__ void row_sums_kernel(const int16_t* __restrict__ rows, const int64_t* __restrict__ canon, int n_rows,
+                                int n, unsigned long long* __restrict__ out) {
+  __shared__ long long red[32];
+  long long acc = 0;
+  const int64_t total = int64_t(n_rows) * n;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / n, c = i % n;
+    const long long word = rows[canon[r] * n + c];
+    acc += word * ((i + 1) % 65521 + 1);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long t = 0;
+    for (int w = 0; w < int(blockDim.x >> 5); ++w) t += red[w];
+    atomicAdd(out, static_cast<unsigned long long>(t));  // mod 2^64: the exact signed sum
+  }
+}
+
+}  // namespace
+
+void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream) {
+  ROCKET_CHECK(rows >= 0 && rows < (int64_t(1) << 31) && n > 0, "rms_norm: rows " << rows << ", n " << n);
+  if (rows == 0) return;
+  rms_norm_kernel<<<unsigned(rows), kNormThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
+                                                               static_cast<const __nv_bfloat16*>(w),
+                                                               static_cast<__nv_bfloat16*>(out), n, eps);
+  ROCKET_LAUNCH_CHECK();
+}
+
+void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens, int hq, int hk, int d, int rot,
+                 cudaStream_t stream) {
+  ROCKET_CHECK(rot > 0 && rot % 2 == 0 && rot <= d, "rope: rotary dim " << rot << " of head dim " << d);
+  const int64_t n = int64_t(tokens) * (hq + hk) * (rot / 2);
+  if (n == 0) return;
+  rope_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
+      static_cast<__nv_bfloat16*>(q), static_cast<__nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(cos),
+      static_cast<const __nv_bfloat16*>(sin), tokens, hq, hk, d, rot);
+  ROCKET_LAUNCH_CHECK();
+}
+
+void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,
+                      int cap, int d, cudaStream_t stream) {
+  const int64_t n = int64_t(streams) * hkv * d;
+  if (n == 0) return;
+  kv_append_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
+      static_cast<__nv_bfloat16*>(kc), static_cast<__nv_bfloat16*>(vc), static_cast<const __nv_bfloat16*>(k),
+      static_cast<const __nv_bfloat16*>(v), pos, streams, hkv, cap, d);
+  ROCKET_LAUNCH_CHECK();
+}
+
+void launch_row_sums(const void* rows, const int64_t* canon, int n_rows, int n, int64_t* out, cudaStream_t stream) {
+  const int64_t total = int64_t(n_rows) * n;
+  if (total == 0) return;
+  const int blocks = int(std::min<int64_t>(132, (total + 255) / 256));
+  row_sums_kernel<<<blocks, 256, 0, stream>>>(static_cast<const int16_t*>(rows), canon, n_rows, n,
+                                              reinterpret_cast<unsigned long long*>(out));
+  ROCKET_LAUNCH_CHECK();
+}
+
+}  // namespace rocket

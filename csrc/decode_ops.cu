@@ -28,6 +28,11 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return t;
 }
 
+// One block per row. Rows of up to kNormThreads * 8 * kNormVecs elements (n % 8 == 0) stay in registers
+// between the two passes, 16-byte loads; other shapes take the scalar loop.
+constexpr int kNormVecs = 4;
+
+template <bool kVec>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const __nv_bfloat16* __restrict__ x,
                                                                 const __nv_bfloat16* __restrict__ w,
                                                                 __nv_bfloat16* __restrict__ out, int n, float eps) {
@@ -35,15 +40,43 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const __nv_bfloa
   const __nv_bfloat16* xr = x + int64_t(blockIdx.x) * n;
   __nv_bfloat16* o = out + int64_t(blockIdx.x) * n;
   float ss = 0.0f;
-  for (int c = threadIdx.x; c < n; c += blockDim.x) {
-    const float v = __bfloat162float(xr[c]);
-    ss = __fmaf_rn(v, v, ss);
-  }
-  const float total = block_sum(ss, red);
-  const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, float(n)), eps));
-  for (int c = threadIdx.x; c < n; c += blockDim.x) {
-    const float y = dev::round_bf16(__fmul_rn(__bfloat162float(xr[c]), r));
-    o[c] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(w[c]), y));
+  if constexpr (kVec) {
+    uint4 v[kNormVecs];
+#pragma unroll
+    for (int i = 0; i < kNormVecs; ++i) {
+      const int c = (i * kNormThreads + threadIdx.x) * 8;
+      v[i] = c < n ? __ldg(reinterpret_cast<const uint4*>(xr + c)) : make_uint4(0, 0, 0, 0);
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v[i]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss = __fmaf_rn(__bfloat162float(e[j]), __bfloat162float(e[j]), ss);
+    }
+    const float r = rsqrtf(__fadd_rn(__fdiv_rn(block_sum(ss, red), float(n)), eps));
+#pragma unroll
+    for (int i = 0; i < kNormVecs; ++i) {
+      const int c = (i * kNormThreads + threadIdx.x) * 8;
+      if (c >= n) break;
+      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w + c));
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v[i]);
+      const __nv_bfloat16* we = reinterpret_cast<const __nv_bfloat16*>(&wv);
+      uint4 ov;
+      __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&ov);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float y = dev::round_bf16(__fmul_rn(__bfloat162float(e[j]), r));
+        oe[j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(we[j]), y));
+      }
+      *reinterpret_cast<uint4*>(o + c) = ov;
+    }
+  } else {
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      const float v = __bfloat162float(xr[c]);
+      ss = __fmaf_rn(v, v, ss);
+    }
+    const float r = rsqrtf(__fadd_rn(__fdiv_rn(block_sum(ss, red), float(n)), eps));
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      const float y = dev::round_bf16(__fmul_rn(__bfloat162float(xr[c]), r));
+      o[c] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(w[c]), y));
+    }
   }
 }
 
@@ -109,9 +142,13 @@ __global__ void row_sums_kernel(const int16_t* __restrict__ rows, const int64_t*
 void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream) {
   ROCKET_CHECK(rows >= 0 && rows < (int64_t(1) << 31) && n > 0, "rms_norm: rows " << rows << ", n " << n);
   if (rows == 0) return;
-  rms_norm_kernel<<<unsigned(rows), kNormThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                               static_cast<const __nv_bfloat16*>(w),
-                                                               static_cast<__nv_bfloat16*>(out), n, eps);
+  const auto* xp = static_cast<const __nv_bfloat16*>(x);
+  const auto* wp = static_cast<const __nv_bfloat16*>(w);
+  auto* op = static_cast<__nv_bfloat16*>(out);
+  const bool vec = n % 8 == 0 && n <= kNormThreads * 8 * kNormVecs && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  if (vec) rms_norm_kernel<true><<<unsigned(rows), kNormThreads, 0, stream>>>(xp, wp, op, n, eps);
+  else rms_norm_kernel<false><<<unsigned(rows), kNormThreads, 0, stream>>>(xp, wp, op, n, eps);
   ROCKET_LAUNCH_CHECK();
 }
 

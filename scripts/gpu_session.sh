@@ -24,6 +24,8 @@ fire_graph)
     T=240 run "fire_graph_$f" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 12
   done
   T=240 run fire_graph_ipc3 python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 3 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12 ;;
+fire_host)
+  T=240 run fire_host_ipc python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --decode-path host --sweep 1,8 --tokens 12 ;;
 paths)
   for p in ${PATHS:-host device graph}; do
     T=300 run "decode1_${PRESET}_$p" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --decode-path $p --sweep 1,8 --tokens 16

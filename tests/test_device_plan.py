@@ -231,7 +231,7 @@ def test_gpu_graph_decode_equals_eager_device_step(streams):
 
 
 @gpu
-@pytest.mark.parametrize("rows,n", [(8, 4096), (64, 128), (5, 80), (96, 128)])
+@pytest.mark.parametrize("rows,n", [(8, 4096), (64, 128), (5, 80), (96, 128), (3, 36), (2, 12288)])
 def test_gpu_fused_rms_norm(rows, n):
     from rocket_mpi.model.layers import rms_norm
     gen = torch.Generator().manual_seed(rows)

@@ -48,7 +48,8 @@ def unsupported(engine, fabric_name: str) -> str:
     if not hasattr(engine.model, "forward_static"):
         return f"model type {engine.cfg.model_type} has no fixed-shape decode step yet (glm4_moe has)"
     if any(s.packed is None for s in engine.experts.values() if s.owned):
-        return "the routed experts are not NVFP4 (the graphed step runs them in the NVFP4 kernel)"
+        if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(engine.device) < (9, 0):
+            return "BF16 experts need torch._grouped_mm on sm_90 or newer (NVFP4 experts run in our kernel)"
     if fabric_name not in ("local", "cuda-ipc", "nccl"):
         return f"fabric {fabric_name} is host-driven"
     if os.environ.get("ROCKET_FAULT"):
@@ -70,6 +71,7 @@ class DeviceMoE:
         self.hidden = cfg.hidden_size
         self.tables = {}
         for layer, store in e.experts.items():
+            store.stack()  # BF16 experts: stacked for the grouped GEMM (NVFP4: a no-op)
             owner = e.placement.owners[layer]
             slot = store.packed.slot if store.packed is not None else {}
             self.tables[layer] = (owner.to(dev, torch.int32), kplan.slot_table(owner.numel(), slot).to(dev),
@@ -124,6 +126,8 @@ class DeviceMoE:
             kernels._ext.require().nvfp4_experts_into(x.contiguous(), p["row_index"], p["pad_rows"], p["groups"],
                                                       self.out, pk.q_gu, pk.s_gu, pk.s2_gu, pk.q_dn, pk.s_dn,
                                                       pk.hidden, pk.inter, store.swiglu_limit)
+        elif store.owned:  # BF16: torch's grouped GEMM, fixed shapes (tests/test_device_plan.py: row invariance)
+            self.out.copy_(store.grouped(x, p["row_index"], experts))
         C = kernels._ext.require()
         if self.mode == "nccl":
             import torch.distributed as dist

@@ -24,6 +24,13 @@ fire_graph)
     T=240 run "fire_graph_$f" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 12
   done
   T=240 run fire_graph_ipc3 python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 3 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12 ;;
+fire_bf16)
+  for f in cuda-ipc nccl; do
+    T=240 run "fire_graph_bf16_$f" python3 -m rocket_mpi static-fire --checkpoint preset:default --ranks 2 --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 12
+  done ;;
+bf16)
+  T=300 run "decode1_${PRESET}_bf16_graph" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep 1,8 --tokens 16
+  T=300 run "decode2_${PRESET}_bf16_graph_cuda-ipc" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 16 ;;
 fire_host)
   T=240 run fire_host_ipc python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --decode-path host --sweep 1,8 --tokens 12 ;;
 paths)

@@ -278,3 +278,55 @@ def test_gpu_kv_append_and_row_sums():
     acc = row_checksum(rows[canon], 0)
     acc = row_checksum(rows[canon.flip(0)], acc)
     assert fold_row_sums(sums.tolist()) == int(acc)
+
+
+@gpu
+def test_gpu_grouped_bf16_rows_are_batch_invariant():
+    """BF16 experts in the graphed step go through torch._grouped_mm: a row's output must be the same bits
+    alone, beside other groups' rows, and with a different number of experts in the stack (ranks own
+    different counts), or the split would not decode the single rank's tokens."""
+    from rocket_mpi.moe.experts import ExpertStore
+    h, i, n_exp = 256, 192, 6
+    gen = torch.Generator().manual_seed(11)
+    gu = {e: (torch.randn(2 * i, h, generator=gen) * 0.05).to(torch.bfloat16).cuda() for e in range(n_exp)}
+    dn = {e: (torch.randn(h, i, generator=gen) * 0.05).to(torch.bfloat16).cuda() for e in range(n_exp)}
+
+    def store(ids):
+        s = ExpertStore(0, ids, {e: gu[e] for e in ids}, {e: dn[e] for e in ids}, torch.ones(n_exp), 0, None)
+        s.stack()
+        return s
+
+    x = torch.randn(10, h, generator=gen).to(torch.bfloat16).cuda()
+    cuda = {"device": "cuda"}
+    # all six experts: counts e0 2, e1 1, e2 3, e3 1, e4 1; expert 2's rows (tokens 1, 3, 7) are block rows 3..5
+    full = store(list(range(n_exp))).grouped(x, torch.tensor([0, 6, 8, 1, 3, 7, 2, 5], **cuda),
+                                              torch.tensor([0, 0, 1, 2, 2, 2, 3, 4], **cuda).view(4, 2))
+    # a rank owning experts 2 and 4: expert 2's rows first
+    part = store([2, 4]).grouped(x, torch.tensor([1, 3, 7, 5], **cuda), torch.tensor([2, 2, 2, 4], **cuda).view(2, 2))
+    alone = store([2]).grouped(x, torch.tensor([1, 3, 7], **cuda), torch.tensor([2, 2, 2], **cuda).view(3, 1))
+    bits = lambda t: t.view(torch.int16)  # noqa: E731
+    assert torch.equal(bits(full[3:6]), bits(alone)) and torch.equal(bits(part[:3]), bits(alone))
+    ref = torch.stack([_swiglu_ref(x[t], gu[2], dn[2]) for t in (1, 3, 7)])
+    assert ((alone.float() - ref).abs() <= ref.abs() * 2.0 ** -5 + 1e-3).all()
+
+
+def _swiglu_ref(xt, gu, dn):
+    import torch.nn.functional as F
+    gate, up = F.linear(xt.float(), gu.float()).chunk(2)
+    return F.linear(F.silu(gate) * up, dn.float())
+
+
+@gpu
+@pytest.mark.parametrize("streams", [8])
+def test_gpu_graph_decode_bf16_equals_eager_device_step(streams):
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.prompts import default_prompts
+    runs = {}
+    for path in ("device", "graph"):
+        eng = Engine("preset:default", reader=SyntheticReader("preset:default", "cuda"), device="cuda")
+        assert eng.set_decode_path(path, "local") == path
+        r = eng.generate(default_prompts(streams, eng.cfg.vocab_size), 10)
+        assert r.path == path and not r.note, r.note
+        runs[path] = (r.tokens, [s.row_crc for s in r.steps])
+    assert runs["graph"] == runs["device"]

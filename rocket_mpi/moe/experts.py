@@ -97,6 +97,33 @@ class ExpertStore:
         self.down = {e: t.to(device) for e, t in self.down.items()}
         return self
 
+    def stack(self) -> None:
+        """BF16 experts as two stacked tensors (slots in ascending expert id), the per-expert dicts becoming
+        views of them: what the graphed step's grouped GEMM reads (rocket_mpi/graph.py). One layer at a time,
+        so the extra memory is one layer's experts while it runs."""
+        if self.packed is not None or not self.owned or getattr(self, "gu_stack", None) is not None:
+            return
+        ids = sorted(self.owned)
+        self.gu_stack = torch.stack([self.gate_up[e] for e in ids])      # [S, 2I, H]
+        self.dn_stack = torch.stack([self.down[e] for e in ids])         # [S, H, I]
+        self.gate_up = {e: self.gu_stack[s] for s, e in enumerate(ids)}
+        self.down = {e: self.dn_stack[s] for s, e in enumerate(ids)}
+        self.owned_index = torch.tensor(ids, device=self.gu_stack.device)
+
+    def grouped(self, x: torch.Tensor, row_index: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The block's rows through torch._grouped_mm (fixed shapes, no host read): x [T, H], row_index [cap]
+        (token of each block row), experts [T, k] the routing. Rows of slot s are contiguous in the block
+        (canonical order), so the group ends are the cumulative row counts of the owned experts. Returns
+        [cap, H] bf16; rows past this rank's count are not meaningful."""
+        counts = (experts.reshape(-1, 1) == self.owned_index.view(1, -1)).sum(0)
+        offs = counts.cumsum(0).to(torch.int32)
+        xb = x[row_index]
+        gate, up = torch._grouped_mm(xb, self.gu_stack.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        if self.swiglu_limit is not None:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return torch._grouped_mm(F.silu(gate) * up, self.dn_stack.transpose(1, 2), offs=offs)
+
     def resident_bytes(self) -> int:
         if self.packed is not None:
             return self.packed.nbytes

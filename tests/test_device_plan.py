@@ -306,14 +306,16 @@ def test_gpu_grouped_bf16_rows_are_batch_invariant():
     alone = store([2]).grouped(x, torch.tensor([1, 3, 7], **cuda), torch.tensor([2, 2, 2], **cuda).view(3, 1))
     bits = lambda t: t.view(torch.int16)  # noqa: E731
     assert torch.equal(bits(full[3:6]), bits(alone)) and torch.equal(bits(part[:3]), bits(alone))
-    ref = torch.stack([_swiglu_ref(x[t], gu[2], dn[2]) for t in (1, 3, 7)])
-    assert ((alone.float() - ref).abs() <= ref.abs() * 2.0 ** -5 + 1e-3).all()
+    # and it is the expert's SwiGLU MLP (bf16 between the steps, as ExpertStore.compute): only sum orders differ
+    ref = _swiglu_ref(x[[1, 3, 7]], gu[2], dn[2])
+    err = (alone.float() - ref).norm() / ref.norm()
+    assert err < 2.0 ** -7, f"grouped BF16 experts vs F.linear: relative error {float(err):.3g}"
 
 
 def _swiglu_ref(xt, gu, dn):
     import torch.nn.functional as F
-    gate, up = F.linear(xt.float(), gu.float()).chunk(2)
-    return F.linear(F.silu(gate) * up, dn.float())
+    gate, up = F.linear(xt, gu).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, dn).float()
 
 
 @gpu

@@ -45,11 +45,12 @@ fabric-bench: setup
 bench: setup $(CKPT)/config.json
 	$(PY) scripts/bench.py --checkpoint $(CKPT)
 
-# compile the CUDA sources with plain nvcc (no GPU needed); CI runs this where nvcc exists
-kernels:
+# compile the CUDA sources with plain nvcc (no GPU needed) and parse bindings.cpp against torch's
+# headers; CI runs this where nvcc exists
+kernels: setup
 	@if ! command -v nvcc >/dev/null; then echo "nvcc not found: skipping the kernel compile check"; \
 	elif [ ! -f csrc/Makefile ]; then echo "csrc/Makefile missing: no kernels to compile"; \
-	else $(MAKE) -C csrc; fi
+	else $(MAKE) -C csrc && $(MAKE) -C csrc bindings PY=$(abspath $(PY)); fi
 
 clean:
 	rm -rf runs build *.egg-info

@@ -4,7 +4,9 @@ The eager GPU step is host-bound: Python launches a few hundred small kernels pe
 routing back once per MoE layer (the host plan). Here every MoE layer is
 
     route (torch) -> moe_plan (one kernel: the canonical plan in slot space, kernels/plan.py)
-    -> nvfp4_experts_into (this rank's block, fixed grid) -> exchange -> row checksum -> moe_scatter_add
+    -> this rank's block: nvfp4_experts_into (NVFP4, our kernel, fixed grid) or, for BF16 experts,
+       torch._grouped_mm over the stacked weights with group ends counted on the device
+    -> exchange -> row_sums (the row checksum, folded by the host after the step) -> moe_scatter_add
 
 with shapes fixed by (streams, top-k, ranks), so the whole decode step (attention over the cache's full
 capacity with a length mask, MoE layers, lm_head, argmax, the next positions) is captured once in a
@@ -19,8 +21,9 @@ Exchange per fabric (rows of rank r's block live at slot space r * cap + i on ev
               in turn (seq parity) as the eager path's double buffer
 
 Parity: canonical order, the kernel's weight passes and the scatter order are the host plan's
-(tests/test_kernels.py checks moe_plan against its reference), so the split and one rank compute the
-same bits. The graphed step attends over the whole capacity where the eager step attends over the
+(tests/test_device_plan.py checks moe_plan against its reference), so the split and one rank compute the
+same bits; grouped_mm rows are checked the same whichever experts and rows share the launch (a GPU
+test) as the DESIGN asks of the expert kernel. The graphed step attends over the whole capacity where the eager step attends over the
 longest stream: its tokens can differ from the eager GPU step's in the last bit of a softmax sum, never
 between ranks, since every rank takes the same path (the handshake checks --graph).
 """

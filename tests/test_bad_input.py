@@ -161,3 +161,8 @@ def test_placement_file_errors(capsys, ckpt, tmp_path):
     assert_one_line(*decode(capsys, ckpt, "--placement", str(p)), "--placement", "16 experts")
     p.write_text(json.dumps({"default": [0] * 15 + [3]}))
     assert_one_line(*decode(capsys, ckpt, "--placement", str(p)), "expert 15 -> rank 3")
+
+
+def test_decode_path_graph_on_cpu_says_why(capsys, ckpt):
+    assert_one_line(*decode(capsys, ckpt, "--decode-path", "graph"), "--decode-path graph: not possible here")
+    assert_one_line(*decode(capsys, ckpt, "--decode-path", "fast"), "--decode-path")

@@ -145,7 +145,7 @@ class Engine:
         """auto | graph | device | host (rocket_mpi/graph.py): where decode steps plan their rows and
         whether they run as one CUDA graph. auto takes graph where it can run. Returns the path taken."""
         from rocket_mpi.graph import unsupported
-        why = unsupported(self, fabric_name)
+        why = unsupported(self, fabric_name, graph=want != "device")
         if want == "auto":
             self.decode_path = "graph" if not why else "host"
         elif want in ("graph", "device"):

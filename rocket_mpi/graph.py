@@ -40,23 +40,25 @@ from rocket_mpi.moe.router import route
 PUSH_BLOCKS = 32
 
 
-def unsupported(engine, fabric_name: str) -> str:
-    """'' where the graphed step can run for this engine, else why not."""
+def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
+    """'' where the fixed-shape step can run for this engine (graph: captured, on a GPU), else why not.
+    Without the graph it also runs on a CPU, every op through its torch reference and the rows through
+    the fabric's own exchange: the same plan and slot layout the GPU runs, checked by CPU tests."""
     import os
     from rocket_mpi import kernels
-    if engine.device.type != "cuda":
-        return "it needs --device cuda"
-    if not kernels.available():
-        return kernels.unavailable_reason()
     if not hasattr(engine.model, "forward_static"):
         return f"model type {engine.cfg.model_type} has no fixed-shape decode step yet (glm4_moe has)"
+    if os.environ.get("ROCKET_FAULT"):
+        return "ROCKET_FAULT injects faults on the host path"
+    if engine.device.type != "cuda":
+        return "it needs --device cuda" if graph else ""
+    if not kernels.available():
+        return kernels.unavailable_reason()
     if any(s.packed is None for s in engine.experts.values() if s.owned):
         if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(engine.device) < (9, 0):
             return "BF16 experts need torch._grouped_mm on sm_90 or newer (NVFP4 experts run in our kernel)"
     if fabric_name not in ("local", "cuda-ipc", "nccl"):
         return f"fabric {fabric_name} is host-driven"
-    if os.environ.get("ROCKET_FAULT"):
-        return "ROCKET_FAULT injects faults on the eager path"
     return ""
 
 
@@ -76,14 +78,19 @@ class DeviceMoE:
         for layer, store in e.experts.items():
             store.stack()  # BF16 experts: stacked for the grouped GEMM (NVFP4: a no-op)
             owner = e.placement.owners[layer]
-            slot = store.packed.slot if store.packed is not None else {}
+            # slots: the packed experts' (kernel), else ascending expert id (the BF16 stack's order)
+            slot = store.packed.slot if store.packed is not None else {e: i for i, e in enumerate(sorted(store.owned))}
             self.tables[layer] = (owner.to(dev, torch.int32), kplan.slot_table(owner.numel(), slot).to(dev),
                                   kplan.canonical_experts(owner).to(dev), store.s2_down.to(dev, torch.float32))
         self.seq = torch.tensor([e.seq], dtype=torch.long, device=dev)  # continues the host's seq
         self.err = torch.zeros(4, dtype=torch.long, device=dev)
         fab = e.fabric
         rows_needed = self.size * self.cap
-        if isinstance(fab, LocalFabric) or self.size == 1:
+        if dev.type == "cpu":  # the torch references, rows through the fabric's exchange at fixed offsets
+            self.mode, self.n_sets, self.set_stride = "host", 1, rows_needed
+            self.rows = torch.empty(0, self.hidden, dtype=torch.bfloat16)
+            self.out = torch.zeros(self.cap, self.hidden, dtype=torch.bfloat16)
+        elif isinstance(fab, LocalFabric) or self.size == 1:
             self.mode, self.n_sets, self.set_stride = "local", 1, self.cap
             self.rows = torch.empty(self.cap, self.hidden, dtype=torch.bfloat16, device=dev)
             self.out = self.rows
@@ -112,7 +119,7 @@ class DeviceMoE:
 
     def bytes_sent(self, rows_mine: int) -> int:
         row = self.hidden * 2
-        if self.mode == "nccl":
+        if self.mode in ("nccl", "host"):
             return self.cap * row * (self.size - 1)
         return rows_mine * row * (self.size - 1)
 
@@ -124,6 +131,8 @@ class DeviceMoE:
         owner, slot, canon, s2 = self.tables[layer]
         p = kplan.moe_plan(experts, weights, owner, slot, canon, s2, self.rank, self.size, self.n_sets,
                            self.set_stride, self.seq)
+        if self.mode == "host":
+            return self._host_rest(layer, x, store, p)
         if store.packed is not None:
             pk = store.packed
             kernels._ext.require().nvfp4_experts_into(x.contiguous(), p["row_index"], p["pad_rows"], p["groups"],
@@ -142,6 +151,42 @@ class DeviceMoE:
         C.row_sums(self.rows, p["canon_slot"], self.sums[len(self.metas)])
         self.metas.append(p["meta"])
         return kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"])
+
+    def _host_rest(self, layer: int, x: torch.Tensor, store, p) -> torch.Tensor:
+        """CPU: this rank's block by the torch reference over the plan's rows (segments rebuilt from the
+        padded rows and weight passes, as the kernel reads them), every rank's cap rows through the
+        fabric at fixed offsets, then the same slot-space checksum and scatter."""
+        from rocket_mpi.engine import row_sum
+        from rocket_mpi.kernels import moe_scatter_add
+        meta = p["meta"].tolist()
+        n = meta[kplan.META_ROWS]
+        inv = {s: e for e, s in enumerate(self.tables[layer][1].tolist()) if s >= 0}
+        segs, pad = [], p["pad_rows"]
+        for slot, tile0, ntiles, _ in p["groups"].tolist():
+            if ntiles:
+                rows = pad[tile0 * 8:(tile0 + ntiles) * 8]
+                rows = rows[rows >= 0]
+                segs.append((inv[slot], int(rows[0]), int(rows[-1]) + 1))
+        segs = _merge(segs)
+        if n:
+            self.out[:n] = store.compute(x, p["row_index"], segs, 0)
+        seq, fab = meta[kplan.META_SEQ], self.engine.fabric
+        self.rows = fab.exchange(seq, [r * self.cap for r in range(self.size + 1)], self.out, layer,
+                                 self.engine.step)
+        self.sums[len(self.metas)] += row_sum(self.rows[p["canon_slot"]])
+        self.metas.append(p["meta"])
+        return moe_scatter_add(self.rows, p["by_token"], p["coef"])
+
+
+def _merge(segs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Weight passes of one expert (more than 32 rows) back into one segment per expert."""
+    out: list[tuple[int, int, int]] = []
+    for e, a, b in segs:
+        if out and out[-1][0] == e and out[-1][2] == a:
+            out[-1] = (e, out[-1][1], b)
+        else:
+            out.append((e, a, b))
+    return out
 
 
 class GraphStep:
@@ -211,6 +256,8 @@ class GraphStep:
 
     def _finish(self, step: int):
         """Bound the wait for the step (a dead peer must not hang the host), then report a fabric timeout."""
+        if self.engine.device.type != "cuda":
+            return  # the CPU reference mode waits inside the fabric's exchange, with its timeout
         done = torch.cuda.Event()
         done.record()
         fab = self.engine.fabric

@@ -184,8 +184,8 @@ def print_report(doc: dict, cfg) -> None:
             print(f"  note: {run['note']}")
         print(hdr)
         for s in run["per_rank"]:
-            host = s.get("path", "host") == "host"  # inside a graph the exchange is not timed apart
-            fab_ms, fab_pct = (f"{s['fabric_ms']:.2f}", f"{s['fabric_pct']:.1f}") if host else ("graph", "-")
+            host = s.get("path", "host") == "host"  # the fixed-shape step does not time the exchange apart
+            fab_ms, fab_pct = (f"{s['fabric_ms']:.2f}", f"{s['fabric_pct']:.1f}") if host else ("-", "-")
             print(f"{s['rank']:>4} {s['M']:>3} {s['ms_per_step']:>9.2f} {s['tok_per_s']:>8.1f} {fab_ms:>9} "
                   f"{fab_pct:>8} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f} "
                   f"{s['weight_bytes_per_step'] / 1e9:>12.3f} {_roofline(s, bw.get(s['rank'])):>10}")

@@ -107,6 +107,24 @@ def test_forward_static_matches_forward(tiny_ckpt):
         assert worst < 0.02, f"forward_static differs from forward by {worst}"
 
 
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt"])
+def test_cpu_device_path_matches_host_path(ckpt_name, request):
+    """The fixed-shape step on a CPU (graph.py's reference mode: device plan by its reference, the block by
+    ExpertStore.compute over the rows the plan gives, slot-space scatter) decodes the host path's tokens."""
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.prompts import default_prompts
+    torch.set_num_threads(1)
+    ckpt = request.getfixturevalue(ckpt_name)
+    out = {}
+    for path in ("host", "device"):
+        eng = Engine(ckpt)
+        assert eng.set_decode_path(path, "local") == path
+        r = eng.generate(default_prompts(8, eng.cfg.vocab_size), 8)
+        assert r.path == path
+        out[path] = r.tokens
+    assert out["device"] == out["host"]
+
+
 def _eager_logits(eng, res, prompts, step):
     """Logits of decode step `step` from a fresh eager run fed the same tokens."""
     model = eng.model

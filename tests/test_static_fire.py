@@ -32,11 +32,30 @@ def test_static_fire_passes(ranks, fabric, placement, quant, tiny_ckpt, tiny_nvf
                "--fabric", fabric, "--fabric-timeout", "20", *extra)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"STATIC FIRE PASS: 0/8 streams mismatched ({ranks} ranks, fabric {fabric}" in r.stdout
-    # the split really split: every rank owned rows
-    for line in r.stdout.splitlines():
-        cols = line.split()
-        if len(cols) == 8 and cols[0].isdigit() and cols[1] == "8":
-            assert float(cols[6]) > 0, line
+    assert_really_split(r.stdout, ranks)
+
+
+def assert_really_split(stdout: str, ranks: int) -> None:
+    """The split's per-rank table at M=8: a row per rank, each rank owned rows."""
+    rows = [ln.split() for ln in stdout.splitlines()]
+    rows = [c for c in rows if len(c) == 10 and c[0].isdigit() and c[1] == "8"]
+    assert sorted(int(c[0]) for c in rows) == list(range(ranks)), stdout
+    assert all(float(c[6]) > 0 for c in rows), stdout
+
+
+@pytest.mark.parametrize("ranks,fabric,placement,quant", [(2, "shm", "contiguous", "bf16"),
+                                                           (3, "mpi", "scrambled", "nvfp4")])
+def test_static_fire_fixed_shape_path(ranks, fabric, placement, quant, tiny_ckpt, tiny_nvfp4_ckpt, tmp_path):
+    """--decode-path device on CPU: the GPU step's plan, slot layout and checksum through the torch
+    references, rows through the CPU fabric at fixed offsets: the split still decodes the one-rank tokens."""
+    ckpt = tiny_ckpt if quant == "bf16" else tiny_nvfp4_ckpt
+    extra = ["--placement", scrambled(tmp_path / "pl.json", 16, ranks, seed=5)] if placement == "scrambled" else []
+    r = rocket("static-fire", "--checkpoint", ckpt, "--ranks", str(ranks), "--sweep", "1,8", "--tokens", TOKENS,
+               "--fabric", fabric, "--fabric-timeout", "20", "--decode-path", "device", *extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"STATIC FIRE PASS: 0/8 streams mismatched ({ranks} ranks, fabric {fabric}" in r.stdout
+    assert "decode path device" in r.stdout
+    assert_really_split(r.stdout, ranks)
 
 
 def test_static_fire_catches_a_wrong_row(tiny_ckpt):

@@ -80,7 +80,13 @@ PLAN_KEYS = ("by_token", "coef", "row_index", "pad_rows", "groups", "canon_slot"
 def moe_plan(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,
              canon: torch.Tensor, s2_down: torch.Tensor, rank: int, n_ranks: int, n_sets: int, set_stride: int,
              seq: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The device plan (one kernel, no host read; `seq` [1] int64 on the device is bumped by one)."""
+    """The device plan (one kernel, no host read; `seq` [1] int64 on the device is bumped by one). CPU
+    tensors take the reference (the CPU mode of graph.py's fixed-shape step)."""
+    if not experts.is_cuda:
+        table = {e: s for e, s in enumerate(slot.tolist()) if s >= 0}
+        out = moe_plan_ref(experts, weights, owner, table, s2_down, rank, n_ranks, n_sets, set_stride, int(seq))
+        seq += 1
+        return out
     from rocket_mpi.kernels import _ext
     out = _ext.require().moe_plan(experts.contiguous(), weights.float().contiguous(), owner, slot, canon, s2_down,
                                   rank, n_ranks, n_sets, set_stride, seq)

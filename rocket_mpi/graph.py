@@ -55,8 +55,10 @@ def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
     if not kernels.available():
         return kernels.unavailable_reason()
     if any(s.packed is None for s in engine.experts.values() if s.owned):
-        if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(engine.device) < (9, 0):
-            return "BF16 experts need torch._grouped_mm on sm_90 or newer (NVFP4 experts run in our kernel)"
+        cap = torch.cuda.get_device_capability(engine.device)
+        if not hasattr(torch, "_grouped_mm") or cap[0] != 9:  # checked on H200 only (row invariance test)
+            return (f"BF16 experts take torch._grouped_mm, checked on sm_90 only (this GPU is sm_{cap[0]}{cap[1]}); "
+                    f"NVFP4 experts run in our kernel")
     if fabric_name not in ("local", "cuda-ipc", "nccl"):
         return f"fabric {fabric_name} is host-driven"
     return ""

@@ -240,6 +240,7 @@ class Engine:
         seqlens = [len(p) for p in prompts]
         result.path = "host" if self.decode_path == "host" or n_tokens < 2 else self.decode_path
         static = None
+        per_expert = next((s.read_bytes_per_expert for s in self.experts.values() if s.owned), 0)
         for step in range(n_tokens):
             self.step = step
             if step > 0 and result.path != "host":
@@ -251,7 +252,6 @@ class Engine:
                 dt = time.perf_counter() - t0
                 cache.lengths += 1
                 logits = static.logits
-                per_expert = next((s.read_bytes_per_expert for s in self.experts.values() if s.owned), 0)
                 log = StepLog(dt, 0.0, c["rows_mine"], c["rows_total"], c["bytes_sent"], c["crc"],
                               c["experts_mine"] * per_expert + self.stack_read_bytes())
                 if static.graph_error and not result.note:

@@ -15,7 +15,7 @@ from rocket_mpi import kernels
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, move_weights, rms_norm,
+from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, move_stack, rms_norm,
                                      swiglu_mlp, unique_nbytes)
 
 DT = torch.bfloat16
@@ -91,12 +91,7 @@ class Glm4MoeModel:
 
     def to(self, device) -> "Glm4MoeModel":
         """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
-        tied = self.lm_head is self.embed
-        self.embed, self.norm = self.embed.to(device), self.norm.to(device)
-        self.lm_head = self.embed if tied else self.lm_head.to(device)
-        for L in self.layers:
-            move_weights(L, device)
-        self.rope.inv_freq = self.rope.inv_freq.to(device)
+        move_stack(self, device)
         return self
 
     def nbytes(self) -> int:

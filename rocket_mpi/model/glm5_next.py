@@ -28,7 +28,7 @@ from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_p
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
-from rocket_mpi.model.layers import load_swiglu, move_weights, rms_norm, unique_nbytes
+from rocket_mpi.model.layers import load_swiglu, move_stack, rms_norm, unique_nbytes
 
 DT = torch.bfloat16
 
@@ -294,11 +294,7 @@ class Glm5NextModel:
 
     def to(self, device) -> "Glm5NextModel":
         """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
-        tied = self.lm_head is self.embed
-        self.embed, self.norm = self.embed.to(device), self.norm.to(device)
-        self.lm_head = self.embed if tied else self.lm_head.to(device)
-        for L in self.layers:
-            move_weights(L, device)
+        move_stack(self, device)
         return self
 
     def _section(self, *key):

@@ -31,7 +31,7 @@ from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
 from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, rms_norm, swiglu_mlp,
-                                     move_weights, unique_nbytes)
+                                     move_stack, unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -241,12 +241,7 @@ class GlmMoeDsaModel:
 
     def to(self, device) -> "GlmMoeDsaModel":
         """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
-        tied = self.lm_head is self.embed
-        self.embed, self.norm = self.embed.to(device), self.norm.to(device)
-        self.lm_head = self.embed if tied else self.lm_head.to(device)
-        for L in self.layers:
-            move_weights(L, device)
-        self.rope.inv_freq = self.rope.inv_freq.to(device)
+        move_stack(self, device)
         return self
 
     def _section(self, *key):

@@ -89,3 +89,16 @@ def move_weights(obj, device) -> None:
             setattr(obj, f.name, tuple(t.to(device) for t in v))
         elif dataclasses.is_dataclass(v):
             move_weights(v, device)
+
+
+def move_stack(model, device) -> None:
+    """A model's replicated stack to `device` in place: embedding, final norm, lm_head (kept tied to the
+    embedding where it is), every layer's weights, and the rotary table where the model has one."""
+    tied = model.lm_head is model.embed
+    model.embed, model.norm = model.embed.to(device), model.norm.to(device)
+    model.lm_head = model.embed if tied else model.lm_head.to(device)
+    for L in model.layers:
+        move_weights(L, device)
+    rope = getattr(model, "rope", None)
+    if rope is not None:
+        rope.inv_freq = rope.inv_freq.to(device)

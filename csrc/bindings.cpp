@@ -49,8 +49,9 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     int64_t n_tiles, int64_t n_groups, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
-                    torch::Tensor& out, int64_t out_rows) {
+                    torch::Tensor& out, int64_t out_rows, bool dense_groups) {
   rocket::ExpertsLaunch a{};
+  a.dense_groups = dense_groups ? 1 : 0;
   a.x = x.data_ptr();
   a.x_rows = x.size(0);
   a.row_index = row_index;
@@ -107,7 +108,7 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
   auto h_frag = torch::empty({n_tiles, ip / 32, 32, 4}, i32);
   if (n_tiles == 0 || n_groups == 0) return {out, x_frag, h_frag};
   launch_experts(x, ri, plan.data_ptr<int>(), plan.data_ptr<int>() + n_tiles * rocket::kRowTile, n_tiles, n_groups,
-                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows);
+                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows, true);
   return {out, x_frag, h_frag};
 }
 
@@ -177,7 +178,7 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
   auto h_frag = torch::empty({cap, ip / 32, 32, 4}, i32);
   if (cap == 0) return;
   launch_experts(x, row_index.data_ptr<int64_t>(), pad_rows.data_ptr<int>(), groups.data_ptr<int>(), cap, cap, q_gu,
-                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
+                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0), false);
 }
 
 // Device row plan of one MoE layer; returns {by_token, coef, row_index, pad_rows, groups, canon_slot, meta}.
@@ -237,9 +238,9 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
 
 // cuda-ipc push: this rank's block (src, meta rows) into every rank's row buffer (dst addresses, set 0 row
 // 0; ours included), then the doorbell words (bells[r]: rank r's word for this rank; ours unused).
-void ipc_push(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
-              const std::vector<int64_t>& bells, torch::Tensor& counter, int64_t cap, int64_t set_rows, int64_t rank,
-              int64_t blocks) {
+rocket::IpcPush push_args(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
+                          const std::vector<int64_t>& bells, torch::Tensor& counter, int64_t cap, int64_t set_rows,
+                          int64_t rank) {
   const c10::Device dev = src.device();
   expect(src, "src", torch::kBFloat16, 2, dev, 16);
   expect(meta, "meta", torch::kLong, 1, dev, 8);
@@ -266,12 +267,11 @@ void ipc_push(const torch::Tensor& src, const torch::Tensor& meta, const std::ve
   a.set_words = set_rows * a.row_words;
   a.rank = static_cast<int>(rank);
   a.n_ranks = static_cast<int>(n);
-  const c10::cuda::CUDAGuard guard(dev);
-  rocket::launch_ipc_push(a, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
+  return a;
 }
 
-void ipc_wait(const torch::Tensor& bells, const torch::Tensor& meta, torch::Tensor& err, double timeout_s,
-              int64_t rank, int64_t layer) {
+rocket::IpcWait wait_args(const torch::Tensor& bells, const torch::Tensor& meta, torch::Tensor& err, double timeout_s,
+                          int64_t rank, int64_t layer) {
   const c10::Device dev = bells.device();
   expect(bells, "bells", torch::kLong, 1, dev, 8);
   expect(meta, "meta", torch::kLong, 1, dev, 8);
@@ -286,8 +286,34 @@ void ipc_wait(const torch::Tensor& bells, const torch::Tensor& meta, torch::Tens
   a.rank = static_cast<int>(rank);
   a.n_ranks = static_cast<int>(bells.numel());
   a.layer = static_cast<int>(layer);
-  const c10::cuda::CUDAGuard guard(dev);
+  return a;
+}
+
+void ipc_push(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
+              const std::vector<int64_t>& bells, torch::Tensor& counter, int64_t cap, int64_t set_rows, int64_t rank,
+              int64_t blocks) {
+  const rocket::IpcPush a = push_args(src, meta, dst, bells, counter, cap, set_rows, rank);
+  const c10::cuda::CUDAGuard guard(src.device());
+  rocket::launch_ipc_push(a, nullptr, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
+}
+
+void ipc_wait(const torch::Tensor& bells, const torch::Tensor& meta, torch::Tensor& err, double timeout_s,
+              int64_t rank, int64_t layer) {
+  const rocket::IpcWait a = wait_args(bells, meta, err, timeout_s, rank, layer);
+  const c10::cuda::CUDAGuard guard(bells.device());
   rocket::launch_ipc_wait(a, c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// ipc_push then ipc_wait as one kernel: the block that rings the doorbells waits for the peers'.
+void ipc_exchange(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
+                  const std::vector<int64_t>& peer_bells, torch::Tensor& counter, int64_t cap, int64_t set_rows,
+                  int64_t rank, int64_t blocks, const torch::Tensor& bells, torch::Tensor& err, double timeout_s,
+                  int64_t layer) {
+  const rocket::IpcPush a = push_args(src, meta, dst, peer_bells, counter, cap, set_rows, rank);
+  ROCKET_CHECK(bells.device() == src.device(), "bells on " << bells.device() << ", rows on " << src.device());
+  const rocket::IpcWait w = wait_args(bells, meta, err, timeout_s, rank, layer);
+  const c10::cuda::CUDAGuard guard(src.device());
+  rocket::launch_ipc_push(a, &w, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -359,11 +385,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
         py::arg("inter"), py::arg("swiglu_limit"));
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)");
+  m.def("set_experts_schedule", &rocket::set_experts_schedule,
+        "expert GEMM schedule: 0 persistent (default), 1 one block per feature block and pass (same bits)");
+  m.def("experts_schedule", &rocket::experts_schedule, "the expert GEMM schedule in use");
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
   m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe)");
   m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe)");
   m.def("ipc_push", &ipc_push, "cuda-ipc: block rows to every rank, then doorbells (one kernel)");
   m.def("ipc_wait", &ipc_wait, "cuda-ipc: wait for every peer's doorbell, bounded by a timeout");
+  m.def("ipc_exchange", &ipc_exchange, "cuda-ipc: ipc_push and ipc_wait fused into one kernel");
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step)");
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");

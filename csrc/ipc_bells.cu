@@ -1,4 +1,5 @@
-// cuda-ipc exchange as two kernels, so a whole decode step (rows and doorbells) fits in a CUDA graph.
+// cuda-ipc exchange in kernels, so a whole decode step (rows and doorbells) fits in a CUDA graph: push and
+// wait as two kernels, or fused into one (the ringing block waits; ipc_exchange in bindings.cpp).
 //
 // push: copy this rank's block (meta[2] rows, in slot space set meta[3]) from `src` into the same place
 //       of every rank's row buffer (peers mapped through CUDA IPC, so the stores travel over NVLink),
@@ -30,30 +31,8 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
-__global__ void ipc_push_kernel(const IpcPush a) {
-  const int64_t rows = a.meta[2], set = a.meta[3];
-  const int64_t words = rows * a.row_words;                    // uint4 per block
-  const int64_t first = set * a.set_words + int64_t(a.rank) * a.cap_words;
-  for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < words; w += int64_t(gridDim.x) * blockDim.x) {
-    const uint4 v = a.src[w];
-    for (int r = 0; r < a.n_ranks; ++r) a.dst[r][first + w] = v;
-  }
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned arrived = atomicAdd(a.counter, 1u);
-    if (arrived == gridDim.x - 1) {  // every block's stores are fenced: ring
-      *a.counter = 0;                // for the next push (stream order: no other push runs now)
-      __threadfence_system();
-      const int64_t seq = a.meta[4];
-      for (int r = 0; r < a.n_ranks; ++r)
-        if (r != a.rank) store_release_sys(a.bells[r], seq);
-    }
-  }
-}
-
-__global__ void ipc_wait_kernel(const IpcWait a) {
-  const int peer = threadIdx.x;
+// One lane per peer: spin until the peer's doorbell word reaches the layer's seq, or time out.
+__device__ __forceinline__ void wait_peer(const IpcWait& a, int peer) {
   if (peer >= a.n_ranks || peer == a.rank) return;
   const int64_t seq = a.meta[4];
   const uint64_t t0 = globaltimer_ns();
@@ -73,19 +52,65 @@ __global__ void ipc_wait_kernel(const IpcWait a) {
   }
 }
 
+// kWait: the block that rings (the last to finish its stores) then waits for the peers itself, so the
+// exchange is one kernel (one graph node) instead of push + wait.
+template <bool kWait>
+__global__ void ipc_push_kernel(const IpcPush a, const IpcWait w) {
+  __shared__ int last;
+  const int64_t rows = a.meta[2], set = a.meta[3];
+  const int64_t words = rows * a.row_words;                    // uint4 per block
+  const int64_t first = set * a.set_words + int64_t(a.rank) * a.cap_words;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 v = a.src[i];
+    for (int r = 0; r < a.n_ranks; ++r) a.dst[r][first + i] = v;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned arrived = atomicAdd(a.counter, 1u);
+    last = arrived == gridDim.x - 1;
+    if (last) {                      // every block's stores are fenced: ring
+      *a.counter = 0;                // for the next push (stream order: no other push runs now)
+      __threadfence_system();
+      const int64_t seq = a.meta[4];
+      for (int r = 0; r < a.n_ranks; ++r)
+        if (r != a.rank) store_release_sys(a.bells[r], seq);
+    }
+  }
+  if constexpr (kWait) {
+    __syncthreads();
+    if (last && threadIdx.x < 32) wait_peer(w, threadIdx.x);
+  }
+}
+
+__global__ void ipc_wait_kernel(const IpcWait a) { wait_peer(a, threadIdx.x); }
+
 }  // namespace
 
-void launch_ipc_push(const IpcPush& a, int blocks, cudaStream_t stream) {
+namespace {
+void check_wait(const IpcWait& a) {
+  ROCKET_CHECK(a.n_ranks >= 1 && a.n_ranks <= 32 && a.rank >= 0 && a.rank < a.n_ranks,
+               "rank " << a.rank << " of " << a.n_ranks << " (the wait has one lane per peer, 32 at most)");
+}
+}  // namespace
+
+void launch_ipc_push(const IpcPush& a, const IpcWait* wait, int blocks, cudaStream_t stream) {
   ROCKET_CHECK(a.n_ranks >= 1 && a.n_ranks <= kPlanMaxRanks && a.rank >= 0 && a.rank < a.n_ranks,
                "rank " << a.rank << " of " << a.n_ranks);
   ROCKET_CHECK(blocks >= 1 && blocks <= 1024, "blocks " << blocks);
-  ipc_push_kernel<<<blocks, 512, 0, stream>>>(a);
+  if (wait) {
+    check_wait(*wait);
+    ROCKET_CHECK(wait->rank == a.rank && wait->n_ranks == a.n_ranks && wait->meta == a.meta,
+                 "push and wait of one exchange disagree on rank, ranks or meta");
+    ipc_push_kernel<true><<<blocks, 512, 0, stream>>>(a, *wait);
+  } else {
+    ipc_push_kernel<false><<<blocks, 512, 0, stream>>>(a, IpcWait{});
+  }
   ROCKET_LAUNCH_CHECK();
 }
 
 void launch_ipc_wait(const IpcWait& a, cudaStream_t stream) {
-  ROCKET_CHECK(a.n_ranks >= 1 && a.n_ranks <= 32 && a.rank >= 0 && a.rank < a.n_ranks,
-               "rank " << a.rank << " of " << a.n_ranks << " (the wait kernel has one lane per peer, 32 at most)");
+  check_wait(a);
   ipc_wait_kernel<<<1, 32, 0, stream>>>(a);
   ROCKET_LAUNCH_CHECK();
 }

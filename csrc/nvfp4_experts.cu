@@ -27,6 +27,8 @@
 // tile and stage, 6 stages in flight); every lane copies only what it reads itself, so no barrier
 // is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
 // the same expert).
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace rocket {
@@ -69,6 +71,9 @@ struct GemmParams {
   __nv_bfloat16* out;
   int hidden;
   const int* pad_rows;
+  // persistent schedule
+  int n_groups;              // entries of `groups`
+  int dense;                 // 1: every entry has rows; 0: the entries with rows are a prefix, then tiles = 0
 };
 
 // The lane's A fragment for one k-step: 8 codes in `w`, scales of rows g and g+8 in the low and
@@ -171,6 +176,106 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   }
 }
 
+// The same per-unit computation as mainloop, for `nu` consecutive feature groups fg0.. of one weight
+// pass, with the cp.async ring running on across unit boundaries (the next unit's tiles are the next
+// kFT tiles in memory: one contiguous stream per lane). Lanes whose B row is padding load nothing and
+// feed zeros, which are the bits the padded fragment holds anyway. `unit` gets each finished unit's
+// accumulators: every output element is still one mma chain over all of K from 0, in k order.
+template <int RT, typename Epilogue>
+__device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int tile0, int fg0, int nu,
+                                             char* smem_warp, int lane, Epilogue&& unit) {
+  const int nk = p.nk;
+  const int64_t q_tile = int64_t(nk) * kTileCodeBytes, s_tile = int64_t(nk) * kTileScaleBytes;
+  const uint8_t* qp[kFT];
+  const uint8_t* sp[kFT];
+#pragma unroll
+  for (int i = 0; i < kFT; ++i) {
+    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg0) * kFT + i) * q_tile + lane * 16;
+    sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg0) * kFT + i) * s_tile + (lane >> 2) * 8;
+  }
+  const int64_t q_skip = (kFT - 1) * q_tile, s_skip = (kFT - 1) * s_tile;  // to the next unit's tile i
+  char* s_codes = smem_warp + lane * 16;
+  char* s_scales = smem_warp + kStageCodes + lane * 8;
+  const int total = nu * nk;
+  int issued = 0, ik = 0;
+  auto issue = [&]() {
+    const int st = issued & (kStages - 1);
+#pragma unroll
+    for (int i = 0; i < kFT; ++i) {
+      dev::cp_async_16(s_codes + st * kStageBytes + i * 512, qp[i]);
+      dev::cp_async_8(s_scales + st * kStageBytes + i * 256, sp[i]);
+      qp[i] += kTileCodeBytes;
+      sp[i] += kTileScaleBytes;
+    }
+    if (++ik == nk) {
+      ik = 0;
+#pragma unroll
+      for (int i = 0; i < kFT; ++i) {
+        qp[i] += q_skip;
+        sp[i] += s_skip;
+      }
+    }
+    ++issued;
+  };
+#pragma unroll
+  for (int kt = 0; kt < kLookahead; ++kt) {
+    if (issued < total) issue();
+    dev::cp_async_commit();
+  }
+  bool valid[RT];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) valid[rt] = p.pad_rows[(tile0 + rt) * kRowTile + (lane >> 2)] >= 0;
+  const uint4* fr0 = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;
+  int j = 0;
+  for (int u = 0; u < nu; ++u) {
+    float acc[kFT][RT][4];
+#pragma unroll
+    for (int i = 0; i < kFT; ++i)
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
+    const uint4* fr = fr0;
+    for (int kt = 0; kt < nk; ++kt, ++j, fr += 2 * 32) {
+      uint4 b[RT][2];
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+        for (int pp = 0; pp < 2; ++pp)
+          b[rt][pp] = valid[rt] ? __ldg(fr + (rt * 2 * nk + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
+      }
+      dev::cp_async_wait<kLookahead - 1>();  // item j has landed (one group per item)
+      if (issued < total) issue();
+      dev::cp_async_commit();
+      const int st = j & (kStages - 1);
+      uint4 qv[kFT];
+      uint2 sv[kFT];
+#pragma unroll
+      for (int i = 0; i < kFT; ++i) {
+        qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
+        sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int i = 0; i < kFT; ++i) {
+          const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
+                            : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
+          uint32_t a[4];
+          decode_a(word(qv[i], jj), sc, a);
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint4& bb = b[rt][jj >> 1];
+            dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
+          }
+        }
+      }
+    }
+    unit(fg0 + u, acc);
+  }
+  dev::cp_async_wait<0>();  // nothing of this segment may land after the next one reuses the ring
+}
+
 // torch: gate, up = F.linear(x, W).chunk(2) (bf16); clamp; F.silu(gate) * up (bf16 each step).
 __device__ __forceinline__ uint32_t swiglu(float g_acc, float u_acc, float sg, float su, float limit, int has_limit) {
   float g = dev::round_bf16(__fmul_rn(g_acc, sg));
@@ -266,6 +371,57 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(const GemmPar
   }
 }
 
+template <int RT, bool kSwiglu>
+__device__ __forceinline__ void run_segment(const GemmParams& p, const int4& grp, int fg0, int nu, char* smem_warp,
+                                            int lane) {
+  segment_loop<RT>(p, grp.x, grp.y, fg0, nu, smem_warp, lane, [&](int fg, const float (&acc)[kFT][RT][4]) {
+    if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
+    else epilogue_down<RT>(p, grp.y, fg, lane, acc);
+  });
+}
+
+// Persistent schedule: a fixed grid (2 blocks per SM) shares the work out evenly. Units are (weight
+// pass, feature group) in order, U of them; warp w takes units [w r, (w + 1) r), r = ceil(U / warps),
+// so no warp has more than one unit above the average and a warp's units are mostly consecutive
+// feature groups of one expert (one contiguous weight stream). The busy warps are spread over all
+// blocks (warp w is warp w / grid of block w % grid). Which warp computes a unit never changes its bits.
+template <bool kSwiglu>
+__global__ void __launch_bounds__(kThreads, 2) experts_persistent_kernel(const GemmParams p) {
+  extern __shared__ __align__(16) char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int n_act = p.n_groups;
+  if (!p.dense) {  // device plan: passes with rows come first; count up to the first empty entry
+    for (int base = 0; base < p.n_groups; base += 32) {
+      const int i = base + lane;
+      const unsigned m = __ballot_sync(0xffffffffu, i < p.n_groups && p.groups[i].z > 0);
+      if (m != 0xffffffffu) {
+        n_act = base + __ffs(~m) - 1;
+        break;
+      }
+    }
+  }
+  const int64_t units = int64_t(n_act) * p.n_fgroups;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  const int64_t r = (units + warps - 1) / warps;
+  const int64_t w = int64_t(warp) * gridDim.x + blockIdx.x;
+  int64_t u = w * r;
+  const int64_t end = min(units, u + r);
+  char* smem_warp = smem + warp * kWarpSmem;
+  while (u < end) {
+    const int gi = static_cast<int>(u / p.n_fgroups), fg0 = static_cast<int>(u % p.n_fgroups);
+    const int nu = static_cast<int>(min(end - u, int64_t(p.n_fgroups - fg0)));
+    const int4 grp = p.groups[gi];
+    switch (grp.z) {
+      case 1: run_segment<1, kSwiglu>(p, grp, fg0, nu, smem_warp, lane); break;
+      case 2: run_segment<2, kSwiglu>(p, grp, fg0, nu, smem_warp, lane); break;
+      case 3: run_segment<3, kSwiglu>(p, grp, fg0, nu, smem_warp, lane); break;
+      case 4: run_segment<4, kSwiglu>(p, grp, fg0, nu, smem_warp, lane); break;
+      default: break;
+    }
+    u += nu;
+  }
+}
+
 // One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.
 __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows, int64_t x_ld_words,
                                  const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
@@ -315,16 +471,44 @@ __global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8
   }
 }
 
-template <bool kSwiglu>
-void set_smem_attr() {
-  static bool done[64] = {};  // the attribute belongs to the function on each device
+// The dynamic shared memory attribute belongs to a function on each device: set once per (kernel, device).
+template <typename Kernel>
+void set_smem_attr(Kernel kernel, bool (&done)[64]) {
   int dev = 0;
   ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= 64 || !done[dev]) {
-    ROCKET_CUDA_CHECK(cudaFuncSetAttribute(experts_gemm_kernel<kSwiglu>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    ROCKET_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     if (dev < 64) done[dev] = true;
   }
+}
+
+int sm_count() {
+  static int count[64] = {};
+  int dev = 0;
+  ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && count[dev]) return count[dev];
+  int n = 0;
+  ROCKET_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  if (dev < 64) count[dev] = n;
+  return n;
+}
+
+int g_schedule = kSchedulePersistent;
+
+template <bool kSwiglu>
+void launch_gemm(const GemmParams& p, cudaStream_t stream) {
+  static bool done_grid[64] = {}, done_persistent[64] = {};
+  if (g_schedule == kScheduleGrid) {  // one block per (8 feature groups, weight pass)
+    set_smem_attr(experts_gemm_kernel<kSwiglu>, done_grid);
+    dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
+    experts_gemm_kernel<kSwiglu><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  } else {
+    set_smem_attr(experts_persistent_kernel<kSwiglu>, done_persistent);
+    const int64_t most = (int64_t(p.n_groups) * p.n_fgroups + kWarps - 1) / kWarps;  // blocks that can have work
+    const int blocks = static_cast<int>(std::min<int64_t>(int64_t(2) * sm_count(), most));
+    experts_persistent_kernel<kSwiglu><<<blocks, kThreads, kSmemBytes, stream>>>(p);
+  }
+  ROCKET_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -362,10 +546,10 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.has_limit = a.has_limit;
     p.h_frag = reinterpret_cast<uint32_t*>(a.h_frag);
     p.h_pairs = a.inter_pad / 32;
-    set_smem_attr<true>();
-    dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, a.n_groups);
-    experts_gemm_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(p);
-    ROCKET_LAUNCH_CHECK();
+    p.pad_rows = a.pad_rows;
+    p.n_groups = a.n_groups;
+    p.dense = a.dense_groups;
+    launch_gemm<true>(p, stream);
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
@@ -381,12 +565,18 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.out = static_cast<__nv_bfloat16*>(a.out);
     p.hidden = a.hidden;
     p.pad_rows = a.pad_rows;
-    set_smem_attr<false>();
-    dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, a.n_groups);
-    experts_gemm_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(p);
-    ROCKET_LAUNCH_CHECK();
+    p.n_groups = a.n_groups;
+    p.dense = a.dense_groups;
+    launch_gemm<false>(p, stream);
   }
 }
+
+void set_experts_schedule(int schedule) {
+  ROCKET_CHECK(schedule == kSchedulePersistent || schedule == kScheduleGrid, "expert kernel schedule " << schedule);
+  g_schedule = schedule;
+}
+
+int experts_schedule() { return g_schedule; }
 
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,
                                  cudaStream_t stream) {

@@ -57,6 +57,7 @@ struct ExpertsLaunch {
   const int* pad_rows;        // [tiles * 8] block row of each padded row, -1 = padding
   const int4* groups;         // [n_groups] (slot, first tile, tiles 1..4, 0): one weight pass each
   int n_groups, n_tiles;
+  int dense_groups;           // 1: every group has rows; 0: groups with rows first, then tiles = 0 (moe_plan)
   // packed experts, `slot` indexes the leading dimension
   const uint8_t *q_gu, *s_gu;  // gate/up tiles interleaved: tile T = gate rows 8T..8T+7, up rows 8T..8T+7
   const float* s2_gu;          // [slots][2] weight_scale_2 of gate, up
@@ -74,6 +75,14 @@ struct ExpertsLaunch {
 
 // x rows -> x_frag, gate/up + SwiGLU -> h_frag, down -> out. Batch-invariant: see nvfp4_experts.cu.
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream);
+
+// How the expert GEMMs share out their work (both give the same bits; the bench compares them):
+// persistent = a fixed grid of 2 blocks per SM, units dealt out evenly (default); grid = one block per
+// (8 feature groups, weight pass), the first version.
+constexpr int kSchedulePersistent = 0;
+constexpr int kScheduleGrid = 1;
+void set_experts_schedule(int schedule);
+int experts_schedule();
 
 // Packed tiles -> W [n_pad, k_pad] bf16 as the kernel sees it (E2M1 x scale x 2^-8). A test hook.
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,
@@ -133,7 +142,8 @@ struct IpcWait {
   uint64_t timeout_ns;
   int rank, n_ranks, layer;
 };
-void launch_ipc_push(const IpcPush& a, int blocks, cudaStream_t stream);
+// wait: nullable; given, the push kernel also waits for the peers (one kernel for the exchange).
+void launch_ipc_push(const IpcPush& a, const IpcWait* wait, int blocks, cudaStream_t stream);
 void launch_ipc_wait(const IpcWait& a, cudaStream_t stream);
 
 // ---- fused ops of the fixed-shape decode step (decode_ops.cu) ----

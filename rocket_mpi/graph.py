@@ -15,10 +15,10 @@ CUDA graph and replayed: one launch and one small device-to-host read (tokens + 
 Exchange per fabric (rows of rank r's block live at slot space r * cap + i on every rank):
     local     one rank: the block is the row set
     nccl      all_gather_into_tensor of every rank's cap rows (captured by NCCL)
-    cuda-ipc  ipc_push (block rows into every peer's buffer over NVLink, then doorbells, one kernel) and
-              ipc_wait (spin on our doorbells with a timeout; a timeout is recorded on the device and
-              raised by the host after the step naming peer, layer and step); two row buffer sets used
-              in turn (seq parity) as the eager path's double buffer
+    cuda-ipc  ipc_exchange, one kernel: block rows into every peer's buffer over NVLink, doorbells, then
+              the block that rang spins on our doorbells with a timeout (a timeout is recorded on the
+              device and raised by the host after the step naming peer, layer and step); two row buffer
+              sets used in turn (seq parity) as the eager path's double buffer
 
 Parity: canonical order, the kernel's weight passes and the scatter order are the host plan's
 (tests/test_device_plan.py checks moe_plan against its reference), so the split and one rank compute the
@@ -147,9 +147,8 @@ class DeviceMoE:
             import torch.distributed as dist
             dist.all_gather_into_tensor(self.rows, self.out)
         elif self.mode == "cuda-ipc":
-            C.ipc_push(self.out, p["meta"], self.dst, self.peer_bells, self.counter, self.cap, self.set_stride,
-                       self.rank, PUSH_BLOCKS)
-            C.ipc_wait(self.bells, p["meta"], self.err, self.timeout, self.rank, layer)
+            C.ipc_exchange(self.out, p["meta"], self.dst, self.peer_bells, self.counter, self.cap, self.set_stride,
+                           self.rank, PUSH_BLOCKS, self.bells, self.err, self.timeout, layer)
         C.row_sums(self.rows, p["canon_slot"], self.sums[len(self.metas)])
         self.metas.append(p["meta"])
         return kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"])

@@ -4,7 +4,8 @@
 
 Per message size, medians over --reps replays of one graph holding --iters exchanges back to back:
   exchange us    one symmetric exchange (both ranks send the size, each waits for the other's doorbell):
-                 cuda-ipc = ipc_push + ipc_wait kernels (graph.py), nccl = all_gather_into_tensor;
+                 cuda-ipc = ipc_exchange, push and wait in one kernel (graph.py), nccl = all_gather_into_tensor;
+  2 kernels us   cuda-ipc only: the same exchange as ipc_push + ipc_wait, two kernels (the first version);
   GB/s           size / exchange time: what one rank's rows move at;
   peer copy GB/s a plain peer copy (cudaMemcpyAsync to the peer's mapped buffer) of the same size, timed
                  with events: the bandwidth bar; and the exchange's share of it.
@@ -31,8 +32,8 @@ def push_blocks(nbytes: int) -> int:
 class GraphExchange:
     """`iters` exchanges of `nbytes` per rank, captured once; replay() runs them all."""
 
-    def __init__(self, fab, comm, nbytes: int, iters: int, device):
-        self.fab, self.comm, self.device = fab, comm, device
+    def __init__(self, fab, comm, nbytes: int, iters: int, device, fused: bool = True):
+        self.fab, self.comm, self.device, self.fused = fab, comm, device, fused
         self.rank, self.size = comm.rank, comm.size
         self.rows = nbytes // ROW_BYTES
         self.nbytes, self.iters = nbytes, iters
@@ -64,9 +65,13 @@ class GraphExchange:
         if self.fab.name == "cuda-ipc":
             C = kernels._ext.require()
             for i in range(self.iters):
-                C.ipc_push(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0, self.rank,
-                           push_blocks(self.nbytes))
-                C.ipc_wait(self.fab.bells, self.metas[i], self.err, self.fab.timeout, self.rank, -1)
+                if self.fused:
+                    C.ipc_exchange(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0,
+                                   self.rank, push_blocks(self.nbytes), self.fab.bells, self.err, self.fab.timeout, -1)
+                else:
+                    C.ipc_push(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0,
+                               self.rank, push_blocks(self.nbytes))
+                    C.ipc_wait(self.fab.bells, self.metas[i], self.err, self.fab.timeout, self.rank, -1)
             self.metas[:, 4] += self.iters  # the next replay's seqs
         else:
             import torch.distributed as dist
@@ -141,32 +146,42 @@ def peer_copy_gbps(fab, comm, nbytes: int, device, reps: int = 20) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def _time_one(fab, comm, n: int, k: int, reps: int, device, fused: bool) -> tuple[float, str]:
+    """(us per exchange, why capture failed or "") of one captured exchange variant. Built only now: its
+    seqs start past every doorbell value the variants before it left."""
+    ex = GraphExchange(fab, comm, n, k, device, fused)
+    ex.check()
+    why = ex.capture()
+    if comm.allreduce(1 if why else 0) == 0:
+        ex.graph.replay()  # warm
+        us = ex.time_us(reps)
+    else:
+        us = float("nan")
+    torch.cuda.synchronize(device)
+    return us, why
+
+
 def run(fab, comm, sizes: list[int], iters: int | None, reps: int, device) -> list[dict]:
     out = []
     for n in sizes:
         k = iters or max(10, min(200, (64 << 20) // max(n, 1)))
-        ex = GraphExchange(fab, comm, n, k, device)
-        ex.check()
-        why = ex.capture()
-        if comm.allreduce(1 if why else 0) == 0:
-            ex.graph.replay()  # warm
-            us = ex.time_us(reps)
-        else:
-            us = float("nan")
+        us, why = _time_one(fab, comm, n, k, reps, device, True)
+        split = _time_one(fab, comm, n, k, reps, device, False)[0] if fab.name == "cuda-ipc" else float("nan")
         copy = peer_copy_gbps(fab, comm, n, device)
         out.append({"bytes": n, "exchange_us": us, "gbs": float("nan") if math.isnan(us) else n / (us * 1e-6) / 1e9,
-                    "copy_gbs": copy, "note": why})
-        torch.cuda.synchronize(device)
+                    "copy_gbs": copy, "note": why, "split_us": split})
     return out
 
 
 def format_table(results: list[dict], header: str) -> str:
     from rocket_mpi.fabric_bench import human, num
     lines = [f"fabric-bench --graph: {header}",
-             f"{'message':>9}  {'exchange us':>12}  {'GB/s':>8}  {'peer copy GB/s':>14}  {'% of copy':>9}"]
+             f"{'message':>9}  {'exchange us':>12}  {'2 kernels us':>12}  {'GB/s':>8}  {'peer copy GB/s':>14}  "
+             f"{'% of copy':>9}"]
     for r in results:
         pct = None if math.isnan(r["gbs"]) or math.isnan(r["copy_gbs"]) else 100 * r["gbs"] / r["copy_gbs"]
-        lines.append(f"{human(r['bytes']):>9}  {num(r['exchange_us']):>12}  {num(r['gbs']):>8}  "
+        lines.append(f"{human(r['bytes']):>9}  {num(r['exchange_us']):>12}  {num(r.get('split_us', math.nan)):>12}  "
+                     f"{num(r['gbs']):>8}  "
                      f"{num(r['copy_gbs']):>14}  {(f'{pct:.0f}' if pct is not None else '-'):>9}"
                      + (f"  capture failed: {r['note']}" if r["note"] else ""))
     return "\n".join(lines)

@@ -3,6 +3,13 @@ moe_intermediate 2048, swiglu_limit 10), R rows per expert, against the device c
 torch's BF16 grouped GEMM on the same experts (dequantised to bf16).
 
     python scripts/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--topk 8] [--reps 20] [--profile]
+                                    [--decode 8,64 --decode-experts 128 --decode-inter 1408]
+
+Both schedules of the expert GEMMs run side by side (persistent: a fixed grid dealing units out evenly,
+the default; grid: one block per feature block and weight pass, the first version), checked bitwise equal.
+--decode M adds rows routed as a decode step routes them: M tokens, each to topk of --decode-experts
+experts at random (most experts get 0-2 rows), the GLM-4.5-Air expert shape (--decode-inter 1408); its
+GB/s counts the packed bytes of the experts that got rows.
 
 The kernel is called as the engine calls it (rocket_mpi/engine.py -> ExpertStore.compute ->
 kernels.nvfp4_experts): x is the tokens' hidden states [T, H], T = experts * R / topk, each token routed
@@ -36,6 +43,7 @@ from rocket_mpi.kernels.pack import PackedExperts  # noqa: E402
 from rocket_mpi.moe.rows import plan_rows  # noqa: E402
 
 HIDDEN, INTER, LIMIT = 4096, 2048, 10.0
+SCHEDULES = {"persistent": 0, "grid": 1}
 TARGET_PCT, TARGET_SPEEDUP, TARGET_MAX_ROWS = 85.0, 4.0, 16
 
 
@@ -72,14 +80,14 @@ def random_packed(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, tor
     return pack.pack_codes(codes, pack.scale_bytes(e4m3.view(torch.float8_e4m3fn)))
 
 
-def random_experts(n: int, seed: int) -> PackedExperts:
+def random_experts(n: int, seed: int, inter: int = INTER) -> PackedExperts:
     """Random packed experts (valid codes and scales, see random_packed); weight_scale_2 = 1 so the bf16
     baseline multiplies the very same weights."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    hp, ip = HIDDEN, INTER
+    hp, ip = HIDDEN, (inter + 63) // 64 * 64
     gu = [random_packed(2 * ip, hp, g) for _ in range(n)]
     dn = [random_packed(hp, ip, g) for _ in range(n)]
-    return PackedExperts(list(range(n)), HIDDEN, INTER, hp, ip,
+    return PackedExperts(list(range(n)), HIDDEN, inter, hp, ip,
                          torch.stack([q for q, _ in gu]), torch.stack([s for _, s in gu]),
                          torch.ones(n, 2, device="cuda"),
                          torch.stack([q for q, _ in dn]), torch.stack([s for _, s in dn]),
@@ -167,6 +175,41 @@ def make_bf16_path(w_gu, w_dn, rows: int):
         return loop, "F.linear loop"
 
 
+def schedule_times(launch, reps: int) -> tuple[dict[str, float], bool]:
+    """Median us of the planned launch under each schedule, and whether all gave the same bits."""
+    C = kernels._ext.require()
+    times, outs = {}, []
+    try:
+        for name, code in SCHEDULES.items():
+            C.set_experts_schedule(code)
+            outs.append(kernels.nvfp4_experts_planned(*launch).view(torch.int16))
+            times[name] = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), reps)
+    finally:
+        C.set_experts_schedule(SCHEDULES["persistent"])
+    return times, all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, copy_bw: float, seed: int):
+    """M tokens routed to topk of n_exp random experts (Air-shaped), one rank: (label, times, same, GB)."""
+    p = random_experts(n_exp, seed=100 + m, inter=inter)
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)])
+    weights = torch.rand(m, topk, generator=gen)
+    plan = plan_rows(experts, weights / weights.sum(-1, keepdim=True), torch.zeros(n_exp, dtype=torch.long),
+                     torch.ones(n_exp), 1)
+    segs = plan.segments[0]
+    lo, hi = plan.block(0)
+    tokens = plan.tokens.cuda()
+    x = (torch.randn(m, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+    lp, tiles, groups, _ = kernels.launch_plan(segs, lo, p.slot)
+    launch = (x, tokens[lo:hi].contiguous(), lp.cuda(), tiles, groups, hi - lo, p, LIMIT)
+    touched = len({e for e, s0, s1 in segs if s1 > s0})
+    nbytes = p.nbytes * touched / n_exp
+    times, same = schedule_times(launch, reps)
+    del p
+    return f"decode M={m} ({touched} of {n_exp} experts, inter {inter})", times, same, nbytes
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=64)
@@ -174,6 +217,9 @@ def main():
     ap.add_argument("--topk", type=int, default=8, help="experts per token (T = experts * rows / topk tokens)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--copy-gb", type=float, default=2.0, help="size of each copy buffer")
+    ap.add_argument("--decode", default="", help="decode cases: tokens per step, e.g. 1,8,64")
+    ap.add_argument("--decode-experts", type=int, default=128)
+    ap.add_argument("--decode-inter", type=int, default=1408)
     ap.add_argument("--profile", action="store_true", help="per-kernel times of ours at 8 rows (torch.profiler)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not kernels.available():
@@ -196,7 +242,7 @@ def main():
         print(f"WARNING: {bad_w} non-finite bf16 weights (the packed experts decode to inf/NaN)")
     compute = engine_call(p)
 
-    rows_list = [int(r) for r in args.rows.split(",")]
+    rows_list = [int(r) for r in args.rows.split(",")] if args.rows else []
     results = []
     for rows in rows_list:
         n = args.experts
@@ -231,27 +277,41 @@ def main():
             err = float((a - b).norm() / b.norm().clamp_min(1e-30))
             if not err < 2.0 ** -6:
                 print(f"rows/expert {rows}: ours vs {base_name}: relative error {err:.2e} EXCEEDS {2.0 ** -6:.2e}")
-        t_ours = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), args.reps)
+        times, same = schedule_times(launch, args.reps)
         t_op = median_us(functools.partial(compute, x, tokens, segs, lo), args.reps)
         t_base = median_us(lambda: base_fn(x[tokens[lo:hi]]), args.reps)
-        results.append((rows, t_ours, t_op, t_base, err))
+        results.append((rows, times, same, t_op, t_base, err))
         del x, xb, a, b, a_op
 
+    names = list(SCHEDULES)
+    head = " | ".join(f"{n} us | {n} % copy" for n in names)
     print()
-    print(f"| rows/expert | ours us | ours GB/s | % of copy BW | {base_name} us | speed-up | op us | rel err |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for rows, t_ours, t_op, t_base, err in results:
-        gbs = wbytes / (t_ours * 1e-6) / 1e9
-        print(f"| {rows} | {t_ours:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | {t_base:.1f} | "
-              f"{t_base / t_ours:.2f}x | {t_op:.1f} | {err:.1e} |")
-    print(f"\ncopy BW {copy_bw:.0f} GB/s; roofline {roof_us:.0f} us for {wbytes / 1e6:.0f} MB. Targets: >= "
-          f"{TARGET_PCT:.0f}% of copy BW up to {TARGET_MAX_ROWS} rows/expert, >= {TARGET_SPEEDUP:.0f}x {base_name}.")
-    for rows, t_ours, _, t_base, _ in results:
-        pct = 100 * wbytes / (t_ours * 1e-6) / 1e9 / copy_bw
+    print(f"| rows/expert | {head} | {base_name if rows_list else 'bf16'} us | speed-up | same bits | op us | rel err |")
+    print("|---:|" + "---:|" * (2 * len(names)) + "---:|---:|:-:|---:|---:|")
+    for rows, times, same, t_op, t_base, err in results:
+        cells = " | ".join(f"{times[n]:.1f} | {100 * wbytes / (times[n] * 1e-6) / 1e9 / copy_bw:.1f}" for n in names)
+        print(f"| {rows} | {cells} | {t_base:.1f} | {t_base / times['persistent']:.2f}x | {'yes' if same else 'NO'} | "
+              f"{t_op:.1f} | {err:.1e} |")
+    if rows_list:
+        print(f"\ncopy BW {copy_bw:.0f} GB/s; roofline {roof_us:.0f} us for {wbytes / 1e6:.0f} MB. Targets: >= "
+              f"{TARGET_PCT:.0f}% of copy BW up to {TARGET_MAX_ROWS} rows/expert, >= {TARGET_SPEEDUP:.0f}x {base_name}.")
+    for rows, times, _, _, t_base, _ in results:
+        pct = 100 * wbytes / (times["persistent"] * 1e-6) / 1e9 / copy_bw
         ok_bw = pct >= TARGET_PCT or rows > TARGET_MAX_ROWS
-        ok_sp = t_base / t_ours >= TARGET_SPEEDUP or rows > TARGET_MAX_ROWS
+        ok_sp = t_base / times["persistent"] >= TARGET_SPEEDUP or rows > TARGET_MAX_ROWS
         print(f"  rows/expert {rows:>3}: BW {'met' if ok_bw else 'MISSED'} ({pct:.1f}%), speed-up "
-              f"{'met' if ok_sp else 'MISSED'} ({t_base / t_ours:.2f}x)")
+              f"{'met' if ok_sp else 'MISSED'} ({t_base / times['persistent']:.2f}x)")
+
+    if args.decode:
+        del w_gu, w_dn
+        print(f"\n| decode case | {head} | same bits |")
+        print("|:--|" + "---:|" * (2 * len(names)) + ":-:|")
+        for m in [int(v) for v in args.decode.split(",")]:
+            label, times, same, nbytes = decode_case(m, args.decode_experts, args.decode_inter, args.topk, args.reps,
+                                                     copy_bw, seed=m)
+            cells = " | ".join(f"{times[n]:.1f} | {100 * nbytes / (times[n] * 1e-6) / 1e9 / copy_bw:.1f}"
+                               for n in names)
+            print(f"| {label}, {nbytes / 1e6:.0f} MB | {cells} | {'yes' if same else 'NO'} |")
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -65,7 +65,13 @@ fabbench)
     T=200 run "fabbench_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --sizes 2K..4M --reps 3 --iters 200
   done ;;
 experts)
-  T=200 run bench_experts python3 scripts/bench_experts.py ;;
+  T=240 run bench_experts python3 scripts/bench_experts.py --decode 1,8,32 ;;
+ncu)  # hardware counters of the expert GEMMs (persistent schedule) at 1 and 8 rows per expert
+  for r in 1 8; do
+    T=150 run "ncu_experts_r$r" ncu --clock-control none -k regex:experts_ -c 2 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --section ComputeWorkloadAnalysis --section LaunchStats python3 scripts/bench_experts.py --rows $r --reps 1
+  done ;;
 hf)
   T=400 run hf python3 scripts/bench_gpu.py --preset "$PRESET" --sweep 1,8 --tokens 16 ;;
 esac; done

@@ -9,7 +9,8 @@ CPU tests (always run):
 GPU tests (skip, saying why, without a GPU or the extension):
   - moe_plan (the kernel) bitwise equal to its reference, 1 to 3 ranks, one or two sets;
   - nvfp4_experts_into through the device plan bitwise equal to nvfp4_experts through the host plan;
-  - ipc_push / ipc_wait in one process (two buffers stand for two ranks), and the wait's timeout record;
+  - ipc_push / ipc_wait / ipc_exchange in one process (two buffers stand for two ranks), and the wait's
+    timeout record;
   - a graphed decode gives the same tokens and row checksums as the same step run eagerly.
 """
 from __future__ import annotations
@@ -196,10 +197,16 @@ def test_gpu_experts_into_matches_host_plan(tokens):
                        kplan.slot_table(n_exp, packed.slot).to(dev), kplan.canonical_experts(owner).to(dev),
                        torch.ones(n_exp, device=dev), 0, 1, 1, tokens * topk, torch.zeros(1, dtype=torch.long,
                                                                                            device=dev))
-    out = torch.full((tokens * topk, hidden), float("nan"), device=dev).to(torch.bfloat16)
-    kernels._ext.require().nvfp4_experts_into(x, p["row_index"], p["pad_rows"], p["groups"], out, packed.q_gu,
-                                              packed.s_gu, packed.s2_gu, packed.q_dn, packed.s_dn, hidden, inter, 0.5)
-    assert torch.equal(out[:host.rows].view(torch.int16), want.view(torch.int16))
+    C = kernels._ext.require()
+    try:
+        for schedule in (0, 1):  # persistent (counts the plan's passes on the device), grid
+            C.set_experts_schedule(schedule)
+            out = torch.full((tokens * topk, hidden), float("nan"), device=dev).to(torch.bfloat16)
+            C.nvfp4_experts_into(x, p["row_index"], p["pad_rows"], p["groups"], out, packed.q_gu, packed.s_gu,
+                                 packed.s2_gu, packed.q_dn, packed.s_dn, hidden, inter, 0.5)
+            assert torch.equal(out[:host.rows].view(torch.int16), want.view(torch.int16)), f"schedule {schedule}"
+    finally:
+        C.set_experts_schedule(0)
 
 
 @gpu
@@ -227,6 +234,26 @@ def test_gpu_ipc_push_and_wait_one_process():
     C.ipc_wait(bells[0], meta, err, 0.05, 0, 5)                 # rank 1 never rang rank 0
     torch.cuda.synchronize()
     assert err.tolist() == [1, 1, 7, 5]
+
+    # ipc_exchange: the same push with the wait in the same kernel. Rank 1 has rung rank 0 (seq 8): it
+    # returns with the rows delivered; then a seq nobody rang: it records the timeout instead of hanging.
+    err.zero_()
+    for b in bufs:
+        b.zero_()
+    meta8 = meta.clone()
+    meta8[4] = 8
+    bells[0][1] = 8
+    C.ipc_exchange(src, meta8, [b.data_ptr() for b in bufs], [bells[r].data_ptr() for r in range(ranks)], counter,
+                   cap, stride, 0, 8, bells[0], err, 5.0, 2)
+    torch.cuda.synchronize()
+    assert err.tolist() == [0, 0, 0, 0] and int(counter) == 0 and bells[1].tolist() == [8, 0]
+    for b in bufs:
+        assert torch.equal(b[stride:stride + 4], src[:4])
+    meta8[4] = 9
+    C.ipc_exchange(src, meta8, [b.data_ptr() for b in bufs], [bells[r].data_ptr() for r in range(ranks)], counter,
+                   cap, stride, 0, 8, bells[0], err, 0.05, 6)
+    torch.cuda.synchronize()
+    assert err.tolist() == [1, 1, 9, 6] and int(counter) == 0
 
 
 @gpu

@@ -385,7 +385,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
         py::arg("inter"), py::arg("swiglu_limit"));
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)");
-  m.def("set_experts_schedule", &rocket::set_experts_schedule,
+  m.def("set_experts_schedule", [](int64_t schedule) {
+          // checked here: an exception thrown from the nvcc-compiled objects took the process down (H200)
+          ROCKET_CHECK(schedule == rocket::kSchedulePersistent || schedule == rocket::kScheduleGrid,
+                       "expert kernel schedule " << schedule << " (0 persistent, 1 grid)");
+          rocket::set_experts_schedule(static_cast<int>(schedule));
+        },
         "expert GEMM schedule: 0 persistent (default), 1 one block per feature block and pass (same bits)");
   m.def("experts_schedule", &rocket::experts_schedule, "the expert GEMM schedule in use");
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");

@@ -103,87 +103,29 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// The batch-invariant core: acc[i][rt] += W tile (fg*kFT + i) x rows of tile (tile0 + rt), all K.
+// Rows of row tile rt of k-tile kt for this lane (B fragments, 2 x uint4). Padding rows (the lane's
+// row g is -1 in pad_rows) are not loaded: the zeros fed instead are the bits prep wrote there.
 template <int RT>
-__device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp,
-                                         int lane, float (&acc)[kFT][RT][4]) {
-  const int nk = p.nk;
-  const int64_t q_tile = int64_t(nk) * kTileCodeBytes, s_tile = int64_t(nk) * kTileScaleBytes;
-  const uint8_t* qp[kFT];  // next k-tile to copy, per feature tile
-  const uint8_t* sp[kFT];
+__device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int nk, const bool (&valid)[RT]) {
 #pragma unroll
-  for (int i = 0; i < kFT; ++i) {
-    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + lane * 16;
-    sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + (lane >> 2) * 8;
-  }
-  // No L2 evict-first hint here: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an
-  // LDGSTS whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
-  char* s_codes = smem_warp + lane * 16;
-  char* s_scales = smem_warp + kStageCodes + lane * 8;
-
-  auto issue = [&](int kt) {  // called for kt = 0, 1, 2, ... in order
-    const int st = kt & (kStages - 1);
+  for (int rt = 0; rt < RT; ++rt) {
 #pragma unroll
-    for (int i = 0; i < kFT; ++i) {
-      dev::cp_async_16(s_codes + st * kStageBytes + i * 512, qp[i]);
-      dev::cp_async_8(s_scales + st * kStageBytes + i * 256, sp[i]);
-      qp[i] += kTileCodeBytes;
-      sp[i] += kTileScaleBytes;
-    }
-  };
-
-#pragma unroll
-  for (int kt = 0; kt < kLookahead; ++kt) {
-    if (kt < nk) issue(kt);
-    dev::cp_async_commit();
-  }
-
-  const uint4* fr = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;  // row tile rt at + rt * 2 nk * 32
-  for (int kt = 0; kt < nk; ++kt, fr += 2 * 32) {
-    uint4 b[RT][2];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt) {
-#pragma unroll
-      for (int pp = 0; pp < 2; ++pp) b[rt][pp] = __ldg(fr + (rt * 2 * nk + pp) * 32);
-    }
-    dev::cp_async_wait<kLookahead - 1>();  // groups 0..kt have landed (one group per iteration)
-    if (kt + kLookahead < nk) issue(kt + kLookahead);
-    dev::cp_async_commit();
-
-    const int st = kt & (kStages - 1);
-    uint4 qv[kFT];
-    uint2 sv[kFT];
-#pragma unroll
-    for (int i = 0; i < kFT; ++i) {
-      qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
-      sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int i = 0; i < kFT; ++i) {
-        const uint32_t sc = j == 0 ? decode_scales<0>(sv[i]) : j == 1 ? decode_scales<1>(sv[i])
-                          : j == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
-        uint32_t a[4];
-        decode_a(word(qv[i], j), sc, a);
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          const uint4& bb = b[rt][j >> 1];
-          dev::mma_bf16_16816(acc[i][rt], a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
-        }
-      }
-    }
+    for (int pp = 0; pp < 2; ++pp)
+      b[rt][pp] = valid[rt] ? __ldg(fr + (rt * 2 * nk + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
-// The same per-unit computation as mainloop, for `nu` consecutive feature groups fg0.. of one weight
-// pass, with the cp.async ring running on across unit boundaries (the next unit's tiles are the next
-// kFT tiles in memory: one contiguous stream per lane). Lanes whose B row is padding load nothing and
-// feed zeros, which are the bits the padded fragment holds anyway. `unit` gets each finished unit's
-// accumulators: every output element is still one mma chain over all of K from 0, in k order.
+// The batch-invariant core. For `nu` feature groups fg0, fg0 + ustride, ... of one weight pass (slot,
+// row tiles tile0..tile0+RT-1), acc[i][rt] = W tile (fg * kFT + i) x rows of tile (tile0 + rt) over all
+// K: k-steps of 16 in ascending order, one mma per step into the same fp32 accumulator starting from 0.
+// `unit(fg, acc)` gets each finished unit. The cp.async ring runs on across unit boundaries (each lane
+// streams its bytes of the units' tiles back to back), one commit group per k-tile. B fragments come
+// through L1 (shared by the block's warps on the same pass), prefetched one k-tile ahead where the
+// registers allow (RT <= 2: up to 16 rows, the decode case).
 template <int RT, typename Epilogue>
-__device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int tile0, int fg0, int nu,
+__device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int tile0, int fg0, int nu, int ustride,
                                              char* smem_warp, int lane, Epilogue&& unit) {
+  constexpr bool kPrefetch = RT <= 2;
   const int nk = p.nk;
   const int64_t q_tile = int64_t(nk) * kTileCodeBytes, s_tile = int64_t(nk) * kTileScaleBytes;
   const uint8_t* qp[kFT];
@@ -193,12 +135,15 @@ __device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int 
     qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg0) * kFT + i) * q_tile + lane * 16;
     sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg0) * kFT + i) * s_tile + (lane >> 2) * 8;
   }
-  const int64_t q_skip = (kFT - 1) * q_tile, s_skip = (kFT - 1) * s_tile;  // to the next unit's tile i
+  // after a unit's nk k-tiles, on to tile i of the next unit
+  const int64_t q_skip = (int64_t(ustride) * kFT - 1) * q_tile, s_skip = (int64_t(ustride) * kFT - 1) * s_tile;
+  // No L2 evict-first hint: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an LDGSTS
+  // whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
   char* s_codes = smem_warp + lane * 16;
   char* s_scales = smem_warp + kStageCodes + lane * 8;
   const int total = nu * nk;
   int issued = 0, ik = 0;
-  auto issue = [&]() {
+  auto issue = [&]() {  // the next k-tile of the stream, in order
     const int st = issued & (kStages - 1);
 #pragma unroll
     for (int i = 0; i < kFT; ++i) {
@@ -225,7 +170,9 @@ __device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int 
   bool valid[RT];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) valid[rt] = p.pad_rows[(tile0 + rt) * kRowTile + (lane >> 2)] >= 0;
-  const uint4* fr0 = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;
+  const uint4* fr0 = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;  // row tile rt at + rt * 2 nk * 32
+  uint4 bn[RT][2];
+  if constexpr (kPrefetch) load_b<RT>(bn, fr0, nk, valid);
   int j = 0;
   for (int u = 0; u < nu; ++u) {
     float acc[kFT][RT][4];
@@ -236,15 +183,21 @@ __device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int 
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
     const uint4* fr = fr0;
-    for (int kt = 0; kt < nk; ++kt, ++j, fr += 2 * 32) {
+    for (int kt = 0; kt < nk; ++kt, ++j) {
       uint4 b[RT][2];
+      if constexpr (kPrefetch) {
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt) {
-#pragma unroll
-        for (int pp = 0; pp < 2; ++pp)
-          b[rt][pp] = valid[rt] ? __ldg(fr + (rt * 2 * nk + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
+        for (int rt = 0; rt < RT; ++rt) {
+          b[rt][0] = bn[rt][0];
+          b[rt][1] = bn[rt][1];
+        }
+        fr = kt + 1 < nk ? fr + 2 * 32 : fr0;  // the next k-tile's rows (the next unit's first)
+        load_b<RT>(bn, fr, nk, valid);
+      } else {
+        load_b<RT>(b, fr, nk, valid);
+        fr += 2 * 32;
       }
-      dev::cp_async_wait<kLookahead - 1>();  // item j has landed (one group per item)
+      dev::cp_async_wait<kLookahead - 1>();  // k-tile j has landed (one group per k-tile)
       if (issued < total) issue();
       dev::cp_async_commit();
       const int st = j & (kStages - 1);
@@ -271,7 +224,7 @@ __device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int 
         }
       }
     }
-    unit(fg0 + u, acc);
+    unit(fg0 + u * ustride, acc);
   }
   dev::cp_async_wait<0>();  // nothing of this segment may land after the next one reuses the ring
 }
@@ -338,53 +291,42 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
 }
 
 template <int RT, bool kSwiglu>
-__device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem_warp, int lane) {
-  float acc[kFT][RT][4];
-#pragma unroll
-  for (int i = 0; i < kFT; ++i)
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-  mainloop<RT>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
-  if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
-  else epilogue_down<RT>(p, grp.y, fg, lane, acc);
-}
-
-// grid (feature groups / kWarps, groups): warp w of block x takes feature group x * kWarps + w of
-// group y. Which warp or block does the work never changes what it computes.
-template <bool kSwiglu>
-__global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(const GemmParams p) {
-  extern __shared__ __align__(16) char smem[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int fg = blockIdx.x * kWarps + warp;
-  if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles below need all 32 lanes
-  const int4 grp = p.groups[blockIdx.y];
-  if (grp.z == 0) return;  // uniform over the block
-  char* smem_warp = smem + warp * kWarpSmem;
-  switch (grp.z) {
-    case 1: run_group<1, kSwiglu>(p, grp, fg, smem_warp, lane); break;
-    case 2: run_group<2, kSwiglu>(p, grp, fg, smem_warp, lane); break;
-    case 3: run_group<3, kSwiglu>(p, grp, fg, smem_warp, lane); break;
-    case 4: run_group<4, kSwiglu>(p, grp, fg, smem_warp, lane); break;
-    default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
-  }
-}
-
-template <int RT, bool kSwiglu>
-__device__ __forceinline__ void run_segment(const GemmParams& p, const int4& grp, int fg0, int nu, char* smem_warp,
-                                            int lane) {
-  segment_loop<RT>(p, grp.x, grp.y, fg0, nu, smem_warp, lane, [&](int fg, const float (&acc)[kFT][RT][4]) {
+__device__ __forceinline__ void run_segment(const GemmParams& p, const int4& grp, int fg0, int nu, int ustride,
+                                            char* smem_warp, int lane) {
+  segment_loop<RT>(p, grp.x, grp.y, fg0, nu, ustride, smem_warp, lane, [&](int fg, const float (&acc)[kFT][RT][4]) {
     if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
     else epilogue_down<RT>(p, grp.y, fg, lane, acc);
   });
 }
 
-// Persistent schedule: a fixed grid (2 blocks per SM) shares the work out evenly. Units are (weight
-// pass, feature group) in order, U of them; warp w takes units [w r, (w + 1) r), r = ceil(U / warps),
-// so no warp has more than one unit above the average and a warp's units are mostly consecutive
-// feature groups of one expert (one contiguous weight stream). The busy warps are spread over all
-// blocks (warp w is warp w / grid of block w % grid). Which warp computes a unit never changes its bits.
+template <bool kSwiglu>
+__device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg0, int nu, int ustride,
+                                         char* smem_warp, int lane) {
+  switch (grp.z) {
+    case 1: run_segment<1, kSwiglu>(p, grp, fg0, nu, ustride, smem_warp, lane); break;
+    case 2: run_segment<2, kSwiglu>(p, grp, fg0, nu, ustride, smem_warp, lane); break;
+    case 3: run_segment<3, kSwiglu>(p, grp, fg0, nu, ustride, smem_warp, lane); break;
+    case 4: run_segment<4, kSwiglu>(p, grp, fg0, nu, ustride, smem_warp, lane); break;
+    default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
+  }
+}
+
+// Grid schedule: grid (feature groups / kWarps, passes); warp w of block x takes feature group
+// x * kWarps + w of pass y.
+template <bool kSwiglu>
+__global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(const GemmParams p) {
+  extern __shared__ __align__(16) char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int fg = blockIdx.x * kWarps + warp;
+  if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
+  run_pass<kSwiglu>(p, p.groups[blockIdx.y], fg, 1, 1, smem + warp * kWarpSmem, lane);
+}
+
+// Persistent schedule: a fixed grid (2 blocks per SM). Units are (pass, feature group) in order, U of
+// them; block b takes the range [b R, (b + 1) R), R = ceil(U / blocks), and its warp w the units
+// b R + w, b R + w + kWarps, ...: every block gets the same share, and a block's warps work on the same
+// pass at once, so they share its rows in L1. Runs of a warp's units within one pass are one segment
+// (one pipelined stream). Which warp computes a unit never changes its bits.
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kThreads, 2) experts_persistent_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
@@ -400,25 +342,16 @@ __global__ void __launch_bounds__(kThreads, 2) experts_persistent_kernel(const G
       }
     }
   }
-  const int64_t units = int64_t(n_act) * p.n_fgroups;
-  const int64_t warps = int64_t(gridDim.x) * kWarps;
-  const int64_t r = (units + warps - 1) / warps;
-  const int64_t w = int64_t(warp) * gridDim.x + blockIdx.x;
-  int64_t u = w * r;
-  const int64_t end = min(units, u + r);
+  const int64_t nfg = p.n_fgroups, units = int64_t(n_act) * nfg;
+  const int64_t share = (units + gridDim.x - 1) / gridDim.x;
+  const int64_t end = min(units, (blockIdx.x + 1) * share);
   char* smem_warp = smem + warp * kWarpSmem;
-  while (u < end) {
-    const int gi = static_cast<int>(u / p.n_fgroups), fg0 = static_cast<int>(u % p.n_fgroups);
-    const int nu = static_cast<int>(min(end - u, int64_t(p.n_fgroups - fg0)));
-    const int4 grp = p.groups[gi];
-    switch (grp.z) {
-      case 1: run_segment<1, kSwiglu>(p, grp, fg0, nu, smem_warp, lane); break;
-      case 2: run_segment<2, kSwiglu>(p, grp, fg0, nu, smem_warp, lane); break;
-      case 3: run_segment<3, kSwiglu>(p, grp, fg0, nu, smem_warp, lane); break;
-      case 4: run_segment<4, kSwiglu>(p, grp, fg0, nu, smem_warp, lane); break;
-      default: break;
-    }
-    u += nu;
+  for (int64_t u = blockIdx.x * share + warp; u < end;) {
+    const int64_t gi = u / nfg, fg0 = u % nfg;
+    const int64_t lim = min(end, (gi + 1) * nfg);             // this pass's units in the block's range
+    const int nu = static_cast<int>((lim - u + kWarps - 1) / kWarps);
+    run_pass<kSwiglu>(p, p.groups[gi], static_cast<int>(fg0), nu, kWarps, smem_warp, lane);
+    u += int64_t(nu) * kWarps;
   }
 }
 

@@ -15,6 +15,10 @@ GPU tests (skip, saying why, without a GPU or the extension):
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -207,6 +211,23 @@ def test_gpu_experts_into_matches_host_plan(tokens):
             assert torch.equal(out[:host.rows].view(torch.int16), want.view(torch.int16)), f"schedule {schedule}"
     finally:
         C.set_experts_schedule(0)
+
+
+@gpu
+def test_gpu_launcher_check_raises_not_crashes():
+    """A bad argument caught inside a launcher (csrc/*.cu, compiled by nvcc) must reach Python as one
+    RuntimeError naming the limit, not kill the process: run in a child process so a crash is reported."""
+    code = ("import torch\nfrom rocket_mpi.kernels import _ext\nC = _ext.require()\nd = torch.device('cuda')\n"
+            "n = 8\ntry:\n"
+            "    C.moe_plan(torch.zeros(300, 8, dtype=torch.long, device=d), torch.ones(300, 8, device=d),\n"
+            "               torch.zeros(n, dtype=torch.int32, device=d), torch.arange(n, dtype=torch.int32, device=d),\n"
+            "               torch.arange(n, dtype=torch.int32, device=d), torch.ones(n, device=d), 0, 1, 1, 2400,\n"
+            "               torch.zeros(1, dtype=torch.long, device=d))\n"
+            "except RuntimeError as e:\n    print('RAISED', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and "RAISED" in r.stdout and "2048" in r.stdout, \
+        f"rc {r.returncode}\nstdout {r.stdout[-2000:]}\nstderr {r.stderr[-2000:]}"
 
 
 @gpu

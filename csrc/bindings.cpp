@@ -10,6 +10,17 @@
 
 #include "rocket.h"
 
+// torch values in error messages (rocket::Msg: no iostreams, see rocket.h)
+namespace rocket {
+Msg& operator<<(Msg& m, c10::IntArrayRef v) {
+  m << "[";
+  for (size_t i = 0; i < v.size(); ++i) m << (i ? ", " : "") << v[i];
+  return m << "]";
+}
+Msg& operator<<(Msg& m, c10::ScalarType t) { return m << c10::toString(t); }
+Msg& operator<<(Msg& m, const c10::Device& d) { return m << d.str(); }
+}  // namespace rocket
+
 namespace {
 
 void expect(const torch::Tensor& t, const char* name, c10::ScalarType dtype, int64_t dim, const c10::Device& dev,
@@ -49,9 +60,8 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     int64_t n_tiles, int64_t n_groups, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
-                    torch::Tensor& out, int64_t out_rows, bool dense_groups) {
+                    torch::Tensor& out, int64_t out_rows) {
   rocket::ExpertsLaunch a{};
-  a.dense_groups = dense_groups ? 1 : 0;
   a.x = x.data_ptr();
   a.x_rows = x.size(0);
   a.row_index = row_index;
@@ -108,7 +118,7 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
   auto h_frag = torch::empty({n_tiles, ip / 32, 32, 4}, i32);
   if (n_tiles == 0 || n_groups == 0) return {out, x_frag, h_frag};
   launch_experts(x, ri, plan.data_ptr<int>(), plan.data_ptr<int>() + n_tiles * rocket::kRowTile, n_tiles, n_groups,
-                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows, true);
+                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows);
   return {out, x_frag, h_frag};
 }
 
@@ -178,7 +188,7 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
   auto h_frag = torch::empty({cap, ip / 32, 32, 4}, i32);
   if (cap == 0) return;
   launch_experts(x, row_index.data_ptr<int64_t>(), pad_rows.data_ptr<int>(), groups.data_ptr<int>(), cap, cap, q_gu,
-                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0), false);
+                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
 }
 
 // Device row plan of one MoE layer; returns {by_token, coef, row_index, pad_rows, groups, canon_slot, meta}.
@@ -385,14 +395,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
         py::arg("inter"), py::arg("swiglu_limit"));
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)");
-  m.def("set_experts_schedule", [](int64_t schedule) {
-          // checked here: an exception thrown from the nvcc-compiled objects took the process down (H200)
-          ROCKET_CHECK(schedule == rocket::kSchedulePersistent || schedule == rocket::kScheduleGrid,
-                       "expert kernel schedule " << schedule << " (0 persistent, 1 grid)");
-          rocket::set_experts_schedule(static_cast<int>(schedule));
-        },
-        "expert GEMM schedule: 0 persistent (default), 1 one block per feature block and pass (same bits)");
-  m.def("experts_schedule", &rocket::experts_schedule, "the expert GEMM schedule in use");
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
   m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe)");
   m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe)");

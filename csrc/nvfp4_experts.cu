@@ -27,8 +27,6 @@
 // tile and stage, 6 stages in flight); every lane copies only what it reads itself, so no barrier
 // is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
 // the same expert).
-#include <algorithm>
-
 #include "common.cuh"
 
 namespace rocket {
@@ -71,9 +69,7 @@ struct GemmParams {
   __nv_bfloat16* out;
   int hidden;
   const int* pad_rows;
-  // persistent schedule
   int n_groups;              // entries of `groups`
-  int dense;                 // 1: every entry has rows; 0: the entries with rows are a prefix, then tiles = 0
 };
 
 // The lane's A fragment for one k-step: 8 codes in `w`, scales of rows g and g+8 in the low and
@@ -115,16 +111,15 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int n
   }
 }
 
-// The batch-invariant core. For `nu` feature groups fg0, fg0 + ustride, ... of one weight pass (slot,
-// row tiles tile0..tile0+RT-1), acc[i][rt] = W tile (fg * kFT + i) x rows of tile (tile0 + rt) over all
-// K: k-steps of 16 in ascending order, one mma per step into the same fp32 accumulator starting from 0.
-// `unit(fg, acc)` gets each finished unit. The cp.async ring runs on across unit boundaries (each lane
-// streams its bytes of the units' tiles back to back), one commit group per k-tile. B fragments come
+// The batch-invariant core: acc[i][rt] = W tile (fg * kFT + i) x rows of tile (tile0 + rt) over all K,
+// k-steps of 16 in ascending order, one mma per step into the same fp32 accumulator starting from 0.
+// Weights stream through the warp's cp.async ring, one commit group per k-tile. B fragments come
 // through L1 (shared by the block's warps on the same pass), prefetched one k-tile ahead where the
-// registers allow (RT <= 2: up to 16 rows, the decode case).
-template <int RT, typename Epilogue>
-__device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int tile0, int fg0, int nu, int ustride,
-                                             char* smem_warp, int lane, Epilogue&& unit) {
+// registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from 63% to 70% of
+// copy bandwidth on the H200 (results/README.md, session 9).
+template <int RT>
+__device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
+                                         float (&acc)[kFT][RT][4]) {
   constexpr bool kPrefetch = RT <= 2;
   const int nk = p.nk;
   const int64_t q_tile = int64_t(nk) * kTileCodeBytes, s_tile = int64_t(nk) * kTileScaleBytes;
@@ -132,18 +127,15 @@ __device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int 
   const uint8_t* sp[kFT];
 #pragma unroll
   for (int i = 0; i < kFT; ++i) {
-    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg0) * kFT + i) * q_tile + lane * 16;
-    sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg0) * kFT + i) * s_tile + (lane >> 2) * 8;
+    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + lane * 16;
+    sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + (lane >> 2) * 8;
   }
-  // after a unit's nk k-tiles, on to tile i of the next unit
-  const int64_t q_skip = (int64_t(ustride) * kFT - 1) * q_tile, s_skip = (int64_t(ustride) * kFT - 1) * s_tile;
   // No L2 evict-first hint: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an LDGSTS
   // whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
   char* s_codes = smem_warp + lane * 16;
   char* s_scales = smem_warp + kStageCodes + lane * 8;
-  const int total = nu * nk;
-  int issued = 0, ik = 0;
-  auto issue = [&]() {  // the next k-tile of the stream, in order
+  int issued = 0;
+  auto issue = [&]() {  // the next k-tile, in order
     const int st = issued & (kStages - 1);
 #pragma unroll
     for (int i = 0; i < kFT; ++i) {
@@ -152,19 +144,11 @@ __device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int 
       qp[i] += kTileCodeBytes;
       sp[i] += kTileScaleBytes;
     }
-    if (++ik == nk) {
-      ik = 0;
-#pragma unroll
-      for (int i = 0; i < kFT; ++i) {
-        qp[i] += q_skip;
-        sp[i] += s_skip;
-      }
-    }
     ++issued;
   };
 #pragma unroll
   for (int kt = 0; kt < kLookahead; ++kt) {
-    if (issued < total) issue();
+    if (issued < nk) issue();
     dev::cp_async_commit();
   }
   bool valid[RT];
@@ -173,60 +157,48 @@ __device__ __forceinline__ void segment_loop(const GemmParams& p, int slot, int 
   const uint4* fr0 = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;  // row tile rt at + rt * 2 nk * 32
   uint4 bn[RT][2];
   if constexpr (kPrefetch) load_b<RT>(bn, fr0, nk, valid);
-  int j = 0;
-  for (int u = 0; u < nu; ++u) {
-    float acc[kFT][RT][4];
+  const uint4* fr = fr0;
+  for (int kt = 0; kt < nk; ++kt) {
+    uint4 b[RT][2];
+    if constexpr (kPrefetch) {
 #pragma unroll
-    for (int i = 0; i < kFT; ++i)
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-    const uint4* fr = fr0;
-    for (int kt = 0; kt < nk; ++kt, ++j) {
-      uint4 b[RT][2];
-      if constexpr (kPrefetch) {
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          b[rt][0] = bn[rt][0];
-          b[rt][1] = bn[rt][1];
-        }
-        fr = kt + 1 < nk ? fr + 2 * 32 : fr0;  // the next k-tile's rows (the next unit's first)
-        load_b<RT>(bn, fr, nk, valid);
-      } else {
-        load_b<RT>(b, fr, nk, valid);
-        fr += 2 * 32;
+      for (int rt = 0; rt < RT; ++rt) {
+        b[rt][0] = bn[rt][0];
+        b[rt][1] = bn[rt][1];
       }
-      dev::cp_async_wait<kLookahead - 1>();  // k-tile j has landed (one group per k-tile)
-      if (issued < total) issue();
-      dev::cp_async_commit();
-      const int st = j & (kStages - 1);
-      uint4 qv[kFT];
-      uint2 sv[kFT];
+      fr += 2 * 32;  // the next k-tile's rows (one past the end on the last: not read)
+      if (kt + 1 < nk) load_b<RT>(bn, fr, nk, valid);
+    } else {
+      load_b<RT>(b, fr, nk, valid);
+      fr += 2 * 32;
+    }
+    dev::cp_async_wait<kLookahead - 1>();  // k-tile kt has landed (one group per k-tile)
+    if (issued < nk) issue();
+    dev::cp_async_commit();
+    const int st = kt & (kStages - 1);
+    uint4 qv[kFT];
+    uint2 sv[kFT];
+#pragma unroll
+    for (int i = 0; i < kFT; ++i) {
+      qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
+      sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
       for (int i = 0; i < kFT; ++i) {
-        qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
-        sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
-      }
+        const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
+                          : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
+        uint32_t a[4];
+        decode_a(word(qv[i], jj), sc, a);
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-        for (int i = 0; i < kFT; ++i) {
-          const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
-                            : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
-          uint32_t a[4];
-          decode_a(word(qv[i], jj), sc, a);
-#pragma unroll
-          for (int rt = 0; rt < RT; ++rt) {
-            const uint4& bb = b[rt][jj >> 1];
-            dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
-          }
+        for (int rt = 0; rt < RT; ++rt) {
+          const uint4& bb = b[rt][jj >> 1];
+          dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
         }
       }
     }
-    unit(fg0 + u * ustride, acc);
   }
-  dev::cp_async_wait<0>();  // nothing of this segment may land after the next one reuses the ring
 }
 
 // torch: gate, up = F.linear(x, W).chunk(2) (bf16); clamp; F.silu(gate) * up (bf16 each step).
@@ -291,67 +263,37 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
 }
 
 template <int RT, bool kSwiglu>
-__device__ __forceinline__ void run_segment(const GemmParams& p, const int4& grp, int fg0, int nu, int ustride,
-                                            char* smem_warp, int lane) {
-  segment_loop<RT>(p, grp.x, grp.y, fg0, nu, ustride, smem_warp, lane, [&](int fg, const float (&acc)[kFT][RT][4]) {
-    if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
-    else epilogue_down<RT>(p, grp.y, fg, lane, acc);
-  });
+__device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem_warp, int lane) {
+  float acc[kFT][RT][4];
+#pragma unroll
+  for (int i = 0; i < kFT; ++i)
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
+  mainloop<RT>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
+  if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
+  else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
 
-template <bool kSwiglu>
-__device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg0, int nu, int ustride,
-                                         char* smem_warp, int lane) {
-  switch (grp.z) {
-    case 1: run_segment<1, kSwiglu>(p, grp, fg0, nu, ustride, smem_warp, lane); break;
-    case 2: run_segment<2, kSwiglu>(p, grp, fg0, nu, ustride, smem_warp, lane); break;
-    case 3: run_segment<3, kSwiglu>(p, grp, fg0, nu, ustride, smem_warp, lane); break;
-    case 4: run_segment<4, kSwiglu>(p, grp, fg0, nu, ustride, smem_warp, lane); break;
-    default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
-  }
-}
-
-// Grid schedule: grid (feature groups / kWarps, passes); warp w of block x takes feature group
-// x * kWarps + w of pass y.
+// grid (feature groups / kWarps, passes): warp w of block x takes feature group x * kWarps + w of pass
+// y, so a block's warps share the pass's rows in L1. Which warp or block does the work never changes
+// what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
+// slower on the H200, results/README.md, session 9.)
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int fg = blockIdx.x * kWarps + warp;
   if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
-  run_pass<kSwiglu>(p, p.groups[blockIdx.y], fg, 1, 1, smem + warp * kWarpSmem, lane);
-}
-
-// Persistent schedule: a fixed grid (2 blocks per SM). Units are (pass, feature group) in order, U of
-// them; block b takes the range [b R, (b + 1) R), R = ceil(U / blocks), and its warp w the units
-// b R + w, b R + w + kWarps, ...: every block gets the same share, and a block's warps work on the same
-// pass at once, so they share its rows in L1. Runs of a warp's units within one pass are one segment
-// (one pipelined stream). Which warp computes a unit never changes its bits.
-template <bool kSwiglu>
-__global__ void __launch_bounds__(kThreads, 2) experts_persistent_kernel(const GemmParams p) {
-  extern __shared__ __align__(16) char smem[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int n_act = p.n_groups;
-  if (!p.dense) {  // device plan: passes with rows come first; count up to the first empty entry
-    for (int base = 0; base < p.n_groups; base += 32) {
-      const int i = base + lane;
-      const unsigned m = __ballot_sync(0xffffffffu, i < p.n_groups && p.groups[i].z > 0);
-      if (m != 0xffffffffu) {
-        n_act = base + __ffs(~m) - 1;
-        break;
-      }
-    }
-  }
-  const int64_t nfg = p.n_fgroups, units = int64_t(n_act) * nfg;
-  const int64_t share = (units + gridDim.x - 1) / gridDim.x;
-  const int64_t end = min(units, (blockIdx.x + 1) * share);
+  const int4 grp = p.groups[blockIdx.y];
   char* smem_warp = smem + warp * kWarpSmem;
-  for (int64_t u = blockIdx.x * share + warp; u < end;) {
-    const int64_t gi = u / nfg, fg0 = u % nfg;
-    const int64_t lim = min(end, (gi + 1) * nfg);             // this pass's units in the block's range
-    const int nu = static_cast<int>((lim - u + kWarps - 1) / kWarps);
-    run_pass<kSwiglu>(p, p.groups[gi], static_cast<int>(fg0), nu, kWarps, smem_warp, lane);
-    u += int64_t(nu) * kWarps;
+  switch (grp.z) {
+    case 1: run_group<1, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    case 2: run_group<2, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    case 3: run_group<3, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    case 4: run_group<4, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
 
@@ -415,32 +357,12 @@ void set_smem_attr(Kernel kernel, bool (&done)[64]) {
   }
 }
 
-int sm_count() {
-  static int count[64] = {};
-  int dev = 0;
-  ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 64 && count[dev]) return count[dev];
-  int n = 0;
-  ROCKET_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  if (dev < 64) count[dev] = n;
-  return n;
-}
-
-int g_schedule = kSchedulePersistent;
-
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, cudaStream_t stream) {
-  static bool done_grid[64] = {}, done_persistent[64] = {};
-  if (g_schedule == kScheduleGrid) {  // one block per (8 feature groups, weight pass)
-    set_smem_attr(experts_gemm_kernel<kSwiglu>, done_grid);
-    dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
-    experts_gemm_kernel<kSwiglu><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  } else {
-    set_smem_attr(experts_persistent_kernel<kSwiglu>, done_persistent);
-    const int64_t most = (int64_t(p.n_groups) * p.n_fgroups + kWarps - 1) / kWarps;  // blocks that can have work
-    const int blocks = static_cast<int>(std::min<int64_t>(int64_t(2) * sm_count(), most));
-    experts_persistent_kernel<kSwiglu><<<blocks, kThreads, kSmemBytes, stream>>>(p);
-  }
+  static bool done[64] = {};
+  set_smem_attr(experts_gemm_kernel<kSwiglu>, done);
+  dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
+  experts_gemm_kernel<kSwiglu><<<grid, kThreads, kSmemBytes, stream>>>(p);
   ROCKET_LAUNCH_CHECK();
 }
 
@@ -481,7 +403,6 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.h_pairs = a.inter_pad / 32;
     p.pad_rows = a.pad_rows;
     p.n_groups = a.n_groups;
-    p.dense = a.dense_groups;
     launch_gemm<true>(p, stream);
   }
   {  // down: N = hidden_pad, K = inter_pad
@@ -499,17 +420,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.hidden = a.hidden;
     p.pad_rows = a.pad_rows;
     p.n_groups = a.n_groups;
-    p.dense = a.dense_groups;
     launch_gemm<false>(p, stream);
   }
 }
-
-void set_experts_schedule(int schedule) {
-  ROCKET_CHECK(schedule == kSchedulePersistent || schedule == kScheduleGrid, "expert kernel schedule " << schedule);
-  g_schedule = schedule;
-}
-
-int experts_schedule() { return g_schedule; }
 
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,
                                  cudaStream_t stream) {

@@ -6,17 +6,44 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
+
+namespace rocket {
+
+// Error text without iostreams. The extension can carry its own static copy of libstdc++ (the H200
+// image's /opt/gcc links one in) beside the process's shared one; a std::ostringstream built in that
+// copy crashed in its locale code (num_put) on the first error message, killing the process instead of
+// raising. std::to_string and snprintf do not touch locales.
+struct Msg {
+  std::string s;
+  Msg& operator<<(const char* v) { s += v; return *this; }
+  Msg& operator<<(const std::string& v) { s += v; return *this; }
+  Msg& operator<<(char v) { s += v; return *this; }
+  Msg& operator<<(bool v) { s += v ? "true" : "false"; return *this; }
+  template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+  Msg& operator<<(T v) { s += std::to_string(v); return *this; }
+  Msg& operator<<(double v) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", v);
+    s += b;
+    return *this;
+  }
+  Msg& operator<<(float v) { return *this << static_cast<double>(v); }
+};
+
+}  // namespace rocket
 
 #define ROCKET_CHECK(cond, what)                                                             \
   do {                                                                                       \
     if (!(cond)) {                                                                           \
-      std::ostringstream rocket_msg_;                                                        \
+      ::rocket::Msg rocket_msg_;                                                             \
       rocket_msg_ << __FILE__ << ":" << __LINE__ << ": check failed (" #cond "): " << what;  \
-      throw std::runtime_error(rocket_msg_.str());                                           \
+      throw std::runtime_error(rocket_msg_.s);                                               \
     }                                                                                        \
   } while (0)
 
@@ -24,10 +51,10 @@
   do {                                                                                       \
     cudaError_t rocket_err_ = (expr);                                                        \
     if (rocket_err_ != cudaSuccess) {                                                        \
-      std::ostringstream rocket_msg_;                                                        \
+      ::rocket::Msg rocket_msg_;                                                             \
       rocket_msg_ << __FILE__ << ":" << __LINE__ << ": " #expr " failed: "                   \
                   << cudaGetErrorName(rocket_err_) << ": " << cudaGetErrorString(rocket_err_); \
-      throw std::runtime_error(rocket_msg_.str());                                           \
+      throw std::runtime_error(rocket_msg_.s);                                               \
     }                                                                                        \
   } while (0)
 
@@ -57,7 +84,6 @@ struct ExpertsLaunch {
   const int* pad_rows;        // [tiles * 8] block row of each padded row, -1 = padding
   const int4* groups;         // [n_groups] (slot, first tile, tiles 1..4, 0): one weight pass each
   int n_groups, n_tiles;
-  int dense_groups;           // 1: every group has rows; 0: groups with rows first, then tiles = 0 (moe_plan)
   // packed experts, `slot` indexes the leading dimension
   const uint8_t *q_gu, *s_gu;  // gate/up tiles interleaved: tile T = gate rows 8T..8T+7, up rows 8T..8T+7
   const float* s2_gu;          // [slots][2] weight_scale_2 of gate, up
@@ -75,14 +101,6 @@ struct ExpertsLaunch {
 
 // x rows -> x_frag, gate/up + SwiGLU -> h_frag, down -> out. Batch-invariant: see nvfp4_experts.cu.
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream);
-
-// How the expert GEMMs share out their work (both give the same bits; the bench compares them):
-// persistent = a fixed grid of 2 blocks per SM, units dealt out evenly (default); grid = one block per
-// (8 feature groups, weight pass), the first version.
-constexpr int kSchedulePersistent = 0;
-constexpr int kScheduleGrid = 1;
-void set_experts_schedule(int schedule);
-int experts_schedule();
 
 // Packed tiles -> W [n_pad, k_pad] bf16 as the kernel sees it (E2M1 x scale x 2^-8). A test hook.
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,

@@ -48,8 +48,9 @@ def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
     from rocket_mpi import kernels
     if not hasattr(engine.model, "forward_static"):
         return f"model type {engine.cfg.model_type} has no fixed-shape decode step yet (glm4_moe has)"
-    if os.environ.get("ROCKET_FAULT"):
-        return "ROCKET_FAULT injects faults on the host path"
+    fault = os.environ.get("ROCKET_FAULT", "")
+    if fault and not fault.startswith(("stall:", "die:")):
+        return "ROCKET_FAULT injects wrong rows on the host path only"
     if engine.device.type != "cuda":
         return "it needs --device cuda" if graph else ""
     if not kernels.available():
@@ -223,6 +224,9 @@ class GraphStep:
     def run(self, step: int) -> tuple[list[int], dict]:
         """One step; returns (chosen tokens, counters). The first call runs eagerly (and warms up), the
         second captures the graph (where wanted) and every call from then on replays it."""
+        fault = self.engine.fault
+        if fault and fault[0] in ("stall", "die") and fault[1] == self.engine.rank and fault[2] == step:
+            self.engine._inject(fault[0], torch.empty(0))  # a dead or stalled rank: it never runs this step
         if self.out is None or not self.want_graph or (self.graph is None and self.graph_error):
             self._body()
         else:

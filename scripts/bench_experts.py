@@ -5,8 +5,6 @@ torch's BF16 grouped GEMM on the same experts (dequantised to bf16).
     python scripts/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--topk 8] [--reps 20] [--profile]
                                     [--decode 8,64 --decode-experts 128 --decode-inter 1408]
 
-Both schedules of the expert GEMMs run side by side (persistent: a fixed grid dealing units out evenly,
-the default; grid: one block per feature block and weight pass, the first version), checked bitwise equal.
 --decode M adds rows routed as a decode step routes them: M tokens, each to topk of --decode-experts
 experts at random (most experts get 0-2 rows), the GLM-4.5-Air expert shape (--decode-inter 1408); its
 GB/s counts the packed bytes of the experts that got rows.
@@ -43,7 +41,6 @@ from rocket_mpi.kernels.pack import PackedExperts  # noqa: E402
 from rocket_mpi.moe.rows import plan_rows  # noqa: E402
 
 HIDDEN, INTER, LIMIT = 4096, 2048, 10.0
-SCHEDULES = {"persistent": 0, "grid": 1}
 TARGET_PCT, TARGET_SPEEDUP, TARGET_MAX_ROWS = 85.0, 4.0, 16
 
 
@@ -175,22 +172,8 @@ def make_bf16_path(w_gu, w_dn, rows: int):
         return loop, "F.linear loop"
 
 
-def schedule_times(launch, reps: int) -> tuple[dict[str, float], bool]:
-    """Median us of the planned launch under each schedule, and whether all gave the same bits."""
-    C = kernels._ext.require()
-    times, outs = {}, []
-    try:
-        for name, code in SCHEDULES.items():
-            C.set_experts_schedule(code)
-            outs.append(kernels.nvfp4_experts_planned(*launch).view(torch.int16))
-            times[name] = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), reps)
-    finally:
-        C.set_experts_schedule(SCHEDULES["persistent"])
-    return times, all(torch.equal(outs[0], o) for o in outs[1:])
-
-
-def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, copy_bw: float, seed: int):
-    """M tokens routed to topk of n_exp random experts (Air-shaped), one rank: (label, times, same, GB)."""
+def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, seed: int):
+    """M tokens routed to topk of n_exp random experts (Air-shaped), one rank: (label, us, bytes)."""
     p = random_experts(n_exp, seed=100 + m, inter=inter)
     gen = torch.Generator().manual_seed(seed)
     experts = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)])
@@ -205,9 +188,9 @@ def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, copy_bw: f
     launch = (x, tokens[lo:hi].contiguous(), lp.cuda(), tiles, groups, hi - lo, p, LIMIT)
     touched = len({e for e, s0, s1 in segs if s1 > s0})
     nbytes = p.nbytes * touched / n_exp
-    times, same = schedule_times(launch, reps)
+    us = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), reps)
     del p
-    return f"decode M={m} ({touched} of {n_exp} experts, inter {inter})", times, same, nbytes
+    return f"decode M={m} ({touched} of {n_exp} experts, inter {inter})", us, nbytes
 
 
 def main():
@@ -277,41 +260,38 @@ def main():
             err = float((a - b).norm() / b.norm().clamp_min(1e-30))
             if not err < 2.0 ** -6:
                 print(f"rows/expert {rows}: ours vs {base_name}: relative error {err:.2e} EXCEEDS {2.0 ** -6:.2e}")
-        times, same = schedule_times(launch, args.reps)
+        t_ours = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), args.reps)
         t_op = median_us(functools.partial(compute, x, tokens, segs, lo), args.reps)
         t_base = median_us(lambda: base_fn(x[tokens[lo:hi]]), args.reps)
-        results.append((rows, times, same, t_op, t_base, err))
+        results.append((rows, t_ours, t_op, t_base, err))
         del x, xb, a, b, a_op
 
-    names = list(SCHEDULES)
-    head = " | ".join(f"{n} us | {n} % copy" for n in names)
     print()
-    print(f"| rows/expert | {head} | {base_name if rows_list else 'bf16'} us | speed-up | same bits | op us | rel err |")
-    print("|---:|" + "---:|" * (2 * len(names)) + "---:|---:|:-:|---:|---:|")
-    for rows, times, same, t_op, t_base, err in results:
-        cells = " | ".join(f"{times[n]:.1f} | {100 * wbytes / (times[n] * 1e-6) / 1e9 / copy_bw:.1f}" for n in names)
-        print(f"| {rows} | {cells} | {t_base:.1f} | {t_base / times['persistent']:.2f}x | {'yes' if same else 'NO'} | "
-              f"{t_op:.1f} | {err:.1e} |")
+    print(f"| rows/expert | ours us | ours GB/s | % of copy BW | {base_name if rows_list else 'bf16'} us | speed-up | "
+          "op us | rel err |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rows, t_ours, t_op, t_base, err in results:
+        gbs = wbytes / (t_ours * 1e-6) / 1e9
+        print(f"| {rows} | {t_ours:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | {t_base:.1f} | "
+              f"{t_base / t_ours:.2f}x | {t_op:.1f} | {err:.1e} |")
     if rows_list:
         print(f"\ncopy BW {copy_bw:.0f} GB/s; roofline {roof_us:.0f} us for {wbytes / 1e6:.0f} MB. Targets: >= "
               f"{TARGET_PCT:.0f}% of copy BW up to {TARGET_MAX_ROWS} rows/expert, >= {TARGET_SPEEDUP:.0f}x {base_name}.")
-    for rows, times, _, _, t_base, _ in results:
-        pct = 100 * wbytes / (times["persistent"] * 1e-6) / 1e9 / copy_bw
+    for rows, t_ours, _, t_base, _ in results:
+        pct = 100 * wbytes / (t_ours * 1e-6) / 1e9 / copy_bw
         ok_bw = pct >= TARGET_PCT or rows > TARGET_MAX_ROWS
-        ok_sp = t_base / times["persistent"] >= TARGET_SPEEDUP or rows > TARGET_MAX_ROWS
+        ok_sp = t_base / t_ours >= TARGET_SPEEDUP or rows > TARGET_MAX_ROWS
         print(f"  rows/expert {rows:>3}: BW {'met' if ok_bw else 'MISSED'} ({pct:.1f}%), speed-up "
-              f"{'met' if ok_sp else 'MISSED'} ({t_base / times['persistent']:.2f}x)")
+              f"{'met' if ok_sp else 'MISSED'} ({t_base / t_ours:.2f}x)")
 
     if args.decode:
         del w_gu, w_dn
-        print(f"\n| decode case | {head} | same bits |")
-        print("|:--|" + "---:|" * (2 * len(names)) + ":-:|")
+        print("\n| decode case | packed MB | ours us | ours GB/s | % of copy BW |")
+        print("|:--|---:|---:|---:|---:|")
         for m in [int(v) for v in args.decode.split(",")]:
-            label, times, same, nbytes = decode_case(m, args.decode_experts, args.decode_inter, args.topk, args.reps,
-                                                     copy_bw, seed=m)
-            cells = " | ".join(f"{times[n]:.1f} | {100 * nbytes / (times[n] * 1e-6) / 1e9 / copy_bw:.1f}"
-                               for n in names)
-            print(f"| {label}, {nbytes / 1e6:.0f} MB | {cells} | {'yes' if same else 'NO'} |")
+            label, us, nbytes = decode_case(m, args.decode_experts, args.decode_inter, args.topk, args.reps, seed=m)
+            gbs = nbytes / (us * 1e-6) / 1e9
+            print(f"| {label} | {nbytes / 1e6:.0f} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} |")
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

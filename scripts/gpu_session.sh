@@ -47,6 +47,10 @@ fabgraph)
   for f in cuda-ipc nccl; do
     T=200 run "fabgraph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --graph --sizes 2K..4M --reps 5
   done ;;
+faults)  # a stalled / dead rank on the graphed cuda-ipc step (after capture): non-zero exit naming it, no hang
+  for f in stall die; do
+    T=120 run "fault_graph_$f" env ROCKET_FAULT=$f:rank=1,step=3 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x ROCKET_FAULT python3 -m rocket_mpi decode --checkpoint preset:default:nvfp4 --device cuda --fabric cuda-ipc --decode-path graph --streams 4 --tokens 8 --fabric-timeout 3
+  done ;;
 fire_kernel)
   T=240 run fire_ipc_nvfp4_kernel python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 12
   T=240 run fire_nccl_nvfp4_kernel python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric nccl --sweep 1,8 --tokens 12 ;;

@@ -16,20 +16,24 @@ def decode_args(ckpt, fabric, *extra):
             "--fabric-timeout", "3", *extra]
 
 
-@pytest.mark.parametrize("fabric", ["shm", "mpi"])
-def test_stalled_peer_times_out_naming_it(tiny_ckpt, fabric):
+@pytest.mark.parametrize("fabric,path", [("shm", "host"), ("mpi", "host"), ("shm", "device")])
+def test_stalled_peer_times_out_naming_it(tiny_ckpt, fabric, path):
+    """path device: the fixed-shape step (graph.py) the GPU captures, run on the CPU: the stalled rank
+    never starts step 2, the others' exchange of layer 1 times out."""
     t0 = time.monotonic()
-    r = rocket_mpi(3, *decode_args(tiny_ckpt, fabric), env={"ROCKET_FAULT": "stall:rank=1,step=2"}, timeout=90)
+    r = rocket_mpi(3, *decode_args(tiny_ckpt, fabric, "--decode-path", path),
+                   env={"ROCKET_FAULT": "stall:rank=1,step=2"}, timeout=90)
     took = time.monotonic() - t0
     assert r.returncode != 0
     assert f"fabric {fabric} timed out after 3 s waiting for rows from rank 1 at layer 1, step 2" in r.stderr, r.stderr
     assert took < 60, f"took {took:.0f} s"
 
 
-@pytest.mark.parametrize("fabric", ["shm", "mpi"])
-def test_killed_peer_ends_the_job(tiny_ckpt, fabric):
+@pytest.mark.parametrize("fabric,path", [("shm", "host"), ("mpi", "host"), ("shm", "device")])
+def test_killed_peer_ends_the_job(tiny_ckpt, fabric, path):
     t0 = time.monotonic()
-    r = rocket_mpi(2, *decode_args(tiny_ckpt, fabric), env={"ROCKET_FAULT": "die:rank=1,step=1"}, timeout=90)
+    r = rocket_mpi(2, *decode_args(tiny_ckpt, fabric, "--decode-path", path),
+                   env={"ROCKET_FAULT": "die:rank=1,step=1"}, timeout=90)
     assert r.returncode != 0
     assert "rank 1: ROCKET_FAULT injecting 'die' at step 1" in r.stderr
     # either the launcher reaps the job at once, or rank 0's fabric timeout names the dead peer

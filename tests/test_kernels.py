@@ -579,41 +579,6 @@ def test_gpu_batch_invariance():
 
 
 @gpu
-def test_gpu_schedules_give_the_same_bits():
-    """The persistent schedule (default: units dealt out evenly over a fixed grid, a warp's units run as
-    one pipelined stream, padding rows not loaded) against the first grid schedule: identical bits, and
-    within TOL_KERNEL of the reference. 30 experts of inter 2048 make more units than warps, so warps run
-    several units and cross from one expert (and row-tile count) to the next."""
-    C = kernels._ext.require()
-    h, i = 256, 2048
-    ids = list(range(30))
-    ex = make_experts(ids, h, i, seed=21)
-    p = pack.pack_experts(ex, h, i)
-    pc = p.to("cuda")
-    rng = random.Random(4)
-    counts = {e: rng.choice([1, 1, 2, 3, 8, 9, 17, 32, 33, 40]) for e in ids if e != 7}  # 7: no rows
-    segs = segments_for(counts, base=2)
-    n = sum(counts.values())
-    x = (torch.randn(n + 3, h) * 2).to(torch.bfloat16)
-    row_index = torch.randperm(n + 3)[:n]
-    outs = {}
-    try:
-        for name, code in (("grid", 1), ("persistent", 0)):
-            C.set_experts_schedule(code)
-            outs[name] = kernels.nvfp4_experts(x.cuda(), segs, pc, 2, row_index.cuda(), 0.5).cpu()
-    finally:
-        C.set_experts_schedule(0)
-    assert C.experts_schedule() == 0
-    differ = outs["grid"].view(torch.int16) != outs["persistent"].view(torch.int16)
-    assert not differ.any(), f"schedules differ in {int(differ.sum())} of {differ.numel()} values; first (row, col) " \
-                             f"{differ.nonzero()[0].tolist()}"
-    want = kernels.nvfp4_experts_ref(x, segs, p, 2, row_index, 0.5)
-    assert_close(outs["persistent"], want, TOL_KERNEL, "persistent schedule vs nvfp4_experts_ref")
-    with pytest.raises(RuntimeError, match="schedule"):
-        C.set_experts_schedule(7)
-
-
-@gpu
 @pytest.mark.parametrize("tokens,topk,hidden,rows", [(1, 8, 4096, 8), (37, 8, 4096, 296), (5, 3, 40, 15),
                                                      (4, 2, 13, 9), (0, 8, 64, 0)])
 def test_gpu_scatter_bitwise(tokens, topk, hidden, rows):

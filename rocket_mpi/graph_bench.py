@@ -25,8 +25,9 @@ ROW_BYTES = ROW_HIDDEN * 2
 
 
 def push_blocks(nbytes: int) -> int:
-    """Blocks of the push kernel: enough stores in flight to fill NVLink, one per 16 KiB, 132 at most."""
-    return max(1, min(132, nbytes // 16384))
+    """Blocks of the push kernel: one per 4 KiB, 32 at most (what the decode step launches, graph.py)."""
+    from rocket_mpi.graph import PUSH_BLOCKS
+    return max(1, min(PUSH_BLOCKS, nbytes // 4096))
 
 
 class GraphExchange:

@@ -37,5 +37,5 @@ print(f"M={m}: device kernel time {total / steps / 1e3:.3f} ms per step "
       f"{sum(r[1] for r in rows) / steps:.0f} kernels per step")
 print("(decode steps only, launched eagerly: the graph replays the same kernels without the launch gaps)")
 print(f"{'us/step':>9} {'calls/step':>10}  kernel")
-for t, c, k in rows[:30]:
+for t, c, k in rows[:int(os.environ.get("ROCKET_PROFILE_ROWS", "30"))]:
     print(f"{t / steps:>9.1f} {c / steps:>10.1f}  {k[:110]}")

@@ -1,7 +1,7 @@
 """Instruction mix of the inner loops of a kernel's SASS (cuobjdump -sass output on stdin): for each
 backward branch whose body holds tensor-core mmas, the count per opcode. Use on the device machine:
 
-    cuobjdump -sass -fun <mangled name> rocket_mpi/_C*.so | python3 scripts/sass_loops.py
+    cuobjdump -sass rocket_mpi/_C*.so | python3 scripts/sass_loops.py [name substring, e.g. experts_gemm]
 
 The expert kernel's main loop is bound by its integer (ALU) pipe: LOP3/SHF/IADD3/ISETP there, IMAD and
 HMUL2 on the FMA pipe (csrc/nvfp4_experts.cu, Mul)."""
@@ -9,8 +9,16 @@ import re
 import sys
 from collections import Counter
 
-ins = []
+want = sys.argv[1] if len(sys.argv) > 1 else ""
+ins, keep = [], not want
 for line in sys.stdin:
+    if "Function :" in line:
+        keep = want in line
+        if keep:
+            print(line.strip()[:140])
+        continue
+    if not keep:
+        continue
     m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
     if m:
         ins.append((int(m.group(1), 16), m.group(2).strip()))

@@ -44,25 +44,17 @@ constexpr int kSmemBytes = kWarps * kWarpSmem;              // 96 KiB: 2 blocks,
 static_assert((kStages & (kStages - 1)) == 0, "kStages must be a power of two");
 
 // Decode masks: see rocket_mpi/kernels/pack.py (CODE_Q_BITS / CODE_S_BITS).
+// The main loop is bound by the integer pipe (ncu on the H200: ALU ~62% busy; scripts/sass_loops.py: 207
+// instructions per k-tile at one row tile, 99 of them LOP3/SHF/IADD3/ISETP). Tried in session 9: the
+// shifts as multiplies by factors passed from the host (IMAD on the FMA pipe): ptxas then emitted 416
+// instructions per k-tile and the bench did not move (results/README.md); not kept.
 constexpr uint32_t kCodeMask = 0x81C081C0u;   // bf16x2 sign + exponent bits 0..1 + mantissa bit 6
 constexpr uint32_t kCodeQ = 0x01C001C0u;
 constexpr uint32_t kCodeS = 0x80008000u;
 constexpr uint32_t kScaleMask = 0x0FF00FF0u;  // scale byte at bf16 bits 4..11 of each half
 constexpr uint32_t kScaleHigh = 0x70007000u;  // bf16 exponent bits 5..7 of every scale * 2^118
 
-// Run-time constants for the decode. Multiplying by 2^k (and taking the high word of w * 2^29 for
-// w >> 3) gives the shifts' exact bits on the FMA pipe (IMAD); written as shifts, ptxas puts most of
-// them on the integer pipe, which bounds the main loop (ncu: ALU the busiest pipe, ~62%). The factors
-// come from the host so that ptxas cannot fold them back into shifts. `one` does the same for the
-// 64-bit pointer steps (IMAD.WIDE instead of IADD3 + IADD3.X).
-struct Mul {
-  uint32_t one, x2, x4, x8, x64, hi29;
-};
-
-inline Mul make_mul() { return Mul{1u, 2u, 4u, 8u, 64u, 1u << 29}; }
-
 struct GemmParams {
-  Mul mul;
   const uint8_t* q;          // tiles of the expert in slot 0
   const uint8_t* s;
   int64_t q_slot_stride;     // bytes between slots
@@ -86,11 +78,11 @@ struct GemmParams {
 
 // The lane's A fragment for one k-step: 8 codes in `w`, scales of rows g and g+8 in the low and
 // high bf16 of `sc`. Returns exact bf16 pairs E2M1 * scale * 2^-8.
-__device__ __forceinline__ void decode_a(uint32_t w, uint32_t sc, const Mul& m, uint32_t (&a)[4]) {
-  const uint32_t o0 = w & kCodeMask;                                              // (g,   k 2t..2t+1)
-  const uint32_t o1 = (w * m.x8) & kCodeMask;                                     // (g+8, k 2t..2t+1): w << 3
-  const uint32_t o2 = ((w * m.x64) & kCodeQ) | ((w * m.x2) & kCodeS);             // (g,   k 2t+8..2t+9)
-  const uint32_t o3 = (__umulhi(w, m.hi29) & kCodeQ) | ((w * m.x4) & kCodeS);     // (g+8, k 2t+8..2t+9)
+__device__ __forceinline__ void decode_a(uint32_t w, uint32_t sc, uint32_t (&a)[4]) {
+  const uint32_t o0 = w & kCodeMask;                                  // (g,   k 2t..2t+1)
+  const uint32_t o1 = (w << 3) & kCodeMask;                           // (g+8, k 2t..2t+1)
+  const uint32_t o2 = ((w << 6) & kCodeQ) | ((w << 1) & kCodeS);      // (g,   k 2t+8..2t+9)
+  const uint32_t o3 = ((w >> 3) & kCodeQ) | ((w << 2) & kCodeS);      // (g+8, k 2t+8..2t+9)
   const __nv_bfloat162 s = dev::bits_bf16x2(sc);
   const __nv_bfloat162 lo = __low2bfloat162(s), hi = __high2bfloat162(s);
   a[0] = dev::bf16x2_bits(__hmul2(dev::bits_bf16x2(o0), lo));
@@ -109,14 +101,6 @@ __device__ __forceinline__ uint32_t decode_scales(uint2 sv) {
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
-
-// p + kBytes as one IMAD.WIDE (see Mul).
-template <uint32_t kBytes>
-__device__ __forceinline__ const uint8_t* advance(const uint8_t* p, uint32_t one) {
-  uint64_t r;
-  asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(r) : "r"(one), "n"(kBytes), "l"(reinterpret_cast<uint64_t>(p)));
-  return reinterpret_cast<const uint8_t*>(r);
 }
 
 // Rows of row tile rt of k-tile kt for this lane (B fragments, 2 x uint4). Padding rows (the lane's
@@ -161,8 +145,8 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     for (int i = 0; i < kFT; ++i) {
       dev::cp_async_16(s_codes + st * kStageBytes + i * 512, qp[i]);
       dev::cp_async_8(s_scales + st * kStageBytes + i * 256, sp[i]);
-      qp[i] = advance<kTileCodeBytes>(qp[i], p.mul.one);
-      sp[i] = advance<kTileScaleBytes>(sp[i], p.mul.one);
+      qp[i] += kTileCodeBytes;
+      sp[i] += kTileScaleBytes;
     }
     ++issued;
   };
@@ -210,7 +194,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
         const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
                           : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
         uint32_t a[4];
-        decode_a(word(qv[i], jj), sc, p.mul, a);
+        decode_a(word(qv[i], jj), sc, a);
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
           const uint4& bb = b[rt][jj >> 1];
@@ -341,8 +325,7 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
 }
 
 // One thread per (tile, k-tile, lane): the same decode as the mainloop, written out as W [n, k].
-__global__ void dequant_packed_kernel(const Mul mul, const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
-                                      int n_tiles,
+__global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s, int n_tiles,
                                       int nk, int k_pad, __nv_bfloat16* __restrict__ out) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(n_tiles) * nk * 32) return;
@@ -358,7 +341,7 @@ __global__ void dequant_packed_kernel(const Mul mul, const uint8_t* __restrict__
     const uint32_t sc = j == 0 ? decode_scales<0>(sv) : j == 1 ? decode_scales<1>(sv)
                       : j == 2 ? decode_scales<2>(sv) : decode_scales<3>(sv);
     uint32_t a[4];
-    decode_a(word(qv, j), sc, mul, a);
+    decode_a(word(qv, j), sc, a);
     const int64_t r0 = int64_t(tile) * kTileN + g, kw = (int64_t(kt) * kTileK + 16 * j + 2 * t) / 2;
     o[r0 * ld + kw] = a[0];
     o[(r0 + 8) * ld + kw] = a[1];
@@ -408,7 +391,6 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   }
   {  // gate/up + SwiGLU: N = 2 inter_pad (tiles of 8 gate + 8 up), K = hidden_pad
     GemmParams p{};
-    p.mul = make_mul();
     p.q = a.q_gu;
     p.s = a.s_gu;
     p.nk = a.hidden_pad / kTileK;
@@ -429,7 +411,6 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
-    p.mul = make_mul();
     p.q = a.q_dn;
     p.s = a.s_dn;
     p.nk = a.inter_pad / kTileK;
@@ -455,7 +436,7 @@ void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, 
   if (n == 0) return;
   const int threads = 256;
   dequant_packed_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
-      make_mul(), q, s, n_tiles, nk, k_pad, static_cast<__nv_bfloat16*>(out));
+      q, s, n_tiles, nk, k_pad, static_cast<__nv_bfloat16*>(out));
   ROCKET_LAUNCH_CHECK();
 }
 

@@ -20,7 +20,6 @@ try:
             sources=["csrc/bindings.cpp", "csrc/nvfp4_experts.cu", "csrc/scatter.cu", "csrc/moe_plan.cu",
                      "csrc/ipc_bells.cu", "csrc/decode_ops.cu"],
             extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc},
-            extra_link_args=os.environ.get("ROCKET_LINK_ARGS", "").split(),
         ))
         cmdclass = {"build_ext": BuildExtension}
 except ImportError:

@@ -146,8 +146,9 @@ class Engine:
         whether they run as one CUDA graph. auto takes graph where it can run. Returns the path taken."""
         from rocket_mpi.graph import unsupported
         why = unsupported(self, fabric_name, graph=want != "device")
-        if want == "auto":
-            self.decode_path = "graph" if not why else "host"
+        if want == "auto":  # graph where it runs and its capture has been checked on a GPU for this family
+            checked = getattr(self.model, "GRAPH_CHECKED", False)
+            self.decode_path = "graph" if not why and checked else "host"
         elif want in ("graph", "device"):
             if why:
                 raise RocketError(f"--decode-path {want}: not possible here: {why}")

@@ -25,6 +25,14 @@ def tiny_nvfp4_ckpt(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="session")
+def dsa_ckpt(tmp_path_factory):
+    """GLM-5 architecture (glm_moe_dsa: MLA + DSA indexer), tiny, NVFP4 experts."""
+    d = str(tmp_path_factory.mktemp("dsa_tiny"))
+    make_checkpoint("dsa-tiny", d, seed=3, nvfp4_experts=True)
+    return d
+
+
 def rocket(*args, timeout=120, env=None):
     """python -m rocket_mpi ARGS as one process, outside any MPI launch."""
     return subprocess.run([sys.executable, "-m", "rocket_mpi", *args], capture_output=True, text=True,

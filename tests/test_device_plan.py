@@ -86,13 +86,14 @@ def test_plan_reference_matches_host_plan(tokens, topk, n_exp, ranks, scrambled)
                 assert meta[kplan.META_EXPERTS] == sum(1 for _, a, b in host.segments[rank] if b > a)
 
 
-def test_forward_static_matches_forward(tiny_ckpt):
-    """The fixed-shape step (whole-capacity attention, device positions) against the eager step, with
-    the same tokens fed to both: logits agree to rounding."""
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt"])
+def test_forward_static_matches_forward(ckpt_name, request):
+    """The fixed-shape step (whole-capacity attention, device positions; for glm_moe_dsa the indexer over
+    the whole capacity) against the eager step, with the same tokens fed to both: logits agree to rounding."""
     from rocket_mpi.engine import Engine
     from rocket_mpi.prompts import default_prompts
     torch.set_num_threads(1)
-    eng = Engine(tiny_ckpt)
+    eng = Engine(request.getfixturevalue(ckpt_name))
     prompts = default_prompts(4, eng.cfg.vocab_size)
     steps = 6
     res = eng.generate(prompts, steps)
@@ -112,7 +113,7 @@ def test_forward_static_matches_forward(tiny_ckpt):
         assert worst < 0.02, f"forward_static differs from forward by {worst}"
 
 
-@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt"])
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt", "dsa_ckpt"])
 def test_cpu_device_path_matches_host_path(ckpt_name, request):
     """The fixed-shape step on a CPU (graph.py's reference mode: device plan by its reference, the block by
     ExpertStore.compute over the rows the plan gives, slot-space scatter) decodes the host path's tokens."""
@@ -278,16 +279,18 @@ def test_gpu_ipc_push_and_wait_one_process():
 
 
 @gpu
-@pytest.mark.parametrize("streams", [1, 8])
-def test_gpu_graph_decode_equals_eager_device_step(streams):
-    """The captured step replays exactly what the same step computes when launched eagerly."""
+@pytest.mark.parametrize("streams,preset", [(1, "default"), (8, "default"), (8, "dsa-tiny")])
+def test_gpu_graph_decode_equals_eager_device_step(streams, preset):
+    """The captured step replays exactly what the same step computes when launched eagerly (dsa-tiny:
+    GLM-5's architecture, MLA + DSA indexer)."""
     from rocket_mpi.checkpoint.synthetic import SyntheticReader
     from rocket_mpi.engine import Engine
     from rocket_mpi.prompts import default_prompts
     runs = {}
+    ckpt = f"preset:{preset}:nvfp4"
     for path in ("device", "graph"):
-        reader = SyntheticReader("preset:default:nvfp4", "cuda")
-        eng = Engine("preset:default:nvfp4", reader=reader, device="cuda")
+        reader = SyntheticReader(ckpt, "cuda")
+        eng = Engine(ckpt, reader=reader, device="cuda")
         assert eng.set_decode_path(path, "local") == path
         prompts = default_prompts(streams, eng.cfg.vocab_size)
         r = eng.generate(prompts, 10)

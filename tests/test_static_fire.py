@@ -43,12 +43,14 @@ def assert_really_split(stdout: str, ranks: int) -> None:
     assert all(float(c[6]) > 0 for c in rows), stdout
 
 
-@pytest.mark.parametrize("ranks,fabric,placement,quant", [(2, "shm", "contiguous", "bf16"),
-                                                           (3, "mpi", "scrambled", "nvfp4")])
-def test_static_fire_fixed_shape_path(ranks, fabric, placement, quant, tiny_ckpt, tiny_nvfp4_ckpt, tmp_path):
+@pytest.mark.parametrize("ranks,fabric,placement,ckpt_name", [(2, "shm", "contiguous", "tiny_ckpt"),
+                                                               (3, "mpi", "scrambled", "tiny_nvfp4_ckpt"),
+                                                               (3, "shm", "contiguous", "dsa_ckpt")])
+def test_static_fire_fixed_shape_path(ranks, fabric, placement, ckpt_name, tmp_path, request):
     """--decode-path device on CPU: the GPU step's plan, slot layout and checksum through the torch
-    references, rows through the CPU fabric at fixed offsets: the split still decodes the one-rank tokens."""
-    ckpt = tiny_ckpt if quant == "bf16" else tiny_nvfp4_ckpt
+    references, rows through the CPU fabric at fixed offsets: the split still decodes the one-rank tokens.
+    dsa_ckpt: GLM-5's architecture (MLA + DSA indexer over the cache's whole capacity)."""
+    ckpt = request.getfixturevalue(ckpt_name)
     extra = ["--placement", scrambled(tmp_path / "pl.json", 16, ranks, seed=5)] if placement == "scrambled" else []
     r = rocket("static-fire", "--checkpoint", ckpt, "--ranks", str(ranks), "--sweep", "1,8", "--tokens", TOKENS,
                "--fabric", fabric, "--fabric-timeout", "20", "--decode-path", "device", *extra)

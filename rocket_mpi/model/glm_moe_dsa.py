@@ -164,6 +164,9 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 class GlmMoeDsaModel:
+    # forward_static runs (CPU tests); --decode-path auto keeps the host path until its capture is checked
+    # on a GPU, --decode-path graph asks for it
+    GRAPH_CHECKED = False
     # optional timing hook (scripts/bench_glm5.py): a callable key -> context manager around each
     # sub-block, keys ("attn", layer), ("ffn", layer), ("head",). None: a shared no-op context.
     timers = None
@@ -307,7 +310,8 @@ class GlmMoeDsaModel:
         s = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.index_scale)   # [B, heads, S]
         return torch.matmul(w[:, None, :], s)[:, 0]
 
-    def _attention(self, i, a: Attention, h, cos, sin, cache: LatentCache, starts, seqlens, selection):
+    def _attention(self, i, a: Attention, h, cos, sin, cache: LatentCache, starts, seqlens, selection, pos=None):
+        """pos [M] on the device: the fixed-shape decode step (forward_static), starts/seqlens unused."""
         t, nh, c = h.shape[0], self.heads, self.latent
         dev = h.device
         q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, LATENT_NORM_EPS)   # [T, q_lora]
@@ -325,24 +329,14 @@ class GlmMoeDsaModel:
         elif selection is None:
             raise ConfigError(f"layer {i}: a 'shared' indexer layer needs an earlier 'full' one")
 
-        if all(n == 1 for n in seqlens):
-            # decode: one new token per stream, batched over streams; attention over the top-k rows only
-            idx = torch.arange(len(seqlens), device=dev)
-            pos = torch.tensor(starts, device=dev)
-            kvc[idx, pos] = kv_new
-            if a.indexer is not None:
-                ixc[idx, pos] = ik
-                span = max(starts) + 1                          # from the host list: no device sync
-                scores = self._index_scores(iq, iw, ixc[:, :span])                        # [M, span]
-                scores = scores.masked_fill(torch.arange(span, device=dev)[None, :] > pos[:, None], float("-inf"))
-                top, sel = scores.topk(min(self.index_topk, span), dim=-1)                # [M, k]
-                selection = (sel, top > float("-inf"))          # a short stream pads with masked rows
-            sel, valid = selection
-            rows = kvc[idx[:, None], sel]                                                 # [M, k, c + rope]
-            o = F.scaled_dot_product_attention(q_cat[:, :, None, :], rows[:, None], rows[:, None, :, :c],
-                                               attn_mask=valid[:, None, None, :], scale=self.scale,
-                                               enable_gqa=True)                           # [M, heads, 1, c]
-            o_lat = o[:, :, 0]
+        if pos is not None or all(n == 1 for n in seqlens):
+            if pos is None:   # the host knows the lengths: attend over the longest stream's span only
+                pos, span = torch.tensor(starts, device=dev), max(starts) + 1
+            else:
+                span = cache.capacity
+            own = a.indexer is not None
+            o_lat, selection = self._decode_attention(i, a, q_cat, kv_new, ik if own else None, iq if own else None,
+                                                      iw if own else None, cache, pos, span, selection)
         else:
             outs, masks, off = [], [], 0
             for s, (p0, n) in enumerate(zip(starts, seqlens)):
@@ -370,6 +364,51 @@ class GlmMoeDsaModel:
             selection = masks
         o = torch.einsum("thc,hvc->thv", o_lat, a.w_uv).reshape(t, nh * self.v_dim)
         return F.linear(o, a.o, a.o_bias), selection
+
+    def _decode_attention(self, i, a: Attention, q_cat, kv_new, ik, iq, iw, cache: LatentCache, pos, span: int,
+                          selection):
+        """One new token per stream at positions `pos` [M] (device), batched over streams: write the
+        cache rows, score the first `span` cached positions with the indexer (positions past a stream's
+        own are masked), attend over the top-k rows only. span = the longest stream + 1 on the host path,
+        the cache's whole capacity on the fixed-shape step (no host value depends on the lengths; the
+        extra positions are masked and never chosen over a real one). -> ([M, heads, c], selection)."""
+        c = self.latent
+        dev = q_cat.device
+        kvc, ixc = cache.kv[i], cache.index_k[i]
+        idx = torch.arange(pos.numel(), device=dev)
+        kvc[idx, pos] = kv_new
+        if a.indexer is not None:
+            ixc[idx, pos] = ik
+            scores = self._index_scores(iq, iw, ixc[:, :span])                            # [M, span]
+            scores = scores.masked_fill(torch.arange(span, device=dev)[None, :] > pos[:, None], float("-inf"))
+            top, sel = scores.topk(min(self.index_topk, span), dim=-1)                    # [M, k]
+            selection = (sel, top > float("-inf"))              # a short stream pads with masked rows
+        sel, valid = selection
+        rows = kvc[idx[:, None], sel]                                                     # [M, k, c + rope]
+        o = F.scaled_dot_product_attention(q_cat[:, :, None, :], rows[:, None], rows[:, None, :, :c],
+                                           attn_mask=valid[:, None, None, :], scale=self.scale,
+                                           enable_gqa=True)                               # [M, heads, 1, c]
+        return o[:, :, 0], selection
+
+    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: LatentCache, moe) -> torch.Tensor:
+        """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
+        tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. The
+        indexer scores the cache's whole capacity under a length mask (_decode_attention); everything else
+        is forward's decode step. The caller advances pos and cache.lengths."""
+        cfg = self.cfg
+        cos, sin = self.rope.cos_sin(pos)
+        x = self.embed[tokens]
+        selection = None
+        for i, L in enumerate(self.layers):
+            h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
+            out, selection = self._attention(i, L.attn, h, cos, sin, cache, None, None, selection, pos=pos)
+            x = x + out
+            h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
+            if L.mlp is not None:
+                x = x + swiglu_mlp(h, *L.mlp)
+            else:
+                x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
+        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
 
 
 MODEL = GlmMoeDsaModel

@@ -113,6 +113,18 @@ def test_forward_static_matches_forward(ckpt_name, request):
         assert worst < 0.02, f"forward_static differs from forward by {worst}"
 
 
+def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_ckpt, monkeypatch):
+    """Where the graphed step could run, --decode-path auto takes it for glm4_moe (capture checked on the
+    H200) but keeps glm_moe_dsa on the host path until its capture is checked; graph asked for explicitly
+    runs for both."""
+    import rocket_mpi.graph as graph
+    from rocket_mpi.engine import Engine
+    monkeypatch.setattr(graph, "unsupported", lambda *a, **k: "")   # as on a GPU with the extension
+    assert Engine(tiny_ckpt).set_decode_path("auto", "local") == "graph"
+    assert Engine(dsa_ckpt).set_decode_path("auto", "local") == "host"
+    assert Engine(dsa_ckpt).set_decode_path("graph", "local") == "graph"
+
+
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt", "dsa_ckpt"])
 def test_cpu_device_path_matches_host_path(ckpt_name, request):
     """The fixed-shape step on a CPU (graph.py's reference mode: device plan by its reference, the block by

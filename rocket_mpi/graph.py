@@ -47,7 +47,7 @@ def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
     import os
     from rocket_mpi import kernels
     if not hasattr(engine.model, "forward_static"):
-        return f"model type {engine.cfg.model_type} has no fixed-shape decode step yet (glm4_moe, glm_moe_dsa have)"
+        return f"model type {engine.cfg.model_type} has no fixed-shape decode step yet (glm4_moe, glm_moe_dsa and glm5_next have)"
     fault = os.environ.get("ROCKET_FAULT", "")
     if fault and not fault.startswith(("stall:", "die:")):
         return "ROCKET_FAULT injects wrong rows on the host path only"

@@ -33,6 +33,15 @@ def dsa_ckpt(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="session")
+def glm5_ckpt(tmp_path_factory):
+    """GLM-5.3-Flash architecture (glm5_next: KDA + MLA with the k-pool indexer, hyper-connections),
+    tiny, NVFP4 experts."""
+    d = str(tmp_path_factory.mktemp("glm5_tiny"))
+    make_checkpoint("glm5-tiny", d, seed=3, nvfp4_experts=True)
+    return d
+
+
 def rocket(*args, timeout=120, env=None):
     """python -m rocket_mpi ARGS as one process, outside any MPI launch."""
     return subprocess.run([sys.executable, "-m", "rocket_mpi", *args], capture_output=True, text=True,

@@ -86,10 +86,11 @@ def test_plan_reference_matches_host_plan(tokens, topk, n_exp, ranks, scrambled)
                 assert meta[kplan.META_EXPERTS] == sum(1 for _, a, b in host.segments[rank] if b > a)
 
 
-@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt"])
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt"])
 def test_forward_static_matches_forward(ckpt_name, request):
-    """The fixed-shape step (whole-capacity attention, device positions; for glm_moe_dsa the indexer over
-    the whole capacity) against the eager step, with the same tokens fed to both: logits agree to rounding."""
+    """The fixed-shape step (whole-capacity attention, device positions; for glm_moe_dsa and glm5_next the
+    indexer over the whole capacity) against the eager step, with the same tokens fed to both: logits
+    agree to rounding."""
     from rocket_mpi.engine import Engine
     from rocket_mpi.prompts import default_prompts
     torch.set_num_threads(1)
@@ -113,7 +114,7 @@ def test_forward_static_matches_forward(ckpt_name, request):
         assert worst < 0.02, f"forward_static differs from forward by {worst}"
 
 
-def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_ckpt, monkeypatch):
+def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_ckpt, glm5_ckpt, monkeypatch):
     """Where the graphed step could run, --decode-path auto takes it for glm4_moe (capture checked on the
     H200) but keeps glm_moe_dsa on the host path until its capture is checked; graph asked for explicitly
     runs for both."""
@@ -122,10 +123,11 @@ def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_
     monkeypatch.setattr(graph, "unsupported", lambda *a, **k: "")   # as on a GPU with the extension
     assert Engine(tiny_ckpt).set_decode_path("auto", "local") == "graph"
     assert Engine(dsa_ckpt).set_decode_path("auto", "local") == "host"
+    assert Engine(glm5_ckpt).set_decode_path("auto", "local") == "host"
     assert Engine(dsa_ckpt).set_decode_path("graph", "local") == "graph"
 
 
-@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt", "dsa_ckpt"])
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt", "dsa_ckpt", "glm5_ckpt"])
 def test_cpu_device_path_matches_host_path(ckpt_name, request):
     """The fixed-shape step on a CPU (graph.py's reference mode: device plan by its reference, the block by
     ExpertStore.compute over the rows the plan gives, slot-space scatter) decodes the host path's tokens."""
@@ -291,10 +293,10 @@ def test_gpu_ipc_push_and_wait_one_process():
 
 
 @gpu
-@pytest.mark.parametrize("streams,preset", [(1, "default"), (8, "default"), (8, "dsa-tiny")])
+@pytest.mark.parametrize("streams,preset", [(1, "default"), (8, "default"), (8, "dsa-tiny"), (8, "glm5-tiny")])
 def test_gpu_graph_decode_equals_eager_device_step(streams, preset):
     """The captured step replays exactly what the same step computes when launched eagerly (dsa-tiny:
-    GLM-5's architecture, MLA + DSA indexer)."""
+    GLM-5's architecture, MLA + DSA indexer; glm5-tiny: GLM-5.3-Flash's, KDA + MLA)."""
     from rocket_mpi.checkpoint.synthetic import SyntheticReader
     from rocket_mpi.engine import Engine
     from rocket_mpi.prompts import default_prompts

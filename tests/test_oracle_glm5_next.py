@@ -198,10 +198,15 @@ class SelectionSpy:
     def __call__(self, a, h, c, starts, seqlens, args, shared):
         out, masks = self.real(a, h, c, starts, seqlens, args, shared)
         if a.indexer is not None:
-            for s, m in enumerate(masks):
-                for j in range(m.shape[0]):
-                    pos = m.shape[1] - m.shape[0] + j
-                    self.chosen[(self.layer_of[id(a)], s, pos)] = set(m[j].nonzero().squeeze(1).tolist())
+            if isinstance(masks, torch.Tensor):  # a decode step (mla_decode): one row per stream, [M, span]
+                for s, p0 in enumerate(starts):
+                    self.chosen[(self.layer_of[id(a)], s, p0)] = set(masks[s, :p0 + 1].nonzero().squeeze(1).tolist())
+                    assert not masks[s, p0 + 1:].any(), f"stream {s} at {p0} selects past its position"
+            else:
+                for s, m in enumerate(masks):
+                    for j in range(m.shape[0]):
+                        pos = m.shape[1] - m.shape[0] + j
+                        self.chosen[(self.layer_of[id(a)], s, pos)] = set(m[j].nonzero().squeeze(1).tolist())
         return out, masks
 
 

@@ -45,11 +45,13 @@ def assert_really_split(stdout: str, ranks: int) -> None:
 
 @pytest.mark.parametrize("ranks,fabric,placement,ckpt_name", [(2, "shm", "contiguous", "tiny_ckpt"),
                                                                (3, "mpi", "scrambled", "tiny_nvfp4_ckpt"),
-                                                               (3, "shm", "contiguous", "dsa_ckpt")])
+                                                               (3, "shm", "contiguous", "dsa_ckpt"),
+                                                               (2, "mpi", "contiguous", "glm5_ckpt")])
 def test_static_fire_fixed_shape_path(ranks, fabric, placement, ckpt_name, tmp_path, request):
     """--decode-path device on CPU: the GPU step's plan, slot layout and checksum through the torch
     references, rows through the CPU fabric at fixed offsets: the split still decodes the one-rank tokens.
-    dsa_ckpt: GLM-5's architecture (MLA + DSA indexer over the cache's whole capacity)."""
+    dsa_ckpt: GLM-5's architecture (MLA + DSA indexer over the cache's whole capacity); glm5_ckpt:
+    GLM-5.3-Flash's (KDA + MLA with the k-pool indexer)."""
     ckpt = request.getfixturevalue(ckpt_name)
     extra = ["--placement", scrambled(tmp_path / "pl.json", 16, ranks, seed=5)] if placement == "scrambled" else []
     r = rocket("static-fire", "--checkpoint", ckpt, "--ranks", str(ranks), "--sweep", "1,8", "--tokens", TOKENS,

@@ -26,7 +26,7 @@ from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import CheckpointError, ConfigError
 from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_pre
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
-from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_forward
+from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
 from rocket_mpi.model.layers import load_swiglu, move_stack, rms_norm, unique_nbytes
 
@@ -176,6 +176,9 @@ def _prefix(reader: CheckpointReader) -> str:
 
 
 class Glm5NextModel:
+    # forward_static runs (CPU tests); --decode-path auto keeps the host path until its capture is checked
+    # on a GPU, --decode-path graph asks for it
+    GRAPH_CHECKED = False
     # optional timing hook (scripts/bench_glm5.py): a callable key -> context manager around each
     # sub-block, keys ("attn", layer), ("ffn", layer), ("head",). None: a shared no-op context.
     timers = None
@@ -356,6 +359,33 @@ class Glm5NextModel:
             last = (torch.tensor(offs[1:]) - 1).to(dev)
             h = rms_norm(streams[last].mean(dim=1), self.norm, cfg.rms_norm_eps)
             return F.linear(h, self.lm_head).float()
+
+    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: Glm5NextCache, moe) -> torch.Tensor:
+        """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
+        tokens [M] and pos [M] (what each stream's cache holds) on the device. KDA layers step their
+        states; MLA layers select over the cache's whole capacity (mla_decode: positions past a stream's
+        own are never chosen). The caller advances pos and cache.lengths."""
+        cfg, hca = self.cfg, self.hc_args
+        x = self.embed[tokens]
+        streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()
+        idx = torch.arange(tokens.numel(), device=tokens.device)
+        selection = None
+        for i, L in enumerate(self.layers):
+            post, comb, h = hc_pre(L.attn_hc, streams, hca)
+            h = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
+            if L.kda is not None:
+                y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], [], self.kda_args, idx=idx)
+                selection = None
+            else:
+                y, sel = mla_decode(L.mla, h, cache.mla[i], pos, cache.capacity, self.mla_args, selection)
+                selection = sel if L.shares_next else None
+            streams = hc_post(post, comb, y, streams)
+            post, comb, h = hc_pre(L.ffn_hc, streams, hca)
+            h = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
+            y = self._mlp(h, *L.mlp) if L.mlp is not None else moe(i, h, L) + self._mlp(h, *L.shared)
+            streams = hc_post(post, comb, y, streams)
+        h = rms_norm(streams.mean(dim=1), self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
 
 
 MODEL = Glm5NextModel

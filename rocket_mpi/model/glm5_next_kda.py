@@ -76,17 +76,19 @@ def kda_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch
 
 
 def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                segments: list[tuple[int, int, int]], args: KdaArgs) -> torch.Tensor:
+                segments: list[tuple[int, int, int]], args: KdaArgs, idx: torch.Tensor | None = None) -> torch.Tensor:
     """h [T, H] BF16 (streams' new tokens packed); segments (stream, offset, n). Advances conv_state
-    [M, 3D, K] BF16 and rec_state [M, h, dk, dv] fp32 of those streams in place. Returns [T, H] BF16."""
+    [M, 3D, K] BF16 and rec_state [M, h, dk, dv] fp32 of those streams in place. Returns [T, H] BF16.
+    idx [M] on the device instead of segments: one token for each of those streams (the fixed-shape step)."""
     t = h.shape[0]
     nh, dk, kk = args.heads, args.head_dim, args.conv_kernel
     mixed = F.linear(h, a.qkv)                                        # [T, 3D] BF16, pre-conv
     conv_w = a.conv[:, None, :]                                       # [3D, 1, K]
     conv = torch.empty_like(mixed)
-    decode = all(n == 1 for _, _, n in segments) and len(segments) > 0
+    decode = idx is not None or (all(n == 1 for _, _, n in segments) and len(segments) > 0)
     if decode:
-        idx = torch.tensor([s for s, _, _ in segments], device=h.device)
+        if idx is None:
+            idx = torch.tensor([s for s, _, _ in segments], device=h.device)
         win = torch.cat((conv_state[idx], mixed[:, :, None]), dim=-1)                 # [M, 3D, K+1]
         conv_state[idx] = win[:, :, 1:]
         conv = F.silu(F.conv1d(win.float(), conv_w, groups=win.shape[1])[:, :, -1]).to(DT)

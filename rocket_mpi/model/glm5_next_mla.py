@@ -105,9 +105,78 @@ def _select(ix: Indexer, c: MlaCache, s: int, p0: int, q: torch.Tensor, w: torch
     return visible
 
 
+def _select_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, span: int, q: torch.Tensor, w: torch.Tensor,
+                   a: MlaArgs) -> torch.Tensor:
+    """_select for one new token per stream, batched: positions pos [M] (device), q [M, ih, d], w [M, ih]
+    -> visible [M, span] over the first `span` positions. A pool that this token completes gets its key
+    first; pools past a stream's position are never candidates, so any span >= the longest stream + 1
+    selects the same tokens."""
+    m, kp, dev = q.shape[0], a.kpool, q.device
+    idx = torch.arange(m, device=dev)
+    j = pos // kp                                                    # the pool this token falls in
+    complete = (pos + 1) % kp == 0
+    rows = (j[:, None] * kp + torch.arange(kp, device=dev)).clamp(max=c.index_k.shape[1] - 1)  # [M, kp]
+    keys = c.index_k[idx[:, None], rows]                             # [M, kp, d]
+    logits = c.index_gate[idx[:, None], rows].float() + ix.ape
+    pooled = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)        # [M, d]
+    c.pool_k[idx, j] = torch.where(complete[:, None], pooled, c.pool_k[idx, j])
+    visible = torch.zeros(m, span, dtype=torch.bool, device=dev)
+    pools = span // kp                                               # pools that can be complete in span
+    if pools:
+        scores = torch.matmul(q.float(), c.pool_k[:, :pools].float().transpose(-1, -2))  # [M, ih, P]
+        scores = F.relu(scores * a.index_dim ** -0.5)
+        index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                       # [M, P]
+        candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]
+        index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
+        chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
+        take = torch.zeros(m, pools, dtype=torch.bool, device=dev)
+        take.scatter_(1, chosen, candidate.gather(1, chosen))
+        visible[:, :pools * kp] = take.repeat_interleave(kp, dim=1)
+    if a.select_tail:
+        tail_start = (pos + 1) // kp * kp
+        col = torch.arange(span, device=dev)
+        visible |= (col[None, :] >= tail_start[:, None]) & (col[None, :] <= pos[:, None])
+    return visible
+
+
+def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: int, args: MlaArgs,
+               shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per stream at positions pos [M] (device), batched over streams with fixed shapes:
+    h [M, H] -> ([M, H] BF16, visible [M, span]). Each stream's visible latents (at most index_topk +
+    kpool of them) are gathered in ascending order into a fixed number of columns, the rest masked, then
+    expanded by kv_b and attended: the same tokens and weights as mla_forward's per-stream loop."""
+    m, dev = h.shape[0], h.device
+    q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [M, q_lora]
+    q = F.linear(q_resid, a.q_b).view(m, args.heads, args.qk_dim)
+    latent = rms_norm(F.linear(h, a.kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)        # [M, kv_lora]
+    idx = torch.arange(m, device=dev)
+    c.latent[idx, pos] = latent
+    ix = a.indexer
+    if ix is not None:
+        iq = F.linear(q_resid, ix.wq_b).view(m, args.index_heads, args.index_dim)
+        c.index_k[idx, pos] = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
+        c.index_gate[idx, pos] = F.linear(h, ix.gate)
+        iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5
+        visible = _select_decode(ix, c, pos, span, iq, iw, args)
+    else:
+        visible = shared
+    n_cols = min(span, (args.index_topk // args.kpool + 1) * args.kpool)
+    cols = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)[:, :n_cols]  # visible first, ascending
+    valid = visible.gather(1, cols)                                                   # [M, n_cols]
+    kv = F.linear(c.latent[idx[:, None], cols], a.kv_b).view(m, n_cols, args.heads, args.qk_dim + args.v_dim)
+    k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=valid[:, None, None, :], scale=args.qk_dim ** -0.5)
+    return F.linear(o[:, :, 0].reshape(m, -1), a.o, a.o_bias), visible
+
+
 def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens: list[int], args: MlaArgs,
-                shared: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """h [T, H] BF16 packed; returns ([T, H] BF16, per stream the visible mask [n, start+n] it used)."""
+                shared: list[torch.Tensor] | torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """h [T, H] BF16 packed; returns ([T, H] BF16, per stream the visible mask [n, start+n] it used).
+    A decode step (one token for every stream) runs batched (mla_decode; its selection is one
+    [M, longest + 1] mask)."""
+    if seqlens and all(n == 1 for n in seqlens):
+        return mla_decode(a, h, c, torch.tensor(starts, device=h.device), max(starts) + 1, args, shared)
     t = h.shape[0]
     q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [T, q_lora]
     q = F.linear(q_resid, a.q_b).view(t, args.heads, args.qk_dim)

@@ -86,21 +86,29 @@ def _select(ix: Indexer, c: MlaCache, s: int, p0: int, q: torch.Tensor, w: torch
         keys = c.index_k[s, done * kp:pools * kp].view(pools - done, kp, -1)
         logits = c.index_gate[s, done * kp:pools * kp].view(pools - done, kp, -1).float() + ix.ape
         c.pool_k[s, done:pools] = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)
-    pos = torch.arange(p0, end, device=dev)
-    visible = torch.zeros(n, end, dtype=torch.bool, device=dev)
+    return _choose(q, w, c.pool_k[s, :pools].t(), torch.arange(p0, end, device=dev), pools, end, a)
+
+
+def _choose(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Tensor, pools: int, width: int,
+            a: MlaArgs) -> torch.Tensor:
+    """Queries at positions pos [R] (q [R, ih, d], w [R, ih] fp32) against the first `pools` pool keys
+    (keys_t [d, P], or one set per query row [R, d, P]) -> visible [R, width]: the best index_topk/kpool
+    complete pools whose last token <= p, taken whole, plus the incomplete tail."""
+    kp, dev = a.kpool, q.device
+    visible = torch.zeros(q.shape[0], width, dtype=torch.bool, device=dev)
     if pools:
-        scores = torch.matmul(q.float(), c.pool_k[s, :pools].float().t())            # [n, ih, P]
+        scores = torch.matmul(q.float(), keys_t.float())                             # [R, ih, P]
         scores = F.relu(scores * a.index_dim ** -0.5)
-        index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                      # [n, P]
+        index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                      # [R, P]
         candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]   # pool's last token <= p
         index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
         chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
-        take = torch.zeros(n, pools, dtype=torch.bool, device=dev)
+        take = torch.zeros(q.shape[0], pools, dtype=torch.bool, device=dev)
         take.scatter_(1, chosen, candidate.gather(1, chosen))
         visible[:, :pools * kp] = take.repeat_interleave(kp, dim=1)
     if a.select_tail:
         tail_start = (pos + 1) // kp * kp
-        col = torch.arange(end, device=dev)
+        col = torch.arange(width, device=dev)
         visible |= (col[None, :] >= tail_start[:, None]) & (col[None, :] <= pos[:, None])
     return visible
 
@@ -120,23 +128,8 @@ def _select_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, span: int, q: to
     logits = c.index_gate[idx[:, None], rows].float() + ix.ape
     pooled = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)        # [M, d]
     c.pool_k[idx, j] = torch.where(complete[:, None], pooled, c.pool_k[idx, j])
-    visible = torch.zeros(m, span, dtype=torch.bool, device=dev)
     pools = span // kp                                               # pools that can be complete in span
-    if pools:
-        scores = torch.matmul(q.float(), c.pool_k[:, :pools].float().transpose(-1, -2))  # [M, ih, P]
-        scores = F.relu(scores * a.index_dim ** -0.5)
-        index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                       # [M, P]
-        candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]
-        index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
-        chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
-        take = torch.zeros(m, pools, dtype=torch.bool, device=dev)
-        take.scatter_(1, chosen, candidate.gather(1, chosen))
-        visible[:, :pools * kp] = take.repeat_interleave(kp, dim=1)
-    if a.select_tail:
-        tail_start = (pos + 1) // kp * kp
-        col = torch.arange(span, device=dev)
-        visible |= (col[None, :] >= tail_start[:, None]) & (col[None, :] <= pos[:, None])
-    return visible
+    return _choose(q, w, c.pool_k[:, :pools].transpose(-1, -2), pos, pools, span, a)
 
 
 def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: int, args: MlaArgs,

@@ -31,6 +31,11 @@ fire_bf16)
 bf16)
   T=300 run "decode1_${PRESET}_bf16_graph" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep 1,8 --tokens 16
   T=300 run "decode2_${PRESET}_bf16_graph_cuda-ipc" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 16 ;;
+fire_glm5)  # the GLM-5 families' fixed-shape step captured (not yet under auto: model GRAPH_CHECKED)
+  for p in dsa-tiny glm5-tiny; do
+    T=240 run "fire_graph_$p" python3 -m rocket_mpi static-fire --checkpoint preset:$p:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
+    T=240 run "decode1_${p}_paths" bash -c "for d in host graph; do python3 -m rocket_mpi decode --checkpoint preset:$p:nvfp4 --device cuda --decode-path \$d --sweep 8 --tokens 16; done"
+  done ;;
 fire_host)
   T=240 run fire_host_ipc python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --decode-path host --sweep 1,8 --tokens 12 ;;
 paths)

@@ -254,10 +254,15 @@ def test_reference_matches_expert_store(limit):
     counts = {0: 3, 1: 9, 2: 1, 5: 17}
     segs = segments_for(counts)
     n = sum(counts.values())
-    x = (torch.randn(n, h) * 2).to(torch.bfloat16)
+    x = (torch.randn(n, h, generator=torch.Generator().manual_seed(7)) * 2).to(torch.bfloat16)
     want = store.compute(x, torch.arange(n), segs, 0)
     got = kernels.nvfp4_experts_ref(x, segs, p, 0, swiglu_limit=limit)
-    assert_close(got, want, TOL_STORE, f"nvfp4_experts_ref vs ExpertStore (limit {limit})")
+    # The two round in different places (ExpertStore folds weight_scale_2 into bf16 weights, the kernel
+    # and its reference apply it in fp32). With the clamp at 0.02 most gate/up values sit at the limit and
+    # the outputs are small: over 200 random inputs the norm error was 1.1% median, 2.0% at most (0.5-0.6%
+    # without the clamp), so 2^-6 failed 1 input in 18; that case is held to 2^-5.
+    tol = TOL_STORE if limit is None else (2.0 ** -5, TOL_STORE[1])
+    assert_close(got, want, tol, f"nvfp4_experts_ref vs ExpertStore (limit {limit})")
     if limit is not None:   # the clamp is active on this data
         g = x.float() @ store.gate_up[0][:i].float().T
         assert bool((g > limit).any())

@@ -11,6 +11,16 @@ from rocket_mpi import launch  # noqa: E402
 from rocket_mpi.checkpoint.make import make_checkpoint  # noqa: E402
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny ops on shared cores: one torch thread (two contending ones are many times slower)."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))

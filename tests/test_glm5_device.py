@@ -25,12 +25,7 @@ CUDA = torch.cuda.is_available()
 NO_CUDA = "no CUDA device here (torch " + torch.__version__ + "): GPU part skipped"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -70,13 +70,7 @@ VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hi
               projection_intermediate_size=32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops: threads only contend on the shared cores (8x slower with 2)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def build_hf(variant: str, seed: int = 0) -> Glm5NextForConditionalGeneration:

@@ -61,13 +61,7 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices on shared cores: one thread is ~50x faster than two contending ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def build_hf(variant: str, seed: int = 0) -> GlmMoeDsaForCausalLM:

@@ -147,19 +147,66 @@ torch::Tensor dequant_packed(const torch::Tensor& q, const torch::Tensor& s) {
   return out;
 }
 
-torch::Tensor moe_scatter_add(const torch::Tensor& rows, const torch::Tensor& by_token, const torch::Tensor& coef) {
+torch::Tensor moe_scatter_add(const torch::Tensor& rows, const torch::Tensor& by_token, const torch::Tensor& coef,
+                              const std::optional<torch::Tensor>& by_canon, std::optional<torch::Tensor> sum) {
   const c10::Device dev = rows.device();
   expect(rows, "rows", torch::kBFloat16, 2, dev, 2);
   expect(by_token, "by_token", torch::kLong, 2, dev, 8);
   expect(coef, "coef", torch::kFloat, 2, dev, 4);
   ROCKET_CHECK(coef.sizes() == by_token.sizes(), "coef " << coef.sizes() << " vs by_token " << by_token.sizes());
+  ROCKET_CHECK(by_canon.has_value() == sum.has_value(), "moe_scatter_add: by_canon and sum go together");
+  if (by_canon) {
+    expect(*by_canon, "by_canon", torch::kInt, 2, dev, 4);
+    ROCKET_CHECK(by_canon->sizes() == by_token.sizes(), "by_canon " << by_canon->sizes() << " vs by_token "
+                 << by_token.sizes());
+    ROCKET_CHECK(sum->is_cuda() && sum->device() == dev && sum->scalar_type() == torch::kLong && sum->numel() == 1,
+                 "moe_scatter_add: sum must be one int64 on " << dev);
+  }
   const int64_t tokens = by_token.size(0), topk = by_token.size(1), hidden = rows.size(1);
   const c10::cuda::CUDAGuard guard(dev);
   auto out = torch::empty({tokens, hidden}, rows.options());
   rocket::launch_moe_scatter_add(rows.data_ptr(), rows.size(0), by_token.data_ptr<int64_t>(), coef.data_ptr<float>(),
                                  out.data_ptr(), static_cast<int>(tokens), static_cast<int>(topk),
-                                 static_cast<int>(hidden), c10::cuda::getCurrentCUDAStream().stream());
+                                 static_cast<int>(hidden), by_canon ? by_canon->data_ptr<int>() : nullptr,
+                                 sum ? sum->data_ptr<int64_t>() : nullptr, c10::cuda::getCurrentCUDAStream().stream());
   return out;
+}
+
+// The router of one MoE layer (router.cu): x [T, H] bf16, W [E, H] fp32 -> partial logits [S, T, E] fp32
+// (S = slices of H; the logits are their sum in slice order, which moe_route takes).
+torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& w) {
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 2, dev, 8);
+  expect(w, "router weight", torch::kFloat, 2, dev, 16);
+  ROCKET_CHECK(w.size(1) == x.size(1) && x.size(1) % 4 == 0, "router_logits: x " << x.sizes() << ", weight "
+               << w.sizes() << " (hidden a multiple of 4)");
+  const c10::cuda::CUDAGuard guard(dev);
+  const int hidden = static_cast<int>(x.size(1));
+  auto partial = torch::empty({rocket::router_slices(hidden), x.size(0), w.size(0)}, w.options());
+  rocket::launch_router_logits(x.data_ptr(), w.data_ptr<float>(), static_cast<int>(x.size(0)), hidden,
+                               static_cast<int>(w.size(0)), partial.data_ptr<float>(),
+                               c10::cuda::getCurrentCUDAStream().stream());
+  return partial;
+}
+
+// partial [S, T, E] fp32 (router_logits; S = 1: plain logits), bias [E] fp32 -> {weights [T, k] fp32,
+// experts [T, k] int64} (router.cu moe_route).
+std::vector<torch::Tensor> moe_route(const torch::Tensor& partial, const torch::Tensor& bias, int64_t n_group,
+                                     int64_t topk_group, int64_t topk, bool norm, double scaling) {
+  const c10::Device dev = partial.device();
+  expect(partial, "logits", torch::kFloat, 3, dev, 4);
+  expect(bias, "bias", torch::kFloat, 1, dev, 4);
+  ROCKET_CHECK(bias.numel() == partial.size(2), "bias " << bias.sizes() << " for logits " << partial.sizes());
+  const int64_t t = partial.size(1);
+  const c10::cuda::CUDAGuard guard(dev);
+  auto experts = torch::empty({t, topk}, partial.options().dtype(torch::kLong));
+  auto weights = torch::empty({t, topk}, partial.options());
+  rocket::launch_moe_route(partial.data_ptr<float>(), static_cast<int>(partial.size(0)), bias.data_ptr<float>(),
+                           static_cast<int>(t), static_cast<int>(partial.size(2)), static_cast<int>(n_group),
+                           static_cast<int>(topk_group), static_cast<int>(topk), norm, static_cast<float>(scaling),
+                           experts.data_ptr<int64_t>(), weights.data_ptr<float>(),
+                           c10::cuda::getCurrentCUDAStream().stream());
+  return {weights, experts};
 }
 
 // The experts of a device plan (moe_plan): rows into `out` (block row r at out[r]), fixed grid over the
@@ -191,7 +238,8 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
                  s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
 }
 
-// Device row plan of one MoE layer; returns {by_token, coef, row_index, pad_rows, groups, canon_slot, meta}.
+// Device row plan of one MoE layer; returns {by_token, coef, row_index, pad_rows, groups, canon_slot, meta,
+// by_canon}.
 std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::Tensor& weights,
                                     const torch::Tensor& owner, const torch::Tensor& slot, const torch::Tensor& canon,
                                     const torch::Tensor& s2_down, int64_t rank, int64_t n_ranks, int64_t n_sets,
@@ -219,6 +267,7 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   auto groups = torch::empty({cap, 4}, l.dtype(torch::kInt));
   auto canon_slot = torch::empty({cap}, l);
   auto meta = torch::empty({rocket::kPlanMetaHead + n_ranks}, l);
+  auto by_canon = torch::empty({t, k}, l.dtype(torch::kInt));
   rocket::PlanLaunch a{};
   a.experts = experts.data_ptr<int64_t>();
   a.weights = weights.data_ptr<float>();
@@ -242,8 +291,9 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   a.groups = reinterpret_cast<int4*>(groups.data_ptr<int>());
   a.canon_slot = canon_slot.data_ptr<int64_t>();
   a.meta = meta.data_ptr<int64_t>();
+  a.by_canon = by_canon.data_ptr<int>();
   rocket::launch_moe_plan(a, c10::cuda::getCurrentCUDAStream().stream());
-  return {by_token, coef, row_index, pad_rows, groups, canon_slot, meta};
+  return {by_token, coef, row_index, pad_rows, groups, canon_slot, meta, by_canon};
 }
 
 // cuda-ipc push: this rank's block (src, meta rows) into every rank's row buffer (dst addresses, set 0 row
@@ -373,19 +423,6 @@ void kv_append(torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& k, con
                            c10::cuda::getCurrentCUDAStream().stream());
 }
 
-// out (one int64, e.g. sums[i]) += the row checksum sum of rows[canon] (decode_ops.cu).
-void row_sums(const torch::Tensor& rows, const torch::Tensor& canon, torch::Tensor& out) {
-  const c10::Device dev = rows.device();
-  expect(rows, "rows", torch::kBFloat16, 2, dev, 2);
-  expect(canon, "canon", torch::kLong, 1, dev, 8);
-  ROCKET_CHECK(out.is_cuda() && out.device() == dev && out.scalar_type() == torch::kLong && out.numel() == 1,
-               "row_sums: out must be one int64 on " << dev);
-  const c10::cuda::CUDAGuard guard(dev);
-  rocket::launch_row_sums(rows.data_ptr(), canon.data_ptr<int64_t>(), static_cast<int>(canon.numel()),
-                          static_cast<int>(rows.size(1)), out.data_ptr<int64_t>(),
-                          c10::cuda::getCurrentCUDAStream().stream());
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -404,6 +441,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step)");
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
-  m.def("row_sums", &row_sums, "row checksum sum of rows in canonical order, added into out");
-  m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding");
+  m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "
+        "with by_canon and sum, also sum += the rows' checksum", py::arg("rows"), py::arg("by_token"), py::arg("coef"),
+        py::arg("by_canon") = py::none(), py::arg("sum") = py::none());
+  m.def("router_logits", &router_logits, "router logits as partial sums over slices of hidden [S, T, E], fp32");
+  m.def("moe_route", &moe_route, "sigmoid router: group-limited top-k and normalised weights, one warp per token");
 }

@@ -7,8 +7,7 @@
 //              step's cos/sin [T, rot] (bf16): out = bf16(bf16(x * cos) + bf16(rotated * sin)), exactly
 //              torch's bf16 ops on the same inputs
 //   kv_append  k/v [M, hkv, d] into the caches [M, hkv, cap, d] at each stream's position pos[M]
-//   row_sums   sum over canonical rows i, columns c of int16(row) * ((i*n + c + 1) % 65521 + 1), into an
-//              int64 (integer adds: any order gives the same sum): the row checksum of engine.row_checksum
+// (The rows' checksum is summed by moe_scatter_add as it reads them: scatter.cu.)
 #include "common.cuh"
 
 namespace rocket {
@@ -115,28 +114,6 @@ __global__ void kv_append_kernel(__nv_bfloat16* __restrict__ kc, __nv_bfloat16* 
   vc[dst] = v[idx];
 }
 
-__global__ void row_sums_kernel(const int16_t* __restrict__ rows, const int64_t* __restrict__ canon, int n_rows,
-                                int n, unsigned long long* __restrict__ out) {
-  __shared__ long long red[32];
-  long long acc = 0;
-  const int64_t total = int64_t(n_rows) * n;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / n, c = i % n;
-    const long long word = rows[canon[r] * n + c];
-    acc += word * ((i + 1) % 65521 + 1);
-  }
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) red[warp] = acc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    long long t = 0;
-    for (int w = 0; w < int(blockDim.x >> 5); ++w) t += red[w];
-    atomicAdd(out, static_cast<unsigned long long>(t));  // mod 2^64: the exact signed sum
-  }
-}
-
 }  // namespace
 
 void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream) {
@@ -170,15 +147,6 @@ void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const in
   kv_append_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
       static_cast<__nv_bfloat16*>(kc), static_cast<__nv_bfloat16*>(vc), static_cast<const __nv_bfloat16*>(k),
       static_cast<const __nv_bfloat16*>(v), pos, streams, hkv, cap, d);
-  ROCKET_LAUNCH_CHECK();
-}
-
-void launch_row_sums(const void* rows, const int64_t* canon, int n_rows, int n, int64_t* out, cudaStream_t stream) {
-  const int64_t total = int64_t(n_rows) * n;
-  if (total == 0) return;
-  const int blocks = int(std::min<int64_t>(132, (total + 255) / 256));
-  row_sums_kernel<<<blocks, 256, 0, stream>>>(static_cast<const int16_t*>(rows), canon, n_rows, n,
-                                              reinterpret_cast<unsigned long long*>(out));
   ROCKET_LAUNCH_CHECK();
 }
 

@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
   __shared__ int own[kPlanMaxExperts];
   __shared__ int expk[kPlanMaxRows];     // expert of flat (token, slot) i
   __shared__ int rowpos[kPlanMaxRows];   // slot-space row of flat (token, slot) i
+  __shared__ int canrow[kPlanMaxRows];   // canonical row of flat (token, slot) i
   __shared__ int rank_rows[kPlanMaxRanks];
   __shared__ int off[kPlanMaxRanks + 1];
   __shared__ uint64_t warp_sums[32];
@@ -127,6 +128,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     const int row = start[e] + rnk, o = own[e], rel = row - off[o];
     const int64_t sp = base + int64_t(o) * C + rel;
     rowpos[i] = static_cast<int>(sp);
+    canrow[i] = row;
     a.canon_slot[row] = sp;
     if (o == a.rank) {
       a.row_index[rel] = t;
@@ -149,6 +151,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     for (int j = 0; j < a.topk; ++j) {
       const int i = t * a.topk + idx[j];
       a.by_token[t * a.topk + j] = rowpos[i];
+      a.by_canon[t * a.topk + j] = canrow[i];
       a.coef[t * a.topk + j] = __fmul_rn(a.weights[i], a.s2_down[expk[i]]);
     }
   }

@@ -23,9 +23,9 @@
 // exact bf16 E2M1 * scale * 2^-8 (<= 6 significant bits). The 2^-8 comes back as * 256 in fp32
 // in the epilogue, where it is exact.
 //
-// Memory: each warp streams its 2 tiles through a private 8-stage cp.async ring (16 B per lane per
-// tile and stage, 6 stages in flight); every lane copies only what it reads itself, so no barrier
-// is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
+// Memory: each warp streams its 2 tiles through a private 4-stage cp.async ring (16 B per lane per
+// tile and stage, 3 stages in flight; 24 warps per SM); every lane copies only what it reads itself, so
+// no barrier is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
 // the same expert).
 #include "common.cuh"
 
@@ -35,13 +35,17 @@ namespace {
 constexpr int kWarps = 8;                                   // one expert per block: 8 warps share rows in L1
 constexpr int kThreads = kWarps * 32;
 constexpr int kFT = 2;                                      // feature tiles per warp
-constexpr int kStages = 8;
-constexpr int kLookahead = kStages - 2;                     // a slot is refilled 2 iterations after its read
 constexpr int kStageCodes = kFT * 32 * 16;                  // per warp and stage: codes 512 B per tile
 constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 scale bytes per tile
-constexpr int kWarpSmem = kStages * kStageBytes;            // 12 KiB
-constexpr int kSmemBytes = kWarps * kWarpSmem;              // 96 KiB: 2 blocks, 16 warps per SM
-static_assert((kStages & (kStages - 1)) == 0, "kStages must be a power of two");
+// The weight ring of each warp: S stages, L k-tiles in flight, B blocks per SM (the register bound). Measured
+// on the H200 (session 10, results/h200_s10_bench_experts_cfg_*.log; % of copy BW at 1 / 8 / 16 rows per
+// expert, decode M=8 / 32): S=8 L=6 B=2 (16 warps/SM, 114 registers) 71.2 / 69.6 / 59.1, 60.0 / 72.1;
+// S=4 L=3 B=3 (24 warps/SM, 80 registers) 74.7 / 73.1 / 59.4, 62.1 / 75.8; S=6 L=5 B=3 74.6 / 73.0 / 59.1,
+// 62.6 / 74.6; S=4 L=2 B=3 71.7 / 71.7 / 59.9. More warps hide more latency than a deeper ring does. At
+// 80 registers only the 3- and 4-row-tile paths (17-32 rows of one expert) spill, a few words each.
+constexpr int kRing = 4, kRingLookahead = 3, kBlocksPerSm = 3;
+template <int S>
+__host__ __device__ constexpr int warp_smem() { return S * kStageBytes; }
 
 // Decode masks: see rocket_mpi/kernels/pack.py (CODE_Q_BITS / CODE_S_BITS).
 // The main loop is bound by the integer pipe (ncu on the H200: ALU ~62% busy; scripts/sass_loops.py: 207
@@ -121,7 +125,7 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int n
 // through L1 (shared by the block's warps on the same pass), prefetched one k-tile ahead where the
 // registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from 63% to 70% of
 // copy bandwidth on the H200 (results/README.md, session 9).
-template <int RT>
+template <int RT, int S, int L>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4]) {
   constexpr bool kPrefetch = RT <= 2;
@@ -138,18 +142,22 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
   char* s_codes = smem_warp + lane * 16;
   char* s_scales = smem_warp + kStageCodes + lane * 8;
-  int issued = 0;
+  static_assert(L >= 1 && L <= S - 1, "lookahead");
+  int issued = 0, st_in = 0, st_out = 0;  // k-tiles issued; ring slots of the next issue and the next read
   auto issue = [&]() {  // the next k-tile, in order
-    const int st = issued & (kStages - 1);
 #pragma unroll
     for (int i = 0; i < kFT; ++i) {
-      dev::cp_async_16(s_codes + st * kStageBytes + i * 512, qp[i]);
-      dev::cp_async_8(s_scales + st * kStageBytes + i * 256, sp[i]);
+      dev::cp_async_16(s_codes + st_in * kStageBytes + i * 512, qp[i]);
+      dev::cp_async_8(s_scales + st_in * kStageBytes + i * 256, sp[i]);
       qp[i] += kTileCodeBytes;
       sp[i] += kTileScaleBytes;
     }
     ++issued;
+    st_in = st_in + 1 == S ? 0 : st_in + 1;
   };
+  // L k-tiles in flight; slot (kt + L) % S is refilled S - L iterations after its read (each lane reads
+  // only what it copied, and a read's registers are consumed within its iteration, so L = S - 1 is safe).
+  constexpr int kLookahead = L;
 #pragma unroll
   for (int kt = 0; kt < kLookahead; ++kt) {
     if (issued < nk) issue();
@@ -179,7 +187,8 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     dev::cp_async_wait<kLookahead - 1>();  // k-tile kt has landed (one group per k-tile)
     if (issued < nk) issue();
     dev::cp_async_commit();
-    const int st = kt & (kStages - 1);
+    const int st = st_out;
+    st_out = st_out + 1 == S ? 0 : st_out + 1;
     uint4 qv[kFT];
     uint2 sv[kFT];
 #pragma unroll
@@ -266,7 +275,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
   }
 }
 
-template <int RT, bool kSwiglu>
+template <int RT, bool kSwiglu, int S, int L>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem_warp, int lane) {
   float acc[kFT][RT][4];
 #pragma unroll
@@ -275,7 +284,7 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-  mainloop<RT>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
+  mainloop<RT, S, L>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
   if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
   else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
@@ -284,19 +293,19 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
 // y, so a block's warps share the pass's rows in L1. Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
 // slower on the H200, results/README.md, session 9.)
-template <bool kSwiglu>
-__global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(const GemmParams p) {
+template <bool kSwiglu, int S, int L, int B>
+__global__ void __launch_bounds__(kThreads, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int fg = blockIdx.x * kWarps + warp;
   if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
   const int4 grp = p.groups[blockIdx.y];
-  char* smem_warp = smem + warp * kWarpSmem;
+  char* smem_warp = smem + warp * warp_smem<S>();
   switch (grp.z) {
-    case 1: run_group<1, kSwiglu>(p, grp, fg, smem_warp, lane); break;
-    case 2: run_group<2, kSwiglu>(p, grp, fg, smem_warp, lane); break;
-    case 3: run_group<3, kSwiglu>(p, grp, fg, smem_warp, lane); break;
-    case 4: run_group<4, kSwiglu>(p, grp, fg, smem_warp, lane); break;
+    case 1: run_group<1, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
+    case 2: run_group<2, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
+    case 3: run_group<3, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
+    case 4: run_group<4, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -352,22 +361,28 @@ __global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8
 
 // The dynamic shared memory attribute belongs to a function on each device: set once per (kernel, device).
 template <typename Kernel>
-void set_smem_attr(Kernel kernel, bool (&done)[64]) {
+void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
   int dev = 0;
   ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= 64 || !done[dev]) {
-    ROCKET_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    ROCKET_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     if (dev < 64) done[dev] = true;
   }
 }
 
+template <bool kSwiglu, int S, int L, int B>
+void launch_gemm_cfg(const GemmParams& p, cudaStream_t stream) {
+  static bool done[64] = {};
+  constexpr int bytes = kWarps * warp_smem<S>();
+  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B>, bytes, done);
+  dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
+  experts_gemm_kernel<kSwiglu, S, L, B><<<grid, kThreads, bytes, stream>>>(p);
+  ROCKET_LAUNCH_CHECK();
+}
+
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, cudaStream_t stream) {
-  static bool done[64] = {};
-  set_smem_attr(experts_gemm_kernel<kSwiglu>, done);
-  dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
-  experts_gemm_kernel<kSwiglu><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  ROCKET_LAUNCH_CHECK();
+  launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm>(p, stream);
 }
 
 }  // namespace

@@ -106,9 +106,24 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream);
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,
                                  cudaStream_t stream);
 
-// out[t] = bf16(sum_j coef[t,j] * rows[by_token[t,j]]), fp32 in j order from 0.0f, one rounding.
+// out[t] = bf16(sum_j coef[t,j] * rows[by_token[t,j]]), fp32 in j order from 0.0f, one rounding. With
+// by_canon ([tokens, topk] canonical row of each by_token entry) and sum, *sum += the rows' checksum.
 void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_token, const float* coef,
-                            void* out, int tokens, int topk, int hidden, cudaStream_t stream);
+                            void* out, int tokens, int topk, int hidden, const int* by_canon, int64_t* sum,
+                            cudaStream_t stream);
+
+// ---- the router on the device (router.cu; reference rocket_mpi/moe/router.py route) ----
+constexpr int kRouteMaxExperts = 1024;
+// partial [router_slices(hidden), tokens, E] fp32: x [tokens, hidden] bf16 . W [E, hidden] fp32 over each
+// slice of hidden, a fixed sum order per (t, e); the logits are the partials summed in slice order.
+int router_slices(int hidden);
+void launch_router_logits(const void* x, const float* w, int tokens, int hidden, int n_experts, float* partial,
+                          cudaStream_t stream);
+// logits (partials summed), sigmoid, + bias for the choice, group-limited top-k (ties to the lower id),
+// normalised weights x scaling.
+void launch_moe_route(const float* partial, int slices, const float* bias, int tokens, int n_experts, int n_group,
+                      int topk_group, int topk, bool norm, float scaling, int64_t* experts, float* weights,
+                      cudaStream_t stream);
 
 // ---- device row plan (moe_plan.cu; torch reference and layout in rocket_mpi/kernels/plan.py) ----
 constexpr int kPlanThreads = 1024;
@@ -138,6 +153,7 @@ struct PlanLaunch {
   int* pad_rows;            // [cap * 8] block row of each padded row, -1 = padding
   int4* groups;             // [cap] weight passes; tiles = 0 past the last
   int64_t* canon_slot;      // [tokens * topk] slot-space row of canonical row i
+  int* by_canon;            // [tokens, topk] canonical row of each by_token entry (the scatter's checksum)
   int64_t* meta;            // [kPlanMetaHead + n_ranks]  (layout in rocket_mpi/kernels/plan.py)
 };
 
@@ -170,6 +186,5 @@ void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens,
                  cudaStream_t stream);
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,
                       int cap, int d, cudaStream_t stream);
-void launch_row_sums(const void* rows, const int64_t* canon, int n_rows, int n, int64_t* out, cudaStream_t stream);
 
 }  // namespace rocket

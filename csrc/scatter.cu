@@ -4,58 +4,95 @@
 // for j = 0..k-1 starting from zeros: a rounded fp32 multiply, then a rounded fp32 add, in j order,
 // then one rounding to bf16. __fmul_rn / __fadd_rn keep nvcc from contracting them into an FMA,
 // and acc starts at +0.0f and adds even the first product (0 + -0 = +0, as torch).
+//
+// With `sum` (the graphed step), the same pass also adds the rows' checksum (engine.row_sum: int16 words
+// of canonical row i, column c, times ((i * n + c + 1) % 65521 + 1)) into *sum: every canonical row is
+// read once by exactly one token, and integer adds give the same total in any order. That saves the
+// step a separate kernel reading every row again (row_sums, 6 us per MoE layer on the H200).
 #include "common.cuh"
 
 namespace rocket {
 namespace {
 
+constexpr int kScatterThreads = 256;
+constexpr uint32_t kSumMod = 65521;
+
 template <int VEC>
-__global__ void scatter_add_kernel(const __nv_bfloat16* __restrict__ rows, const int64_t* __restrict__ by_token,
-                                   const float* __restrict__ coef, __nv_bfloat16* __restrict__ out, int tokens,
-                                   int topk, int hidden) {
+__global__ void __launch_bounds__(kScatterThreads) scatter_add_kernel(
+    const __nv_bfloat16* __restrict__ rows, const int64_t* __restrict__ by_token, const float* __restrict__ coef,
+    __nv_bfloat16* __restrict__ out, int tokens, int topk, int hidden, const int* __restrict__ by_canon,
+    unsigned long long* __restrict__ sum) {
   const int chunks = hidden / VEC;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(tokens) * chunks) return;
-  const int64_t tok = idx / chunks;
-  const int c = int(idx % chunks);
-  float acc[VEC];
+  const bool active = idx < int64_t(tokens) * chunks;
+  long long check = 0;
+  if (active) {
+    const int64_t tok = idx / chunks;
+    const int c = int(idx % chunks);
+    float acc[VEC];
 #pragma unroll
-  for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
-  for (int j = 0; j < topk; ++j) {
-    const int64_t r = by_token[tok * topk + j];
-    const float w = coef[tok * topk + j];
-    const __nv_bfloat16* src = rows + r * hidden + int64_t(c) * VEC;
-    __nv_bfloat16 x[VEC];
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+    for (int j = 0; j < topk; ++j) {
+      const int64_t r = by_token[tok * topk + j];
+      const float w = coef[tok * topk + j];
+      const __nv_bfloat16* src = rows + r * hidden + int64_t(c) * VEC;
+      __nv_bfloat16 x[VEC];
+      if constexpr (VEC == 8) {
+        *reinterpret_cast<uint4*>(x) = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) x[v] = src[v];
+      }
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(w, __bfloat162float(x[v])));
+      if (sum != nullptr) {  // launcher: rows x hidden < 2^31, so the flat index fits 32 bits
+        uint32_t m = (uint32_t(by_canon[tok * topk + j]) * uint32_t(hidden) + uint32_t(c * VEC) + 1u) % kSumMod;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          check += static_cast<long long>(static_cast<int16_t>(dev::bf16_bits(x[v]))) * (m + 1);
+          m = m + 1 == kSumMod ? 0 : m + 1;
+        }
+      }
+    }
+    __nv_bfloat16 o[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) o[v] = __float2bfloat16_rn(acc[v]);
+    __nv_bfloat16* dst = out + tok * hidden + int64_t(c) * VEC;
     if constexpr (VEC == 8) {
-      *reinterpret_cast<uint4*>(x) = __ldg(reinterpret_cast<const uint4*>(src));
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(o);
     } else {
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) x[v] = src[v];
+      for (int v = 0; v < VEC; ++v) dst[v] = o[v];
     }
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(w, __bfloat162float(x[v])));
   }
-  __nv_bfloat16 o[VEC];
+  if (sum == nullptr) return;
+  __shared__ long long red[kScatterThreads / 32];
 #pragma unroll
-  for (int v = 0; v < VEC; ++v) o[v] = __float2bfloat16_rn(acc[v]);
-  __nv_bfloat16* dst = out + tok * hidden + int64_t(c) * VEC;
-  if constexpr (VEC == 8) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(o);
-  } else {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) dst[v] = o[v];
+  for (int d = 16; d > 0; d >>= 1) check += __shfl_xor_sync(0xffffffffu, check, d);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = check;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long t = 0;
+    for (int w = 0; w < kScatterThreads / 32; ++w) t += red[w];
+    atomicAdd(sum, static_cast<unsigned long long>(t));  // integer: any order of blocks, same total
   }
 }
 
 }  // namespace
 
 void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_token, const float* coef,
-                            void* out, int tokens, int topk, int hidden, cudaStream_t stream) {
+                            void* out, int tokens, int topk, int hidden, const int* by_canon, int64_t* sum,
+                            cudaStream_t stream) {
   ROCKET_CHECK(tokens >= 0 && topk >= 0 && hidden > 0, "tokens " << tokens << ", topk " << topk << ", hidden "
                << hidden);
+  ROCKET_CHECK((by_canon == nullptr) == (sum == nullptr), "moe_scatter_add: by_canon and sum go together");
+  ROCKET_CHECK(sum == nullptr || int64_t(tokens) * topk * hidden < (int64_t(1) << 31),
+               "moe_scatter_add: " << tokens << " x " << topk << " rows of " << hidden << " exceed the checksum's "
+               "32-bit index");
   (void)n_rows;  // indices are checked by the caller; kept for the interface
   if (tokens == 0) return;
-  const int threads = 256;
+  const int threads = kScatterThreads;
+  auto* s = reinterpret_cast<unsigned long long*>(sum);
   const auto* r = static_cast<const __nv_bfloat16*>(rows);
   auto* o = static_cast<__nv_bfloat16*>(out);
   const bool vec = hidden % 8 == 0 && reinterpret_cast<uintptr_t>(rows) % 16 == 0 &&
@@ -63,11 +100,13 @@ void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_
   if (vec) {
     const int64_t n = int64_t(tokens) * (hidden / 8);
     scatter_add_kernel<8><<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(r, by_token, coef, o,
-                                                                                         tokens, topk, hidden);
+                                                                                         tokens, topk, hidden,
+                                                                                         by_canon, s);
   } else {
     const int64_t n = int64_t(tokens) * hidden;
     scatter_add_kernel<1><<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(r, by_token, coef, o,
-                                                                                         tokens, topk, hidden);
+                                                                                         tokens, topk, hidden,
+                                                                                         by_canon, s);
   }
   ROCKET_LAUNCH_CHECK();
 }

@@ -3,10 +3,11 @@
 The eager GPU step is host-bound: Python launches a few hundred small kernels per step and reads the
 routing back once per MoE layer (the host plan). Here every MoE layer is
 
-    route (torch) -> moe_plan (one kernel: the canonical plan in slot space, kernels/plan.py)
+    route (router_logits + moe_route, two kernels) -> moe_plan (one kernel: the canonical plan in slot
+    space, kernels/plan.py)
     -> this rank's block: nvfp4_experts_into (NVFP4, our kernel, fixed grid) or, for BF16 experts,
        torch._grouped_mm over the stacked weights with group ends counted on the device
-    -> exchange -> row_sums (the row checksum, folded by the host after the step) -> moe_scatter_add
+    -> exchange -> moe_scatter_add, which also sums the rows' checksum (folded by the host after the step)
 
 with shapes fixed by (streams, top-k, ranks), so the whole decode step (attention over the cache's full
 capacity with a length mask, MoE layers, lm_head, argmax, the next positions) is captured once in a
@@ -85,6 +86,7 @@ class DeviceMoE:
             slot = store.packed.slot if store.packed is not None else {e: i for i, e in enumerate(sorted(store.owned))}
             self.tables[layer] = (owner.to(dev, torch.int32), kplan.slot_table(owner.numel(), slot).to(dev),
                                   kplan.canonical_experts(owner).to(dev), store.s2_down.to(dev, torch.float32))
+        self.router = {}  # the router kernels' operands, contiguous fp32 once (not per step)
         self.seq = torch.tensor([e.seq], dtype=torch.long, device=dev)  # continues the host's seq
         self.err = torch.zeros(4, dtype=torch.long, device=dev)
         fab = e.fabric
@@ -130,7 +132,12 @@ class DeviceMoE:
         from rocket_mpi import kernels
         cfg = self.engine.cfg
         store = self.engine.experts[layer]
-        weights, experts = route(x, L.router_w, L.router_b, cfg)
+        if self.mode == "host":
+            weights, experts = route(x, L.router_w, L.router_b, cfg)
+        else:
+            if layer not in self.router:
+                self.router[layer] = (L.router_w.float().contiguous(), L.router_b.float().contiguous())
+            weights, experts = kernels.route(x, *self.router[layer], cfg)
         owner, slot, canon, s2 = self.tables[layer]
         p = kplan.moe_plan(experts, weights, owner, slot, canon, s2, self.rank, self.size, self.n_sets,
                            self.set_stride, self.seq)
@@ -150,15 +157,14 @@ class DeviceMoE:
         elif self.mode == "cuda-ipc":
             C.ipc_exchange(self.out, p["meta"], self.dst, self.peer_bells, self.counter, self.cap, self.set_stride,
                            self.rank, PUSH_BLOCKS, self.bells, self.err, self.timeout, layer)
-        C.row_sums(self.rows, p["canon_slot"], self.sums[len(self.metas)])
+        out = kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)])
         self.metas.append(p["meta"])
-        return kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"])
+        return out
 
     def _host_rest(self, layer: int, x: torch.Tensor, store, p) -> torch.Tensor:
         """CPU: this rank's block by the torch reference over the plan's rows (segments rebuilt from the
         padded rows and weight passes, as the kernel reads them), every rank's cap rows through the
         fabric at fixed offsets, then the same slot-space checksum and scatter."""
-        from rocket_mpi.engine import row_sum
         from rocket_mpi.kernels import moe_scatter_add
         meta = p["meta"].tolist()
         n = meta[kplan.META_ROWS]
@@ -175,9 +181,9 @@ class DeviceMoE:
         seq, fab = meta[kplan.META_SEQ], self.engine.fabric
         self.rows = fab.exchange(seq, [r * self.cap for r in range(self.size + 1)], self.out, layer,
                                  self.engine.step)
-        self.sums[len(self.metas)] += row_sum(self.rows[p["canon_slot"]])
+        out = moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)])
         self.metas.append(p["meta"])
-        return moe_scatter_add(self.rows, p["by_token"], p["coef"])
+        return out
 
 
 def _merge(segs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

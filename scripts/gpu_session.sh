@@ -33,7 +33,7 @@ bf16)
   T=300 run "decode2_${PRESET}_bf16_graph_cuda-ipc" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 16 ;;
 fire_glm5)  # the GLM-5 families' fixed-shape step captured (not yet under auto: model GRAPH_CHECKED)
   for p in dsa-tiny glm5-tiny; do
-    T=240 run "fire_graph_$p" python3 -m rocket_mpi static-fire --checkpoint preset:$p:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
+    T=240 run "fire_graph_$p" python3 -m rocket_mpi static-fire --checkpoint preset:$p:nvfp4 --ranks ${RANKS:-2} --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
     T=240 run "decode1_${p}_paths" bash -c "for d in host graph; do python3 -m rocket_mpi decode --checkpoint preset:$p:nvfp4 --device cuda --decode-path \$d --sweep 8 --tokens 16; done"
   done ;;
 fire_host)
@@ -75,6 +75,14 @@ fabbench)
   done ;;
 experts)
   T=240 run bench_experts python3 scripts/bench_experts.py --decode 1,8,32 ;;
+variants)  # expert kernel ring stages x blocks per SM (ROCKET_EXPERT_CFG), one bench each
+  for c in ${CFGS:-8x2 4x3 8x3 4x4}; do
+    T=150 run "bench_experts_cfg_$c" env ROCKET_EXPERT_CFG=$c python3 scripts/bench_experts.py --rows 1,2,8,16 --decode 1,8,32 --reps 10
+  done ;;
+fire1)  # static fires with every rank on the one GPU of this host (cuda-ipc between processes, graphed step)
+  for n in 2 3; do
+    T=240 run "fire1gpu_graph_ipc$n" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
+  done ;;
 ncu)  # hardware counters of the expert GEMMs (persistent schedule) at 1 and 8 rows per expert
   for r in 1 8; do
     T=150 run "ncu_experts_r$r" ncu --clock-control none -k regex:experts_ -c 2 --section SpeedOfLight \

@@ -7,6 +7,10 @@ CPU tests (always run):
     and weight passes cover exactly its block; sets alternate with seq;
   - glm4_moe forward_static (attends over the whole cache capacity) against forward, teacher-forced.
 GPU tests (skip, saying why, without a GPU or the extension):
+  - the router kernels (router_logits, moe_route) against moe/router.py: logits within 2^-20 and
+    row-invariant, the same experts chosen from the same logits (with and without group limits), weights
+    within 2^-18 (the sum order of up to 32 picks), ties to the lower id;
+  - moe_scatter_add's row checksum equal to engine.row_sum over the rows in canonical order;
   - moe_plan (the kernel) bitwise equal to its reference, 1 to 3 ranks, one or two sets;
   - nvfp4_experts_into through the device plan bitwise equal to nvfp4_experts through the host plan;
   - ipc_push / ipc_wait / ipc_exchange in one process (two buffers stand for two ranks), and the wait's
@@ -115,15 +119,17 @@ def test_forward_static_matches_forward(ckpt_name, request):
 
 
 def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_ckpt, glm5_ckpt, monkeypatch):
-    """Where the graphed step could run, --decode-path auto takes it for glm4_moe (capture checked on the
-    H200) but keeps glm_moe_dsa on the host path until its capture is checked; graph asked for explicitly
-    runs for both."""
+    """Where the graphed step could run, --decode-path auto takes it for a family whose capture has been
+    checked on a GPU (all three now: glm4_moe since session 7, the GLM-5 families since session 10) and
+    keeps the host path for one that has not; graph asked for explicitly runs either way."""
     import rocket_mpi.graph as graph
     from rocket_mpi.engine import Engine
+    from rocket_mpi.model.glm_moe_dsa import GlmMoeDsaModel
     monkeypatch.setattr(graph, "unsupported", lambda *a, **k: "")   # as on a GPU with the extension
-    assert Engine(tiny_ckpt).set_decode_path("auto", "local") == "graph"
+    for ckpt in (tiny_ckpt, dsa_ckpt, glm5_ckpt):
+        assert Engine(ckpt).set_decode_path("auto", "local") == "graph"
+    monkeypatch.setattr(GlmMoeDsaModel, "GRAPH_CHECKED", False)     # a family not yet checked
     assert Engine(dsa_ckpt).set_decode_path("auto", "local") == "host"
-    assert Engine(glm5_ckpt).set_decode_path("auto", "local") == "host"
     assert Engine(dsa_ckpt).set_decode_path("graph", "local") == "graph"
 
 
@@ -341,9 +347,76 @@ def test_gpu_fused_rope_bitwise(tokens, hq, hk, d, rot):
     assert torch.equal(k.view(torch.int16), want_k.view(torch.int16))
 
 
+def _router_cfg(e, k, n_group=1, topk_group=1, norm=True, scale=2.5):
+    from types import SimpleNamespace
+    return SimpleNamespace(n_routed_experts=e, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+                           norm_topk_prob=norm, routed_scaling_factor=scale)
+
+
 @gpu
-def test_gpu_kv_append_and_row_sums():
-    from rocket_mpi.engine import fold_row_sums, row_checksum
+@pytest.mark.parametrize("tokens,hidden,e", [(1, 256, 16), (11, 4096, 128), (40, 1600, 260)])
+def test_gpu_router_logits(tokens, hidden, e):
+    """Logits (partials over slices of hidden, summed) within 2^-20 of F.linear (only the sum order
+    differs); each token's partials the same bits whatever other tokens share the launch (the engine's
+    streams come and go); and the two kernels end to end choose route()'s experts."""
+    import torch.nn.functional as F
+    from rocket_mpi.moe.router import route
+    C = kernels._ext.require()
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    w = (torch.randn(e, hidden, generator=gen) / hidden ** 0.5).cuda()
+    part = C.router_logits(x, w)
+    assert part.shape == ((hidden + 511) // 512, tokens, e)
+    got = part[0].clone()
+    for s_ in range(1, part.shape[0]):
+        got += part[s_]
+    want = F.linear(x.float(), w)
+    scale = x.float().abs() @ w.abs().T  # bound of the sum's rounding, per (t, e)
+    assert float(((got - want).abs() / scale).max()) < 2 ** -20
+    for lo, hi in ((0, 1), (tokens // 2, tokens), (tokens - 1, tokens)):
+        assert torch.equal(C.router_logits(x[lo:hi].contiguous(), w), part[:, lo:hi])
+    bias = (torch.randn(e, generator=gen) * 0.1).cuda()
+    cfg = _router_cfg(e, 8)
+    ex = kernels.route(x, w, bias, cfg)[1].sort(dim=-1).values
+    assert torch.equal(ex, route(x, w, bias, cfg)[1].sort(dim=-1).values)
+
+
+@gpu
+@pytest.mark.parametrize("tokens,e,k,n_group,topk_group,norm", [(1, 16, 4, 1, 1, True), (9, 128, 8, 1, 1, True),
+                                                               (33, 256, 8, 8, 4, True), (7, 64, 6, 4, 1, False),
+                                                               (5, 1024, 32, 32, 5, True)])
+def test_gpu_moe_route_matches_router(tokens, e, k, n_group, topk_group, norm):
+    from rocket_mpi.moe.router import route_logits
+    C = kernels._ext.require()
+    cfg = _router_cfg(e, k, n_group, topk_group, norm)
+    gen = torch.Generator().manual_seed(e + tokens)
+    logits = (torch.randn(tokens, e, generator=gen) * 3).cuda()
+    bias = (torch.randn(e, generator=gen) * 0.1).cuda()
+    w, ex = C.moe_route(logits[None], bias, n_group, topk_group, k, norm, 2.5)
+    want_w, want_ex = route_logits(logits, bias, cfg)
+    ex_sorted, order = ex.sort(dim=-1)
+    want_sorted, want_order = want_ex.sort(dim=-1)
+    assert torch.equal(ex_sorted, want_sorted)
+    got_w, ref_w = w.gather(1, order), want_w.gather(1, want_order)
+    assert float(((got_w - ref_w).abs() / ref_w.abs()).max()) < 2 ** -18
+    if n_group > 1:  # every choice inside at most topk_group groups
+        assert all(len(set(r)) <= topk_group for r in (ex // (e // n_group)).tolist())
+
+
+@gpu
+def test_gpu_moe_route_ties_and_nan():
+    """Equal choices go to the lower expert id; a NaN logit is never chosen while numbers are left."""
+    C = kernels._ext.require()
+    logits = torch.zeros(2, 32, device="cuda")
+    logits[1, 3] = float("nan")
+    bias = torch.zeros(32, device="cuda")
+    w, ex = C.moe_route(logits[None], bias, 1, 1, 4, True, 1.0)
+    assert ex.tolist() == [[0, 1, 2, 3], [0, 1, 2, 4]]
+    assert torch.equal(w, torch.full((2, 4), 0.25, device="cuda"))
+
+
+@gpu
+def test_gpu_kv_append():
     m, h, cap, d = 4, 2, 9, 16
     kc, vc = (torch.randn(m, h, cap, d, device="cuda").to(torch.bfloat16) for _ in range(2))
     want_k, want_v = kc.clone(), vc.clone()
@@ -353,14 +426,44 @@ def test_gpu_kv_append_and_row_sums():
     want_v[torch.arange(m), :, pos] = v
     kernels.kv_append(kc, vc, k, v, pos)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
-    rows = torch.randn(40, 96, device="cuda").to(torch.bfloat16)
-    canon = torch.randperm(40, device="cuda")[:25]
-    sums = torch.zeros(2, dtype=torch.long, device="cuda")
-    kernels.row_sums(rows, canon, sums[0])
-    kernels.row_sums(rows, canon.flip(0), sums[1])
-    acc = row_checksum(rows[canon], 0)
-    acc = row_checksum(rows[canon.flip(0)], acc)
-    assert fold_row_sums(sums.tolist()) == int(acc)
+
+
+def test_scatter_sums_row_checksum_cpu():
+    """CPU mode of the graphed step: moe_scatter_add's checksum is engine.row_sum of the rows in canonical
+    order, whatever slots they sit in, and leaves the scatter's result as it is."""
+    from rocket_mpi.engine import row_sum
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randn(30, 16, generator=gen).to(torch.bfloat16)
+    slot_of_canon = torch.randperm(30, generator=gen)[:12]
+    by_canon = torch.randperm(12, generator=gen).view(3, 4).to(torch.int32)
+    by_token = slot_of_canon[by_canon.long()]
+    coef = torch.rand(3, 4, generator=gen)
+    check = torch.zeros((), dtype=torch.long)
+    got = kernels.moe_scatter_add(rows, by_token, coef, by_canon, check)
+    assert torch.equal(got, moe_scatter_add(rows, by_token, coef))
+    assert int(check) == int(row_sum(rows[slot_of_canon])) != int(row_sum(rows[slot_of_canon.flip(0)]))
+
+
+@gpu
+@pytest.mark.parametrize("hidden", [96, 100])  # the 16-byte path and the scalar one
+def test_gpu_scatter_sums_row_checksum(hidden):
+    """The graphed step's row checksum comes from moe_scatter_add (it reads every canonical row once):
+    same scatter bits as without it, and the sum engine.row_sum gives over the rows in canonical order;
+    the CPU path of the same call (graph.py's CPU mode) agrees."""
+    from rocket_mpi.engine import row_sum
+    t, k = 5, 4
+    rows = torch.randn(40, hidden, device="cuda").to(torch.bfloat16)
+    slot_of_canon = torch.randperm(40, device="cuda")[:t * k]        # canonical row i lives at slot_of_canon[i]
+    by_canon = torch.randperm(t * k).view(t, k).to(torch.int32).cuda()
+    by_token = slot_of_canon[by_canon.long()]
+    coef = torch.rand(t, k, device="cuda")
+    check = torch.zeros(2, dtype=torch.long, device="cuda")
+    got = kernels.moe_scatter_add(rows, by_token, coef, by_canon, check[1])
+    assert torch.equal(got, kernels.moe_scatter_add(rows, by_token, coef))
+    assert int(check[0]) == 0 and int(check[1]) == int(row_sum(rows[slot_of_canon]))
+    cpu = torch.zeros((), dtype=torch.long)
+    got_cpu = kernels.moe_scatter_add(rows.cpu(), by_token.cpu(), coef.cpu(), by_canon.cpu(), cpu)
+    assert torch.equal(got_cpu, got.cpu()) and int(cpu) == int(check[1])
 
 
 @gpu

@@ -2,7 +2,9 @@
 
     nvfp4_experts(x, segments, packed, ...)   this rank's routed experts (NVFP4 W4A16, batch-invariant)
     moe_scatter_add(rows, by_token, coef)     per token, fp32 sum of coef * row in expert order, bf16 once
-    rms_norm / rope_ / kv_append / row_sums   fused ops of the fixed-shape decode step (graph.py), CUDA only
+                                              (optionally summing the rows' checksum as it reads them)
+    route(x, weight, bias, cfg)               the router in two kernels (moe/router.py route's result)
+    rms_norm / rope_ / kv_append              fused ops of the fixed-shape decode step (graph.py), CUDA only
 
 CPU tensors run the reference; CUDA tensors need the extension (csrc/, built by setup.py) and raise a
 RuntimeError saying why when it is missing. The package imports everywhere: the extension is looked
@@ -106,14 +108,34 @@ def nvfp4_experts_stages(x: torch.Tensor, segments: list[tuple[int, int, int]], 
         packed.q_dn, packed.s_dn, packed.hidden, packed.inter, swiglu_limit))
 
 
-def moe_scatter_add(rows: torch.Tensor, by_token: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+def moe_scatter_add(rows: torch.Tensor, by_token: torch.Tensor, coef: torch.Tensor,
+                    by_canon: torch.Tensor | None = None, check: torch.Tensor | None = None) -> torch.Tensor:
     """rows [R, H] bf16; by_token [T, k] row indices (ascending expert); coef [T, k] fp32 -> [T, H] bf16,
-    bitwise equal to rocket_mpi.moe.scatter.moe_scatter_add."""
+    bitwise equal to rocket_mpi.moe.scatter.moe_scatter_add. With by_canon [T, k] (each entry's canonical
+    row) and check (one int64), also check += engine.row_sum of the rows in canonical order."""
     if not rows.is_cuda:
+        if check is not None:
+            order = torch.empty(by_canon.numel(), dtype=torch.long)
+            order[by_canon.reshape(-1).long()] = by_token.reshape(-1).cpu()
+            from rocket_mpi.engine import row_sum
+            check += row_sum(rows[order])
         return moe_scatter_add_ref(rows, by_token, coef)
     C = _ext.require()
     return C.moe_scatter_add(rows.contiguous(), by_token.to(device=rows.device, dtype=torch.int64).contiguous(),
-                             coef.to(device=rows.device, dtype=torch.float32).contiguous())
+                             coef.to(device=rows.device, dtype=torch.float32).contiguous(), by_canon, check)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe/router.py route on CUDA in two kernels (router.cu): the same experts and weights up to the
+    fp32 sum order of the logits (tests/test_kernels.py). CPU tensors take route itself."""
+    from rocket_mpi.moe.router import route as route_ref
+    if not x.is_cuda:
+        return route_ref(x, weight, bias, cfg)
+    C = _ext.require()
+    partial = C.router_logits(x.contiguous(), weight)  # [slices of H, T, E]: moe_route sums them in order
+    w, e = C.moe_route(partial, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob),
+                       float(cfg.routed_scaling_factor))
+    return w, e
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,11 +151,6 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def kv_append(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
     """kc[s, :, pos[s]] = k[s] (and v) for every stream s."""
     _ext.require().kv_append(kc, vc, k.contiguous(), v.contiguous(), pos)
-
-
-def row_sums(rows: torch.Tensor, canon: torch.Tensor, out: torch.Tensor) -> None:
-    """out (one int64) += sum of int16(rows[canon]) words x ((i + 1) % 65521 + 1): engine.row_sum's value."""
-    _ext.require().row_sums(rows, canon, out)
 
 
 def dequant_packed_cuda(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

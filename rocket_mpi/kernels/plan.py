@@ -19,6 +19,7 @@ Outputs, all fixed-size for a given (tokens, topk, ranks):
     canon_slot [T * k] int64  slot-space row of canonical row i (the row checksum reads rows in this order)
     meta       [6 + N] int64  tiles, passes, rows of this rank, set, seq, experts of this rank with rows,
                               then rows per rank
+    by_canon   [T, k] int32   canonical row of each by_token entry (the scatter sums the rows' checksum)
 """
 from __future__ import annotations
 
@@ -71,10 +72,10 @@ def moe_plan_ref(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tens
     meta = torch.tensor([n_tiles, n_groups, hi - lo, set_, s, mine]
                         + [plan.offsets[r + 1] - plan.offsets[r] for r in range(n_ranks)], dtype=torch.long)
     return {"by_token": canon_slot[plan.by_token], "coef": plan.coef, "row_index": row_index, "pad_rows": pad_rows,
-            "groups": groups, "canon_slot": canon_slot, "meta": meta}
+            "groups": groups, "canon_slot": canon_slot, "meta": meta, "by_canon": plan.by_token.to(torch.int32)}
 
 
-PLAN_KEYS = ("by_token", "coef", "row_index", "pad_rows", "groups", "canon_slot", "meta")
+PLAN_KEYS = ("by_token", "coef", "row_index", "pad_rows", "groups", "canon_slot", "meta", "by_canon")
 
 
 def moe_plan(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,

@@ -14,9 +14,14 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: ModelC
     fp32 logits, sigmoid, + e_score_correction_bias for choice only, group-limited top-k, weights are
     the unbiased scores of the chosen, normalised, times routed_scaling_factor.
     """
-    t = x.shape[0]
+    return route_logits(F.linear(x.float(), weight), bias, cfg)
+
+
+def route_logits(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() from the fp32 logits [T, E] on (what csrc/router.cu moe_route computes)."""
+    t = logits.shape[0]
     e, g = cfg.n_routed_experts, cfg.n_group
-    scores = F.linear(x.float(), weight).sigmoid()          # [T, E]
+    scores = logits.sigmoid()                                # [T, E]
     choice = scores + bias
     group_scores = choice.view(t, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
     group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]

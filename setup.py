@@ -15,7 +15,6 @@ try:
         nvcc = ["-O3", *gencode]  # the C++ standard is torch's choice (17 or 20; csrc needs 17)
         if os.environ.get("ROCKET_PTXAS_VERBOSE") == "1":  # register / spill report in the build log
             nvcc.append("-Xptxas=-v")
-        nvcc += os.environ.get("ROCKET_NVCC_FLAGS", "").split()  # e.g. -DROCKET_EXPERT_SPLIT=1 (benchmarks)
         ext_modules.append(CUDAExtension(
             "rocket_mpi._C",
             sources=["csrc/bindings.cpp", "csrc/nvfp4_experts.cu", "csrc/scatter.cu", "csrc/moe_plan.cu",

@@ -6,14 +6,13 @@
 //   down     out = h Wd^T (no weight_scale_2: the scatter applies s2_down) -> out rows, bf16
 //
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
-// launch"). Two warps own 2 tiles of 16 output features of one expert for up to 32 rows of that
-// expert, one half of K each (the halves fixed by K alone): k-steps of 16 in ascending order, one mma per
-// step into the warp's fp32 accumulator starting from 0, then first half + second half in one fp32 add.
-// Nothing about that sequence depends on how many rows there are, which rows, where they sit in the
-// tile, the grid size, or the other experts: rows only choose which mma *column* a row occupies, and an
-// mma column is its own dot product. No atomics, no reduction whose order depends on the launch. More
-// than 32 rows of one expert take another weight pass (another group), each computing its rows with that
-// same sequence. The epilogues are elementwise.
+// launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
+// expert and walks the whole K itself: k-steps of 16 in ascending order, one mma per step into the
+// same fp32 accumulator, starting from 0. Nothing about that sequence depends on how many rows there
+// are, which rows, where they sit in the tile, the grid size, or the other experts: rows only choose
+// which mma *column* a row occupies, and an mma column is its own dot product. No split-K, no atomics,
+// no cross-warp reduction. More than 32 rows of one expert take another weight pass (another group),
+// each computing its rows with that same sequence. The epilogues are elementwise.
 //
 // Weights as mma operand A (16 features x 16 k), rows as operand B (8 rows), so one decoded weight
 // fragment feeds every row tile. Decode (pack.py has the bit layout and the proof in numbers):
@@ -127,19 +126,17 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int n
 // registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from 63% to 70% of
 // copy bandwidth on the H200 (results/README.md, session 9).
 template <int RT, int S, int L>
-__device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, int k_begin, int k_end,
-                                         char* smem_warp, int lane, float (&acc)[kFT][RT][4]) {
+__device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
+                                         float (&acc)[kFT][RT][4]) {
   constexpr bool kPrefetch = RT <= 2;
-  const int nk = k_end - k_begin;  // k-tiles of this warp; p.nk (all of K) sets the fragments' strides
-  const int64_t q_tile = int64_t(p.nk) * kTileCodeBytes, s_tile = int64_t(p.nk) * kTileScaleBytes;
+  const int nk = p.nk;
+  const int64_t q_tile = int64_t(nk) * kTileCodeBytes, s_tile = int64_t(nk) * kTileScaleBytes;
   const uint8_t* qp[kFT];
   const uint8_t* sp[kFT];
 #pragma unroll
   for (int i = 0; i < kFT; ++i) {
-    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + int64_t(k_begin) * kTileCodeBytes +
-            lane * 16;
-    sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + int64_t(k_begin) * kTileScaleBytes +
-            (lane >> 2) * 8;
+    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + lane * 16;
+    sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + (lane >> 2) * 8;
   }
   // No L2 evict-first hint: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an LDGSTS
   // whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
@@ -169,9 +166,9 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   bool valid[RT];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) valid[rt] = p.pad_rows[(tile0 + rt) * kRowTile + (lane >> 2)] >= 0;
-  const uint4* fr0 = p.frag + (int64_t(tile0) * p.nk + k_begin) * 2 * 32 + lane;  // row tile rt: + rt * 2 nk * 32
+  const uint4* fr0 = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;  // row tile rt at + rt * 2 nk * 32
   uint4 bn[RT][2];
-  if constexpr (kPrefetch) load_b<RT>(bn, fr0, p.nk, valid);
+  if constexpr (kPrefetch) load_b<RT>(bn, fr0, nk, valid);
   const uint4* fr = fr0;
   for (int kt = 0; kt < nk; ++kt) {
     uint4 b[RT][2];
@@ -182,9 +179,9 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
         b[rt][1] = bn[rt][1];
       }
       fr += 2 * 32;  // the next k-tile's rows (one past the end on the last: not read)
-      if (kt + 1 < nk) load_b<RT>(bn, fr, p.nk, valid);
+      if (kt + 1 < nk) load_b<RT>(bn, fr, nk, valid);
     } else {
-      load_b<RT>(b, fr, p.nk, valid);
+      load_b<RT>(b, fr, nk, valid);
       fr += 2 * 32;
     }
     dev::cp_async_wait<kLookahead - 1>();  // k-tile kt has landed (one group per k-tile)
@@ -278,23 +275,8 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
   }
 }
 
-// Split-K, fixed by the weight's shape: the two warps of a pair (warps w and w + 4 of a block) take k-tiles
-// [0, nk/2) and [nk/2, nk) of the same feature group and rows; the second hands its accumulator over
-// through its own ring (idle by then) and the first adds it, acc = acc(first half) + acc(second half) in
-// fp32, then runs the epilogue. Twice the warps per launch (a decode step's launches leave SMs idle
-// otherwise: 8 experts of one token make 88 gate/up blocks for 132 SMs), and the split depends on K alone,
-// so a row's bits still never depend on the other rows (the lane emulation in tests/test_kernels.py
-// splits the same way).
-#ifndef ROCKET_EXPERT_SPLIT
-#define ROCKET_EXPERT_SPLIT 2  // 1: one warp walks all of K (before session 10; benches build it to compare)
-#endif
-constexpr int kSplit = ROCKET_EXPERT_SPLIT;
-static_assert(kSplit == 1 || kSplit == 2, "split-K of 1 or 2");
-constexpr int kFgPerBlock = kWarps / kSplit;
-
 template <int RT, bool kSwiglu, int S, int L>
-__device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, int half, char* smem_warp,
-                                          char* smem_partner, int lane) {
+__device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem_warp, int lane) {
   float acc[kFT][RT][4];
 #pragma unroll
   for (int i = 0; i < kFT; ++i)
@@ -302,60 +284,28 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-  const int k_mid = kSplit == 1 ? p.nk : p.nk / 2;
-  mainloop<RT, S, L>(p, grp.x, grp.y, fg, half ? k_mid : 0, half ? p.nk : k_mid, smem_warp, lane, acc);
-  if constexpr (kSplit == 1) {
-    if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
-    else epilogue_down<RT>(p, grp.y, fg, lane, acc);
-    return;
-  }
-  static_assert(kFT * 4 * 4 * 32 * sizeof(float) <= warp_smem<S>(), "the hand-over fits the ring");
-  float* xfer = reinterpret_cast<float*>(half ? smem_warp : smem_partner);
-  if (half) {
-#pragma unroll
-    for (int i = 0; i < kFT; ++i)
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) xfer[((i * RT + rt) * 4 + c) * 32 + lane] = acc[i][rt][c];
-  }
-  // the pair's 64 threads (named barrier 1 + feature group slot; 0 is __syncthreads)
-  static_assert(kSplit == 1 || kFgPerBlock == 4, "one named barrier per pair below");
-  switch ((threadIdx.x >> 5) % kFgPerBlock) {  // constant ids: ptxas then reserves 5 barriers, not 16
-    case 0: asm volatile("bar.sync 1, 64;\n" ::: "memory"); break;
-    case 1: asm volatile("bar.sync 2, 64;\n" ::: "memory"); break;
-    case 2: asm volatile("bar.sync 3, 64;\n" ::: "memory"); break;
-    default: asm volatile("bar.sync 4, 64;\n" ::: "memory"); break;
-  }
-  if (half) return;
-#pragma unroll
-  for (int i = 0; i < kFT; ++i)
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][rt][c] = __fadd_rn(acc[i][rt][c], xfer[((i * RT + rt) * 4 + c) * 32 + lane]);
+  mainloop<RT, S, L>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
   if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
   else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
 
-// grid (feature groups / kFgPerBlock, passes): warps w and w + kFgPerBlock of block x take feature group
-// x * kFgPerBlock + w of pass y, one half of K each, so a block's warps share the pass's rows in L1. Which
-// warp or block does the work never changes what it computes. (A persistent grid dealing units out evenly
-// was measured and not kept: it was 1-6% slower on the H200, results/README.md, session 9.)
+// grid (feature groups / kWarps, passes): warp w of block x takes feature group x * kWarps + w of pass
+// y, so a block's warps share the pass's rows in L1. Which warp or block does the work never changes
+// what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
+// slower on the H200, results/README.md, session 9.)
 template <bool kSwiglu, int S, int L, int B>
 __global__ void __launch_bounds__(kThreads, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int fg = blockIdx.x * kFgPerBlock + warp % kFgPerBlock, half = warp / kFgPerBlock;
-  if (fg >= p.n_fgroups) return;  // both warps of the pair (same fg); whole warps: the epilogues shuffle
+  const int fg = blockIdx.x * kWarps + warp;
+  if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
   const int4 grp = p.groups[blockIdx.y];
   char* smem_warp = smem + warp * warp_smem<S>();
-  char* smem_partner = smem + (warp % kFgPerBlock + kFgPerBlock) * warp_smem<S>();
   switch (grp.z) {
-    case 1: run_group<1, kSwiglu, S, L>(p, grp, fg, half, smem_warp, smem_partner, lane); break;
-    case 2: run_group<2, kSwiglu, S, L>(p, grp, fg, half, smem_warp, smem_partner, lane); break;
-    case 3: run_group<3, kSwiglu, S, L>(p, grp, fg, half, smem_warp, smem_partner, lane); break;
-    case 4: run_group<4, kSwiglu, S, L>(p, grp, fg, half, smem_warp, smem_partner, lane); break;
+    case 1: run_group<1, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
+    case 2: run_group<2, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
+    case 3: run_group<3, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
+    case 4: run_group<4, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -425,7 +375,7 @@ void launch_gemm_cfg(const GemmParams& p, cudaStream_t stream) {
   static bool done[64] = {};
   constexpr int bytes = kWarps * warp_smem<S>();
   set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B>, bytes, done);
-  dim3 grid((p.n_fgroups + kFgPerBlock - 1) / kFgPerBlock, p.n_groups);
+  dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
   experts_gemm_kernel<kSwiglu, S, L, B><<<grid, kThreads, bytes, stream>>>(p);
   ROCKET_LAUNCH_CHECK();
 }

@@ -79,13 +79,6 @@ variants)  # expert kernel ring stages x blocks per SM (ROCKET_EXPERT_CFG), one 
   for c in ${CFGS:-8x2 4x3 8x3 4x4}; do
     T=150 run "bench_experts_cfg_$c" env ROCKET_EXPERT_CFG=$c python3 scripts/bench_experts.py --rows 1,2,8,16 --decode 1,8,32 --reps 10
   done ;;
-nosplit_build)  # the expert kernel without split-K (ROCKET_EXPERT_SPLIT=1) in a copy, for splitcmp
-  rm -rf /tmp/nosplit && mkdir -p /tmp/nosplit && cp -r rocket_mpi csrc setup.py scripts /tmp/nosplit/ && rm -f /tmp/nosplit/rocket_mpi/_C*.so
-  (cd /tmp/nosplit && ROCKET_NVCC_FLAGS=-DROCKET_EXPERT_SPLIT=1 ROCKET_CUDA_ARCHS=90 MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_nosplit.log" 2>&1; echo "nosplit build rc=$?") ;;
-splitcmp)  # split-K 2 (this tree) beside 1 (nosplit_build), one bench each, one after the other
-  for v in split nosplit; do d=$PWD; [ $v = nosplit ] && d=/tmp/nosplit
-    T=150 run "bench_experts_$v" env PYTHONPATH=$d python3 $d/scripts/bench_experts.py --rows 1,2,8,16 --decode 1,8,32 --reps 10
-  done ;;
 fire1)  # static fires with every rank on the one GPU of this host (cuda-ipc between processes, graphed step)
   for n in 2 3; do
     T=240 run "fire1gpu_graph_ipc$n" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12

@@ -323,21 +323,17 @@ def _c_frag(d):
 
 
 def _mainloop(q, s, frag, tile0, rt_count, fg, nk):
-    """acc[i][rt] [32 lanes, 4] of feature tiles 2 fg + i over row tiles tile0..: k-tiles [0, nk/2) and
-    [nk/2, nk) each in order from zero (the kernel's two warps), then the two halves added."""
-    halves = []
-    for k0, k1 in ((0, nk // 2), (nk // 2, nk)):
-        acc = [[torch.zeros(32, 4) for _ in range(rt_count)] for _ in range(2)]
-        for kt in range(k0, k1):
-            for j in range(4):
-                for i in range(2):
-                    T = 2 * fg + i
-                    a = _a_matrix(_words(q[T, kt]), _words(s[T, kt]), j)
-                    for rt in range(rt_count):
-                        words = frag[tile0 + rt, 2 * kt + j // 2][:, 2 * (j % 2):2 * (j % 2) + 2]
-                        acc[i][rt] = acc[i][rt] + _c_frag(a @ _b_matrix(words))
-        halves.append(acc)
-    return [[halves[0][i][rt] + halves[1][i][rt] for rt in range(rt_count)] for i in range(2)]
+    """acc[i][rt] [32 lanes, 4] of feature tiles 2 fg + i over row tiles tile0.., all K in order."""
+    acc = [[torch.zeros(32, 4) for _ in range(rt_count)] for _ in range(2)]
+    for kt in range(nk):
+        for j in range(4):
+            for i in range(2):
+                T = 2 * fg + i
+                a = _a_matrix(_words(q[T, kt]), _words(s[T, kt]), j)
+                for rt in range(rt_count):
+                    words = frag[tile0 + rt, 2 * kt + j // 2][:, 2 * (j % 2):2 * (j % 2) + 2]
+                    acc[i][rt] = acc[i][rt] + _c_frag(a @ _b_matrix(words))
+    return acc
 
 
 def _shfl4(v):

@@ -47,14 +47,19 @@ __device__ __forceinline__ uint64_t block_exclusive_scan(uint64_t v, uint64_t* w
 constexpr int kTilesShift = 21, kGroupsShift = 42;
 constexpr uint64_t kField = (uint64_t(1) << 21) - 1;
 
+// Every global value the plan reads is loaded in the first phase, together (each thread's loads are
+// independent, so they cost one memory round trip, not one per phase), and each flat (token, slot) i
+// keeps its expert, weight and s2_down in its thread's registers until it writes its own outputs: a
+// token's by_token / coef position is the number of its other slots with a lower expert id.
+constexpr int kRowsPerThread = kPlanMaxRows / kPlanThreads;
+static_assert(kRowsPerThread * kPlanThreads == kPlanMaxRows, "rows per thread");
+
 __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch a) {
   __shared__ int cnt[kPlanMaxExperts];
   __shared__ int start[kPlanMaxExperts];
   __shared__ int tstart[kPlanMaxExperts];
   __shared__ int own[kPlanMaxExperts];
   __shared__ int expk[kPlanMaxRows];     // expert of flat (token, slot) i
-  __shared__ int rowpos[kPlanMaxRows];   // slot-space row of flat (token, slot) i
-  __shared__ int canrow[kPlanMaxRows];   // canonical row of flat (token, slot) i
   __shared__ int rank_rows[kPlanMaxRanks];
   __shared__ int off[kPlanMaxRanks + 1];
   __shared__ uint64_t warp_sums[32];
@@ -63,6 +68,18 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
   const int tid = threadIdx.x, nt = blockDim.x;
   const int R = a.tokens * a.topk, E = a.n_experts, C = a.cap;
 
+  // phase 1: all reads
+  int ei[kRowsPerThread];
+  float wi[kRowsPerThread];
+#pragma unroll
+  for (int u = 0; u < kRowsPerThread; ++u) {
+    const int i = tid + u * kPlanThreads;
+    ei[u] = i < R ? static_cast<int>(a.experts[i]) : 0;
+    wi[u] = i < R ? a.weights[i] : 0.0f;
+  }
+  const int ce = tid < E ? a.canon[tid] : -1;
+  const int slot_ce = tid < E ? a.slot[ce] : 0;
+  const long long seq_in = tid == 0 ? static_cast<long long>(*a.seq) : 0;
   for (int e = tid; e < E; e += nt) {
     cnt[e] = 0;
     own[e] = a.owner[e];
@@ -74,20 +91,25 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     a.groups[i] = make_int4(0, 0, 0, 0);  // tiles = 0: the expert kernels skip the entry
     a.row_index[i] = 0;
   }
+  float s2i[kRowsPerThread];
+#pragma unroll
+  for (int u = 0; u < kRowsPerThread; ++u) s2i[u] = tid + u * kPlanThreads < R ? a.s2_down[ei[u]] : 0.0f;
   __syncthreads();
-  for (int i = tid; i < R; i += nt) {
-    const int e = static_cast<int>(a.experts[i]);
-    expk[i] = e;
-    atomicAdd(&cnt[e], 1);  // counts: the order of the adds does not matter
+#pragma unroll
+  for (int u = 0; u < kRowsPerThread; ++u) {
+    const int i = tid + u * kPlanThreads;
+    if (i < R) {
+      expk[i] = ei[u];
+      atomicAdd(&cnt[ei[u]], 1);  // counts: the order of the adds does not matter
+    }
   }
   __syncthreads();
 
   // experts in canonical (owner, id) order: one thread each (E <= kPlanThreads), one scan for rows,
   // tiles and weight passes together
-  int ce = -1, n_t = 0;
+  int n_t = 0;
   uint64_t v = 0;
-  if (tid < E) {
-    ce = a.canon[tid];
+  if (ce >= 0) {
     const int c = cnt[ce];
     if (own[ce] == a.rank && c > 0) n_t = (c + kRowTile - 1) / kRowTile;
     v = uint64_t(c) | (uint64_t(n_t) << kTilesShift) |
@@ -102,10 +124,10 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     const int t0 = static_cast<int>((ex >> kTilesShift) & kField), g0 = static_cast<int>(ex >> kGroupsShift);
     tstart[ce] = t0;
     for (int q = 0; q < n_t; q += kMaxRowTiles)
-      a.groups[g0 + q / kMaxRowTiles] = make_int4(a.slot[ce], t0 + q, min(kMaxRowTiles, n_t - q), 0);
+      a.groups[g0 + q / kMaxRowTiles] = make_int4(slot_ce, t0 + q, min(kMaxRowTiles, n_t - q), 0);
   }
   if (tid == 0) {
-    const long long s = static_cast<long long>(*a.seq) + 1;  // one exchange per call, as the host's seq
+    const long long s = seq_in + 1;  // one exchange per call, as the host's seq
     *a.seq = s;
     s_seq = s;
     off[0] = 0;
@@ -120,40 +142,28 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
   }
   __syncthreads();
 
+  // each (token, slot) i: its canonical row, slot-space row, and its place among the token's rows in
+  // ascending expert id, where it writes by_token / by_canon / coef (router weight x s2_down, one fp32 multiply)
   const int64_t base = int64_t(a.n_sets > 1 ? s_seq % a.n_sets : 0) * a.set_stride;
-  for (int i = tid; i < R; i += nt) {
-    const int t = i / a.topk, e = expk[i];
+#pragma unroll
+  for (int u = 0; u < kRowsPerThread; ++u) {
+    const int i = tid + u * kPlanThreads;
+    if (i >= R) continue;
+    const int t = i / a.topk, e = ei[u];
     int rnk = 0;
     for (int q = 0; q < t * a.topk; ++q) rnk += expk[q] == e;  // a token routes to an expert at most once
+    int j = 0;
+    for (int q = t * a.topk; q < (t + 1) * a.topk; ++q) j += expk[q] < e;
     const int row = start[e] + rnk, o = own[e], rel = row - off[o];
     const int64_t sp = base + int64_t(o) * C + rel;
-    rowpos[i] = static_cast<int>(sp);
-    canrow[i] = row;
     a.canon_slot[row] = sp;
     if (o == a.rank) {
       a.row_index[rel] = t;
       a.pad_rows[(tstart[e] + rnk / kRowTile) * kRowTile + rnk % kRowTile] = rel;
     }
-  }
-  __syncthreads();
-
-  // per token, its rows in ascending expert id, and coef = router weight x s2_down (one fp32 multiply)
-  for (int t = tid; t < a.tokens; t += nt) {
-    int idx[kPlanMaxTopk];
-    for (int j = 0; j < a.topk; ++j) {  // insertion sort of the token's slots by expert id
-      int q = j;
-      while (q > 0 && expk[t * a.topk + idx[q - 1]] > expk[t * a.topk + j]) {
-        idx[q] = idx[q - 1];
-        --q;
-      }
-      idx[q] = j;
-    }
-    for (int j = 0; j < a.topk; ++j) {
-      const int i = t * a.topk + idx[j];
-      a.by_token[t * a.topk + j] = rowpos[i];
-      a.by_canon[t * a.topk + j] = canrow[i];
-      a.coef[t * a.topk + j] = __fmul_rn(a.weights[i], a.s2_down[expk[i]]);
-    }
+    a.by_token[t * a.topk + j] = sp;
+    a.by_canon[t * a.topk + j] = row;
+    a.coef[t * a.topk + j] = __fmul_rn(wi[u], s2i[u]);
   }
 }
 

@@ -38,7 +38,7 @@ constexpr int kFT = 2;                                      // feature tiles per
 constexpr int kStageCodes = kFT * 32 * 16;                  // per warp and stage: codes 512 B per tile
 constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 scale bytes per tile
 // The weight ring of each warp: S stages, L k-tiles in flight, B blocks per SM (the register bound). Measured
-// on the H200 (session 10, results/h200_s10_bench_experts_cfg_*.log; % of copy BW at 1 / 8 / 16 rows per
+// on the H200 (session 10, results/h200_s10_run2_bench_experts_cfg_*.log; % of copy BW at 1 / 8 / 16 rows per
 // expert, decode M=8 / 32): S=8 L=6 B=2 (16 warps/SM, 114 registers) 71.2 / 69.6 / 59.1, 60.0 / 72.1;
 // S=4 L=3 B=3 (24 warps/SM, 80 registers) 74.7 / 73.1 / 59.4, 62.1 / 75.8; S=6 L=5 B=3 74.6 / 73.0 / 59.1,
 // 62.6 / 74.6; S=4 L=2 B=3 71.7 / 71.7 / 59.9. More warps hide more latency than a deeper ring does. At

@@ -76,7 +76,7 @@ def row_checksum(rows: torch.Tensor, acc):
 
 
 def row_sum(rows: torch.Tensor) -> torch.Tensor:
-    """Position-weighted sum of the rows' 16-bit words (int64; the graphed step's kernels.row_sums)."""
+    """Position-weighted sum of the rows' 16-bit words (int64; the graphed step's moe_scatter_add sums the same)."""
     words = rows.reshape(-1).view(torch.int16).to(torch.int64)
     return (words * _checksum_weights(words.numel(), rows.device)).sum()
 

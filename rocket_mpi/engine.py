@@ -140,12 +140,14 @@ class Engine:
         self._rows_total = 0
         self._expert_bytes = 0
         self.decode_path = "host"
+        self.decode_path_auto = False  # set_decode_path: auto falls back to host where a step exceeds a limit
 
     def set_decode_path(self, want: str, fabric_name: str) -> str:
         """auto | graph | device | host (rocket_mpi/graph.py): where decode steps plan their rows and
         whether they run as one CUDA graph. auto takes graph where it can run. Returns the path taken."""
         from rocket_mpi.graph import unsupported
         why = unsupported(self, fabric_name, graph=want != "device")
+        self.decode_path_auto = want == "auto"
         if want == "auto":  # graph where it runs and its capture has been checked on a GPU for this family
             checked = getattr(self.model, "GRAPH_CHECKED", False)
             self.decode_path = "graph" if not why and checked else "host"
@@ -240,6 +242,13 @@ class Engine:
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         seqlens = [len(p) for p in prompts]
         result.path = "host" if self.decode_path == "host" or n_tokens < 2 else self.decode_path
+        if result.path != "host":
+            from rocket_mpi.kernels.plan import stream_limit
+            why = stream_limit(m, self.cfg)  # the same on every rank: same streams, same model
+            if why and self.decode_path_auto:
+                result.path = "host"
+            elif why:
+                raise RocketError(f"--decode-path {result.path}: {why}; use fewer streams or --decode-path host")
         static = None
         per_expert = next((s.read_bytes_per_expert for s in self.experts.values() if s.owned), 0)
         for step in range(n_tokens):

@@ -49,6 +49,9 @@ def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
     from rocket_mpi import kernels
     if not hasattr(engine.model, "forward_static"):
         return f"model type {engine.cfg.model_type} has no fixed-shape decode step yet (glm4_moe, glm_moe_dsa and glm5_next have)"
+    why = kplan.model_limit(engine.cfg, engine.size)
+    if why:
+        return why
     fault = os.environ.get("ROCKET_FAULT", "")
     if fault and not fault.startswith(("stall:", "die:")):
         return "ROCKET_FAULT injects wrong rows on the host path only"

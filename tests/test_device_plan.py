@@ -133,6 +133,46 @@ def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_
     assert Engine(dsa_ckpt).set_decode_path("graph", "local") == "graph"
 
 
+def test_plan_limits_match_the_kernels():
+    """kernels/plan.py's limits are the ones csrc/rocket.h compiles in."""
+    import re
+    src = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "rocket.h")).read()
+    c = {k: int(v) for k, v in re.findall(r"constexpr int (k\w+) = (\d+);", src)}
+    assert (c["kPlanMaxExperts"], c["kRouteMaxExperts"]) == (kplan.PLAN_MAX_EXPERTS,) * 2
+    assert (c["kPlanMaxRows"], c["kPlanMaxRanks"], c["kPlanMaxTopk"]) == (kplan.PLAN_MAX_ROWS, kplan.PLAN_MAX_RANKS,
+                                                                           kplan.PLAN_MAX_TOPK)
+
+
+def test_model_and_stream_limits_of_the_fixed_shape_step(tiny_ckpt, monkeypatch):
+    """A model or a step the device kernels cannot take is refused up front with the limit named (auto
+    stays on the host path), never a kernel launch error mid-run."""
+    import rocket_mpi.graph as graph
+    from types import SimpleNamespace
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.errors import RocketError
+    from rocket_mpi.prompts import default_prompts
+    cfg = SimpleNamespace(n_routed_experts=2048, num_experts_per_tok=8, n_group=1)
+    assert "2048 routed experts" in kplan.model_limit(cfg, 2)
+    assert "top-40" in kplan.model_limit(SimpleNamespace(n_routed_experts=256, num_experts_per_tok=40, n_group=1), 2)
+    assert "65 ranks" in kplan.model_limit(SimpleNamespace(n_routed_experts=256, num_experts_per_tok=8, n_group=1), 65)
+    assert kplan.model_limit(SimpleNamespace(n_routed_experts=256, num_experts_per_tok=8, n_group=8), 64) == ""
+    assert "at most 256 streams" in kplan.stream_limit(257, SimpleNamespace(num_experts_per_tok=8))
+    assert kplan.stream_limit(256, SimpleNamespace(num_experts_per_tok=8)) == ""
+
+    torch.set_num_threads(1)
+    eng = Engine(tiny_ckpt)
+    k = eng.cfg.num_experts_per_tok
+    monkeypatch.setattr(kplan, "PLAN_MAX_ROWS", 2 * k)   # 3 streams: over
+    assert eng.set_decode_path("device", "local") == "device"
+    with pytest.raises(RocketError, match=f"3 streams x top-{k} = {3 * k} rows .*at most 2 streams"):
+        eng.generate(default_prompts(3, eng.cfg.vocab_size), 3)
+    assert eng.generate(default_prompts(2, eng.cfg.vocab_size), 3).path == "device"
+    monkeypatch.setattr(graph, "unsupported", lambda *a, **k: "")  # as on a GPU: auto takes the graph...
+    eng = Engine(tiny_ckpt)
+    assert eng.set_decode_path("auto", "local") == "graph"
+    assert eng.generate(default_prompts(3, eng.cfg.vocab_size), 3).path == "host"  # ...but not for this step
+
+
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt", "dsa_ckpt", "glm5_ckpt"])
 def test_cpu_device_path_matches_host_path(ckpt_name, request):
     """The fixed-shape step on a CPU (graph.py's reference mode: device plan by its reference, the block by

@@ -28,6 +28,32 @@ import torch
 from rocket_mpi.moe.rows import plan_rows
 
 META_HEAD = 6
+# Limits of the device plan and router kernels (csrc/rocket.h; tests/test_device_plan.py checks they match)
+PLAN_MAX_EXPERTS = 1024   # kPlanMaxExperts, kRouteMaxExperts
+PLAN_MAX_ROWS = 2048      # kPlanMaxRows: streams x top-k of one step
+PLAN_MAX_RANKS = 64       # kPlanMaxRanks
+PLAN_MAX_TOPK = 32        # kPlanMaxTopk (moe_route: top-k <= 32 and n_group <= 32 too)
+
+
+def model_limit(cfg, ranks: int) -> str:
+    """'' where the device plan and router kernels take this model and rank count, else why not."""
+    if cfg.n_routed_experts > PLAN_MAX_EXPERTS:
+        return f"{cfg.n_routed_experts} routed experts (the device plan and router take at most {PLAN_MAX_EXPERTS})"
+    if cfg.num_experts_per_tok > PLAN_MAX_TOPK or cfg.n_group > PLAN_MAX_TOPK:
+        return (f"top-{cfg.num_experts_per_tok} of {cfg.n_group} groups (the device router takes at most top-"
+                f"{PLAN_MAX_TOPK} and {PLAN_MAX_TOPK} groups)")
+    if ranks > PLAN_MAX_RANKS:
+        return f"{ranks} ranks (the device plan takes at most {PLAN_MAX_RANKS})"
+    return ""
+
+
+def stream_limit(streams: int, cfg) -> str:
+    """'' where one step of `streams` streams fits the device plan, else why not."""
+    if streams * cfg.num_experts_per_tok > PLAN_MAX_ROWS:
+        return (f"{streams} streams x top-{cfg.num_experts_per_tok} = {streams * cfg.num_experts_per_tok} rows per "
+                f"MoE layer exceed the device plan's {PLAN_MAX_ROWS} (at most {PLAN_MAX_ROWS // cfg.num_experts_per_tok}"
+                f" streams)")
+    return ""
 META_TILES, META_GROUPS, META_ROWS, META_SET, META_SEQ, META_EXPERTS = range(META_HEAD)
 
 

@@ -18,6 +18,7 @@ from rocket_mpi.kernels import _ext
 from rocket_mpi.kernels.pack import (PackedExperts, dequant_packed, emulate_decode, pack_codes,  # noqa: F401
                                      pack_experts, padded_codes, split_fused_gate_up, unpack_codes)
 from rocket_mpi.kernels.refs import moe_scatter_add_ref, nvfp4_experts_ref  # noqa: F401
+from rocket_mpi.moe.router import route as route_ref
 
 MAX_GROUPS = 65535  # grid.y of the expert kernels: weight passes (<= 32 rows of one expert) per launch
 
@@ -127,8 +128,7 @@ def moe_scatter_add(rows: torch.Tensor, by_token: torch.Tensor, coef: torch.Tens
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """moe/router.py route on CUDA in two kernels (router.cu): the same experts and weights up to the
-    fp32 sum order of the logits (tests/test_kernels.py). CPU tensors take route itself."""
-    from rocket_mpi.moe.router import route as route_ref
+    fp32 sum order of the logits (tests/test_device_plan.py). CPU tensors take route itself."""
     if not x.is_cuda:
         return route_ref(x, weight, bias, cfg)
     C = _ext.require()

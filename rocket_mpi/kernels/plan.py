@@ -28,6 +28,8 @@ import torch
 from rocket_mpi.moe.rows import plan_rows
 
 META_HEAD = 6
+META_TILES, META_GROUPS, META_ROWS, META_SET, META_SEQ, META_EXPERTS = range(META_HEAD)
+
 # Limits of the device plan and router kernels (csrc/rocket.h; tests/test_device_plan.py checks they match)
 PLAN_MAX_EXPERTS = 1024   # kPlanMaxExperts, kRouteMaxExperts
 PLAN_MAX_ROWS = 2048      # kPlanMaxRows: streams x top-k of one step
@@ -54,7 +56,6 @@ def stream_limit(streams: int, cfg) -> str:
                 f"MoE layer exceed the device plan's {PLAN_MAX_ROWS} (at most {PLAN_MAX_ROWS // cfg.num_experts_per_tok}"
                 f" streams)")
     return ""
-META_TILES, META_GROUPS, META_ROWS, META_SET, META_SEQ, META_EXPERTS = range(META_HEAD)
 
 
 def canonical_experts(owner: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,12 @@
 //              step's cos/sin [T, rot] (bf16): out = bf16(bf16(x * cos) + bf16(rotated * sin)), exactly
 //              torch's bf16 ops on the same inputs
 //   kv_append  k/v [M, hkv, d] into the caches [M, hkv, cap, d] at each stream's position pos[M]
+//   decode_attention  one query per stream against its cache up to its own position (pos[m] + 1 keys,
+//              not the capacity), GQA, in transformers' eager order of roundings: bf16 scores, * scale
+//              in bf16, fp32 softmax, probabilities rounded to bf16, fp32 sum of p * v rounded to bf16.
+//              Replaces ~10 torch kernels per layer (matmul, scale, mask, softmax, casts, matmul) and
+//              their reads of the whole capacity. Every sum has one fixed order (below), so a stream's
+//              output depends on nothing but its own query, cache prefix and position.
 // (The rows' checksum is summed by moe_scatter_add as it reads them: scatter.cu.)
 #include "common.cuh"
 
@@ -114,6 +120,112 @@ __global__ void kv_append_kernel(__nv_bfloat16* __restrict__ kc, __nv_bfloat16* 
   vc[dst] = v[idx];
 }
 
+
+// decode_attention: one block per (kv head g, stream m); the block's hpg = hq / hkv query heads share the
+// keys. Three passes over the stream's len = pos[m] + 1 positions, fixed orders throughout:
+//   1 scores: warp w takes positions w, w + warps, ...; lane l holds channels l*VPL .. l*VPL+VPL-1;
+//     per head a sequential fp32 sum over the lane's channels, then an xor butterfly (every lane ends
+//     with the same bits); s = bf16(bf16(dot) * scale) into scratch [hpg][cap] (fp32), running max per head
+//   2 softmax: warp per head; lane-strided sequential sums of exp(s - max), butterfly; then
+//     p = bf16(exp(s - max) / sum) over s in scratch
+//   3 out[h][d] = bf16(sum over positions, ascending, of p[h][s] * v[s][d]), one thread per (d, head set)
+constexpr int kAttnThreads = 256;
+constexpr int kAttnMaxHpg = 32;   // query heads per kv head: one lane each holds a head's running max
+constexpr int kAttnMaxAcc = 16;   // heads per thread in pass 3
+
+template <int VPL>
+__device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float (&v)[VPL]) {
+  if constexpr (VPL == 8) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(e[j]);
+  } else if constexpr (VPL == 4) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = __bfloat162float(e[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) v[j] = __bfloat162float(p[j]);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <int VPL>
+__global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
+    const int64_t* __restrict__ pos, float* __restrict__ scratch, __nv_bfloat16* __restrict__ out, int hq, int hkv,
+    int cap, float scale) {
+  constexpr int D = 32 * VPL;
+  extern __shared__ float q_s[];                         // [hpg][VPL][32]: lane-major, no bank conflicts
+  __shared__ float red[kAttnThreads / 32][kAttnMaxHpg];
+  __shared__ float head_max[kAttnMaxHpg];
+  const int g = blockIdx.x, m = blockIdx.y, hpg = hq / hkv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int64_t p = pos[m];
+  const int len = p < 0 ? 0 : (p >= cap ? cap : int(p) + 1);
+  const int64_t head0 = int64_t(m) * hq + int64_t(g) * hpg;
+  const __nv_bfloat16* kb = kc + (int64_t(m) * hkv + g) * cap * D;
+  const __nv_bfloat16* vb = vc + (int64_t(m) * hkv + g) * cap * D;
+  float* sc = scratch + head0 * cap;                     // [hpg][cap]
+  for (int i = threadIdx.x; i < hpg * D; i += blockDim.x) {
+    const int h = i / D, c = i % D;
+    q_s[(h * VPL + c % VPL) * 32 + c / VPL] = __bfloat162float(q[head0 * D + i]);
+  }
+  __syncthreads();
+  float mx = -INFINITY;                                  // lane h: head h's max over this warp's positions
+  for (int s = warp; s < len; s += warps) {
+    float kv[VPL];
+    load_bf16<VPL>(kb + int64_t(s) * D + lane * VPL, kv);
+    for (int h = 0; h < hpg; ++h) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) acc = __fmaf_rn(q_s[(h * VPL + j) * 32 + lane], kv[j], acc);
+      acc = warp_sum(acc);
+      const float v = dev::round_bf16(__fmul_rn(dev::round_bf16(acc), scale));
+      if (lane == h) mx = fmaxf(mx, v);
+      if (lane == 0) sc[int64_t(h) * cap + s] = v;
+    }
+  }
+  red[warp][lane] = mx;
+  __syncthreads();
+  if (threadIdx.x < hpg) {
+    float t = red[0][threadIdx.x];
+    for (int w = 1; w < warps; ++w) t = fmaxf(t, red[w][threadIdx.x]);
+    head_max[threadIdx.x] = t;
+  }
+  __syncthreads();
+  for (int h = warp; h < hpg; h += warps) {
+    float* row = sc + int64_t(h) * cap;
+    const float hm = head_max[h];
+    float sum = 0.0f;
+    for (int s = lane; s < len; s += 32) sum = __fadd_rn(sum, expf(row[s] - hm));
+    sum = warp_sum(sum);
+    for (int s = lane; s < len; s += 32) row[s] = dev::round_bf16(__fdiv_rn(expf(row[s] - hm), sum));
+  }
+  __syncthreads();
+  const int groups = blockDim.x / D, d = threadIdx.x % D, grp = threadIdx.x / D;
+  float acc[kAttnMaxAcc];
+#pragma unroll
+  for (int i = 0; i < kAttnMaxAcc; ++i) acc[i] = 0.0f;
+  const int nh = grp < hpg ? (hpg - grp + groups - 1) / groups : 0;
+  for (int s = 0; s < len; ++s) {
+    const float v = __bfloat162float(vb[int64_t(s) * D + d]);
+#pragma unroll
+    for (int i = 0; i < kAttnMaxAcc; ++i)
+      if (i < nh) acc[i] = __fmaf_rn(sc[int64_t(grp + i * groups) * cap + s], v, acc[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < kAttnMaxAcc; ++i)
+    if (i < nh) out[(head0 + grp + i * groups) * D + d] = __float2bfloat16_rn(acc[i]);
+}
+
 }  // namespace
 
 void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream) {
@@ -147,6 +259,32 @@ void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const in
   kv_append_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
       static_cast<__nv_bfloat16*>(kc), static_cast<__nv_bfloat16*>(vc), static_cast<const __nv_bfloat16*>(k),
       static_cast<const __nv_bfloat16*>(v), pos, streams, hkv, cap, d);
+  ROCKET_LAUNCH_CHECK();
+}
+
+void launch_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* pos, float* scratch,
+                             void* out, int streams, int hq, int hkv, int cap, int d, float scale,
+                             cudaStream_t stream) {
+  ROCKET_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= kAttnMaxHpg, "decode_attention: " << hq << " query heads over "
+               << hkv << " kv heads (at most " << kAttnMaxHpg << " per kv head)");
+  ROCKET_CHECK(d == 32 || d == 64 || d == 128 || d == 256, "decode_attention: head dim " << d
+               << " (32, 64, 128 or 256)");
+  const int groups = kAttnThreads / d;
+  ROCKET_CHECK((hq / hkv + groups - 1) / groups <= kAttnMaxAcc, "decode_attention: " << hq / hkv
+               << " query heads per kv head at head dim " << d);
+  if (streams == 0) return;
+  const dim3 grid(hkv, streams);
+  const int smem = hq / hkv * d * int(sizeof(float));
+  const auto* qp = static_cast<const __nv_bfloat16*>(q);
+  const auto* kp = static_cast<const __nv_bfloat16*>(kc);
+  const auto* vp = static_cast<const __nv_bfloat16*>(vc);
+  auto* op = static_cast<__nv_bfloat16*>(out);
+  switch (d) {
+    case 32: decode_attention_kernel<1><<<grid, kAttnThreads, smem, stream>>>(qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale); break;
+    case 64: decode_attention_kernel<2><<<grid, kAttnThreads, smem, stream>>>(qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale); break;
+    case 128: decode_attention_kernel<4><<<grid, kAttnThreads, smem, stream>>>(qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale); break;
+    default: decode_attention_kernel<8><<<grid, kAttnThreads, smem, stream>>>(qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale); break;
+  }
   ROCKET_LAUNCH_CHECK();
 }
 

@@ -125,13 +125,15 @@ __global__ void kv_append_kernel(__nv_bfloat16* __restrict__ kc, __nv_bfloat16* 
 // keys. Three passes over the stream's len = pos[m] + 1 positions, fixed orders throughout:
 //   1 scores: warp w takes positions w, w + warps, ...; lane l holds channels l*VPL .. l*VPL+VPL-1;
 //     per head a sequential fp32 sum over the lane's channels, then an xor butterfly (every lane ends
-//     with the same bits); s = bf16(bf16(dot) * scale) into scratch [hpg][cap] (fp32), running max per head
+//     with the same bits; all heads' butterflies interleaved); s = bf16(bf16(dot) * scale) into the score
+//     rows [hpg][ld] (shared memory when they fit, else the global scratch), running max per head
 //   2 softmax: warp per head; lane-strided sequential sums of exp(s - max), butterfly; then
-//     p = bf16(exp(s - max) / sum) over s in scratch
+//     p = bf16(exp(s - max) / sum) in place
 //   3 out[h][d] = bf16(sum over positions, ascending, of p[h][s] * v[s][d]), one thread per (d, head set)
 constexpr int kAttnThreads = 256;
 constexpr int kAttnMaxHpg = 32;   // query heads per kv head: one lane each holds a head's running max
 constexpr int kAttnMaxAcc = 16;   // heads per thread in pass 3
+constexpr int kAttnMaxSmem = 200 * 1024;  // q + score rows in shared memory up to this, else global scores
 
 template <int VPL>
 __device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float (&v)[VPL]) {
@@ -161,9 +163,9 @@ template <int VPL>
 __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
     const int64_t* __restrict__ pos, float* __restrict__ scratch, __nv_bfloat16* __restrict__ out, int hq, int hkv,
-    int cap, float scale) {
+    int cap, float scale, int smem_scores) {
   constexpr int D = 32 * VPL;
-  extern __shared__ float q_s[];                         // [hpg][VPL][32]: lane-major, no bank conflicts
+  extern __shared__ float q_s[];                         // [hpg][VPL][32] lane-major, then the score rows
   __shared__ float red[kAttnThreads / 32][kAttnMaxHpg];
   __shared__ float head_max[kAttnMaxHpg];
   const int g = blockIdx.x, m = blockIdx.y, hpg = hq / hkv;
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
   const int64_t head0 = int64_t(m) * hq + int64_t(g) * hpg;
   const __nv_bfloat16* kb = kc + (int64_t(m) * hkv + g) * cap * D;
   const __nv_bfloat16* vb = vc + (int64_t(m) * hkv + g) * cap * D;
-  float* sc = scratch + head0 * cap;                     // [hpg][cap]
+  float* sc = smem_scores ? q_s + hpg * D : scratch + head0 * cap;  // [hpg][cap]
   for (int i = threadIdx.x; i < hpg * D; i += blockDim.x) {
     const int h = i / D, c = i % D;
     q_s[(h * VPL + c % VPL) * 32 + c / VPL] = __bfloat162float(q[head0 * D + i]);
@@ -183,14 +185,29 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
   for (int s = warp; s < len; s += warps) {
     float kv[VPL];
     load_bf16<VPL>(kb + int64_t(s) * D + lane * VPL, kv);
-    for (int h = 0; h < hpg; ++h) {
-      float acc = 0.0f;
+    float part[kAttnMaxHpg];
 #pragma unroll
-      for (int j = 0; j < VPL; ++j) acc = __fmaf_rn(q_s[(h * VPL + j) * 32 + lane], kv[j], acc);
-      acc = warp_sum(acc);
-      const float v = dev::round_bf16(__fmul_rn(dev::round_bf16(acc), scale));
-      if (lane == h) mx = fmaxf(mx, v);
-      if (lane == 0) sc[int64_t(h) * cap + s] = v;
+    for (int h = 0; h < kAttnMaxHpg; ++h) {
+      part[h] = 0.0f;
+      if (h < hpg) {
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) part[h] = __fmaf_rn(q_s[(h * VPL + j) * 32 + lane], kv[j], part[h]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int h = 0; h < kAttnMaxHpg; ++h)
+        if (h < hpg) part[h] += __shfl_xor_sync(0xffffffffu, part[h], o);
+    }
+    float mine = 0.0f;
+#pragma unroll
+    for (int h = 0; h < kAttnMaxHpg; ++h)
+      if (h == lane) mine = part[h];
+    if (lane < hpg) {
+      const float v = dev::round_bf16(__fmul_rn(dev::round_bf16(mine), scale));
+      mx = fmaxf(mx, v);
+      sc[int64_t(lane) * cap + s] = v;
     }
   }
   red[warp][lane] = mx;
@@ -215,15 +232,45 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
 #pragma unroll
   for (int i = 0; i < kAttnMaxAcc; ++i) acc[i] = 0.0f;
   const int nh = grp < hpg ? (hpg - grp + groups - 1) / groups : 0;
-  for (int s = 0; s < len; ++s) {
+  const float* pr = sc + int64_t(grp) * cap;
+  const int64_t hstride = int64_t(groups) * cap;
+  int s = 0;
+  for (; s + 4 <= len; s += 4) {  // four positions' v in flight; each head still sums them in ascending order
+    float v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = __bfloat162float(vb[int64_t(s + u) * D + d]);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+      for (int i = 0; i < kAttnMaxAcc; ++i)
+        if (i < nh) acc[i] = __fmaf_rn(pr[i * hstride + s + u], v[u], acc[i]);
+    }
+  }
+  for (; s < len; ++s) {
     const float v = __bfloat162float(vb[int64_t(s) * D + d]);
 #pragma unroll
     for (int i = 0; i < kAttnMaxAcc; ++i)
-      if (i < nh) acc[i] = __fmaf_rn(sc[int64_t(grp + i * groups) * cap + s], v, acc[i]);
+      if (i < nh) acc[i] = __fmaf_rn(pr[i * hstride + s], v, acc[i]);
   }
 #pragma unroll
   for (int i = 0; i < kAttnMaxAcc; ++i)
     if (i < nh) out[(head0 + grp + i * groups) * D + d] = __float2bfloat16_rn(acc[i]);
+}
+
+template <int VPL>
+void launch_attention(dim3 grid, int smem, int smem_scores, const __nv_bfloat16* q, const __nv_bfloat16* kc,
+                      const __nv_bfloat16* vc, const int64_t* pos, float* scratch, __nv_bfloat16* out, int hq,
+                      int hkv, int cap, float scale, cudaStream_t stream) {
+  static bool done[64] = {};  // the shared memory attribute, once per device
+  int dev = 0;
+  ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 64 || !done[dev]) {
+    ROCKET_CUDA_CHECK(cudaFuncSetAttribute(decode_attention_kernel<VPL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           kAttnMaxSmem));
+    if (dev < 64) done[dev] = true;
+  }
+  decode_attention_kernel<VPL><<<grid, kAttnThreads, smem, stream>>>(q, kc, vc, pos, scratch, out, hq, hkv, cap, scale,
+                                                                     smem_scores);
 }
 
 }  // namespace
@@ -274,16 +321,18 @@ void launch_decode_attention(const void* q, const void* kc, const void* vc, cons
                << " query heads per kv head at head dim " << d);
   if (streams == 0) return;
   const dim3 grid(hkv, streams);
-  const int smem = hq / hkv * d * int(sizeof(float));
+  const int64_t q_bytes = int64_t(hq / hkv) * d * 4, score_bytes = int64_t(hq / hkv) * cap * 4;
+  const int smem_scores = q_bytes + score_bytes <= kAttnMaxSmem;  // else the scores go through `scratch`
+  const int smem = int(q_bytes + (smem_scores ? score_bytes : 0));
   const auto* qp = static_cast<const __nv_bfloat16*>(q);
   const auto* kp = static_cast<const __nv_bfloat16*>(kc);
   const auto* vp = static_cast<const __nv_bfloat16*>(vc);
   auto* op = static_cast<__nv_bfloat16*>(out);
   switch (d) {
-    case 32: decode_attention_kernel<1><<<grid, kAttnThreads, smem, stream>>>(qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale); break;
-    case 64: decode_attention_kernel<2><<<grid, kAttnThreads, smem, stream>>>(qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale); break;
-    case 128: decode_attention_kernel<4><<<grid, kAttnThreads, smem, stream>>>(qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale); break;
-    default: decode_attention_kernel<8><<<grid, kAttnThreads, smem, stream>>>(qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale); break;
+    case 32: launch_attention<1>(grid, smem, smem_scores, qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale, stream); break;
+    case 64: launch_attention<2>(grid, smem, smem_scores, qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale, stream); break;
+    case 128: launch_attention<4>(grid, smem, smem_scores, qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale, stream); break;
+    default: launch_attention<8>(grid, smem, smem_scores, qp, kp, vp, pos, scratch, op, hq, hkv, cap, scale, stream); break;
   }
   ROCKET_LAUNCH_CHECK();
 }

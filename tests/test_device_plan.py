@@ -481,13 +481,14 @@ def _attention_case(m, hq, hkv, d, cap, seed):
 
 @gpu
 @pytest.mark.parametrize("m,hq,hkv,d,cap", [(8, 96, 8, 128, 40), (1, 96, 8, 128, 300), (5, 8, 2, 64, 1000),
-                                            (3, 4, 4, 32, 17), (2, 16, 1, 256, 70)])
+                                            (3, 4, 4, 32, 17), (2, 16, 1, 256, 70), (2, 24, 2, 64, 5000)])
 def test_gpu_decode_attention(m, hq, hkv, d, cap):
     """The fused decode attention against glm4_moe._attend (the eager step's attention over the capacity
     under the length mask): only the sums' orders differ, so nearly every output carries the same bits (a
     kernel that skipped one of _attend's bf16 roundings would differ in most) and the rest lie within a few
     bf16 steps. Then what it must not depend on: the other streams, the capacity, and the keys past each
-    stream's position (NaN there changes nothing)."""
+    stream's position (NaN there changes nothing). The last case's scores exceed shared memory and go
+    through the global scratch."""
     from rocket_mpi.model.glm4_moe import _attend
     q, kc, vc, pos = _attention_case(m, hq, hkv, d, cap, seed=hq + cap)
     scale = d ** -0.5

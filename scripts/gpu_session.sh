@@ -40,7 +40,7 @@ fire_host)
   T=240 run fire_host_ipc python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --decode-path host --sweep 1,8 --tokens 12 ;;
 paths)
   for p in ${PATHS:-host device graph}; do
-    T=300 run "decode1_${PRESET}_$p" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --decode-path $p --sweep 1,8 --tokens 16
+    T=300 run "decode1_${PRESET}_$p" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --decode-path $p --sweep ${SWEEP:-1,8} --tokens 16
   done ;;
 paths2)
   for f in ${FABRICS:-cuda-ipc nccl}; do
@@ -80,6 +80,10 @@ warps)  # expert kernel warps per block (ROCKET_EXPERT_WARPS, same warps per SM)
     T=150 run "bench_experts_w$w" env ROCKET_EXPERT_WARPS=$w python3 scripts/bench_experts.py --rows 1,8,16 --decode 1,8,32 --reps 10
     T=150 run "decode1_${PRESET}_graph_w$w" env ROCKET_EXPERT_WARPS=$w python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --decode-path graph --sweep 1,8 --tokens 12
     [ -n "${ONE_GPU:-}" ] || T=150 run "decode2_${PRESET}_graph_w$w" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x ROCKET_EXPERT_WARPS=$w python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
+  done ;;
+ab2)  # two GPUs, expert kernel 8 vs 4 warps per block, interleaved
+  i=0; for w in 8 4 8 4; do i=$((i+1))
+    T=150 run "decode2_${PRESET}_ab${i}_w$w" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x ROCKET_EXPERT_WARPS=$w python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
   done ;;
 fire1)  # static fires with every rank on the one GPU of this host (cuda-ipc between processes, graphed step)
   for n in 2 3; do

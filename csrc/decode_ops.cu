@@ -8,7 +8,7 @@
 //              torch's bf16 ops on the same inputs
 //   kv_append  k/v [M, hkv, d] into the caches [M, hkv, cap, d] at each stream's position pos[M]
 //   decode_attention  one query per stream against its cache up to its own position (pos[m] + 1 keys,
-//              not the capacity), GQA, in transformers' eager order of roundings: bf16 scores, * scale
+//              not the capacity), GQA, keys and values staged through shared memory in bursts, in transformers' eager order of roundings: bf16 scores, * scale
 //              in bf16, fp32 softmax, probabilities rounded to bf16, fp32 sum of p * v rounded to bf16.
 //              Replaces ~10 torch kernels per layer (matmul, scale, mask, softmax, casts, matmul) and
 //              their reads of the whole capacity. Every sum has one fixed order (below), so a stream's
@@ -122,28 +122,31 @@ __global__ void kv_append_kernel(__nv_bfloat16* __restrict__ kc, __nv_bfloat16* 
 
 
 // decode_attention: one block per (kv head g, stream m); the block's hpg = hq / hkv query heads share the
-// keys. Three passes over the stream's len = pos[m] + 1 positions, fixed orders throughout:
-//   1 scores: warp w takes positions w, w + warps, ...; lane l holds channels l*VPL .. l*VPL+VPL-1;
+// keys. Keys and values come into shared memory in chunks of kAttnChunkBytes / (2 d) positions, each chunk
+// one burst of cp.async (the first K and V chunks issued before pos is even read), so a short context costs
+// about one memory round trip. Three passes over the stream's len = pos[m] + 1 positions, fixed orders:
+//   1 scores: warp w takes positions w, w + warps, ... of a chunk; lane l holds channels l*VPL .. l*VPL+VPL-1;
 //     per head a sequential fp32 sum over the lane's channels, then an xor butterfly (every lane ends
 //     with the same bits; all heads' butterflies interleaved); s = bf16(bf16(dot) * scale) into the score
-//     rows [hpg][ld] (shared memory when they fit, else the global scratch), running max per head
+//     rows [hpg][cap] (shared memory when they fit, else the global scratch), running max per head
 //   2 softmax: warp per head; lane-strided sequential sums of exp(s - max), butterfly; then
 //     p = bf16(exp(s - max) / sum) in place
 //   3 out[h][d] = bf16(sum over positions, ascending, of p[h][s] * v[s][d]), one thread per (d, head set)
 constexpr int kAttnThreads = 256;
 constexpr int kAttnMaxHpg = 32;   // query heads per kv head: one lane each holds a head's running max
 constexpr int kAttnMaxAcc = 16;   // heads per thread in pass 3
-constexpr int kAttnMaxSmem = 200 * 1024;  // q + score rows in shared memory up to this, else global scores
+constexpr int kAttnChunkBytes = 16 * 1024;  // keys (and values) of one chunk of positions in shared memory
+constexpr int kAttnMaxSmem = 200 * 1024;    // q + K/V chunks + score rows in shared memory up to this
 
 template <int VPL>
-__device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float (&v)[VPL]) {
+__device__ __forceinline__ void load_bf16_smem(const __nv_bfloat16* p, float (&v)[VPL]) {
   if constexpr (VPL == 8) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
     const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&u);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(e[j]);
   } else if constexpr (VPL == 4) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
     const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&u);
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = __bfloat162float(e[j]);
@@ -159,55 +162,81 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// rows [r0, r0 + n) of a [cap][D] cache block into smem [n][D], 16 bytes per cp.async, one commit group
+template <int D>
+__device__ __forceinline__ void load_chunk(__nv_bfloat16* dst, const __nv_bfloat16* src, int r0, int n) {
+  constexpr int kPer = D / 8;  // 16-byte pieces per row
+  for (int i = threadIdx.x; i < n * kPer; i += blockDim.x)
+    dev::cp_async_16(dst + i * 8, src + int64_t(r0) * D + i * 8);
+  dev::cp_async_commit();
+}
+
 template <int VPL>
 __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
     const int64_t* __restrict__ pos, float* __restrict__ scratch, __nv_bfloat16* __restrict__ out, int hq, int hkv,
     int cap, float scale, int smem_scores) {
   constexpr int D = 32 * VPL;
-  extern __shared__ float q_s[];                         // [hpg][VPL][32] lane-major, then the score rows
+  constexpr int C = kAttnChunkBytes / (2 * D);           // positions per chunk
+  extern __shared__ __align__(16) float smem_f[];        // K chunk, V chunk, q [hpg][VPL][32], score rows
   __shared__ float red[kAttnThreads / 32][kAttnMaxHpg];
   __shared__ float head_max[kAttnMaxHpg];
+  auto* k_s = reinterpret_cast<__nv_bfloat16*>(smem_f);
+  auto* v_s = k_s + C * D;
+  float* q_s = smem_f + C * D;                           // after the two bf16 chunks (2 * C * D * 2 bytes)
   const int g = blockIdx.x, m = blockIdx.y, hpg = hq / hkv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const int64_t p = pos[m];
-  const int len = p < 0 ? 0 : (p >= cap ? cap : int(p) + 1);
   const int64_t head0 = int64_t(m) * hq + int64_t(g) * hpg;
   const __nv_bfloat16* kb = kc + (int64_t(m) * hkv + g) * cap * D;
   const __nv_bfloat16* vb = vc + (int64_t(m) * hkv + g) * cap * D;
+  const int first = cap < C ? cap : C;
+  load_chunk<D>(k_s, kb, 0, first);                      // before pos: a short context needs no more
+  load_chunk<D>(v_s, vb, 0, first);
+  const int64_t p = pos[m];
+  const int len = p < 0 ? 0 : (p >= cap ? cap : int(p) + 1);
   float* sc = smem_scores ? q_s + hpg * D : scratch + head0 * cap;  // [hpg][cap]
   for (int i = threadIdx.x; i < hpg * D; i += blockDim.x) {
     const int h = i / D, c = i % D;
     q_s[(h * VPL + c % VPL) * 32 + c / VPL] = __bfloat162float(q[head0 * D + i]);
   }
-  __syncthreads();
   float mx = -INFINITY;                                  // lane h: head h's max over this warp's positions
-  for (int s = warp; s < len; s += warps) {
-    float kv[VPL];
-    load_bf16<VPL>(kb + int64_t(s) * D + lane * VPL, kv);
-    float part[kAttnMaxHpg];
-#pragma unroll
-    for (int h = 0; h < kAttnMaxHpg; ++h) {
-      part[h] = 0.0f;
-      if (h < hpg) {
-#pragma unroll
-        for (int j = 0; j < VPL; ++j) part[h] = __fmaf_rn(q_s[(h * VPL + j) * 32 + lane], kv[j], part[h]);
-      }
+  for (int c0 = 0; c0 < len; c0 += C) {
+    const int n = len - c0 < C ? len - c0 : C;
+    if (c0 == 0) {
+      dev::cp_async_wait<1>();                           // K chunk 0 (V chunk 0 may still fly)
+    } else {
+      __syncthreads();                                   // every warp is done with the previous chunk
+      load_chunk<D>(k_s, kb, c0, n);
+      dev::cp_async_wait<0>();
     }
+    __syncthreads();
+    for (int s = warp; s < n; s += warps) {
+      float kv[VPL];
+      load_bf16_smem<VPL>(k_s + s * D + lane * VPL, kv);
+      float part[kAttnMaxHpg];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
+      for (int h = 0; h < kAttnMaxHpg; ++h) {
+        part[h] = 0.0f;
+        if (h < hpg) {
+#pragma unroll
+          for (int j = 0; j < VPL; ++j) part[h] = __fmaf_rn(q_s[(h * VPL + j) * 32 + lane], kv[j], part[h]);
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int h = 0; h < kAttnMaxHpg; ++h)
+          if (h < hpg) part[h] += __shfl_xor_sync(0xffffffffu, part[h], o);
+      }
+      float mine = 0.0f;
 #pragma unroll
       for (int h = 0; h < kAttnMaxHpg; ++h)
-        if (h < hpg) part[h] += __shfl_xor_sync(0xffffffffu, part[h], o);
-    }
-    float mine = 0.0f;
-#pragma unroll
-    for (int h = 0; h < kAttnMaxHpg; ++h)
-      if (h == lane) mine = part[h];
-    if (lane < hpg) {
-      const float v = dev::round_bf16(__fmul_rn(dev::round_bf16(mine), scale));
-      mx = fmaxf(mx, v);
-      sc[int64_t(lane) * cap + s] = v;
+        if (h == lane) mine = part[h];
+      if (lane < hpg) {
+        const float v = dev::round_bf16(__fmul_rn(dev::round_bf16(mine), scale));
+        mx = fmaxf(mx, v);
+        sc[int64_t(lane) * cap + c0 + s] = v;
+      }
     }
   }
   red[warp][lane] = mx;
@@ -226,7 +255,6 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
     sum = warp_sum(sum);
     for (int s = lane; s < len; s += 32) row[s] = dev::round_bf16(__fdiv_rn(expf(row[s] - hm), sum));
   }
-  __syncthreads();
   const int groups = blockDim.x / D, d = threadIdx.x % D, grp = threadIdx.x / D;
   float acc[kAttnMaxAcc];
 #pragma unroll
@@ -234,24 +262,22 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
   const int nh = grp < hpg ? (hpg - grp + groups - 1) / groups : 0;
   const float* pr = sc + int64_t(grp) * cap;
   const int64_t hstride = int64_t(groups) * cap;
-  int s = 0;
-  for (; s + 4 <= len; s += 4) {  // four positions' v in flight; each head still sums them in ascending order
-    float v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = __bfloat162float(vb[int64_t(s + u) * D + d]);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
+  for (int c0 = 0; c0 < len; c0 += C) {
+    const int n = len - c0 < C ? len - c0 : C;
+    if (c0 > 0) {
+      __syncthreads();                                   // every thread is done with the previous chunk
+      load_chunk<D>(v_s, vb, c0, n);
+    }
+    dev::cp_async_wait<0>();
+    __syncthreads();                                     // the chunk, and (first time) the probabilities
+    for (int s = 0; s < n; ++s) {
+      const float v = __bfloat162float(v_s[s * D + d]);
 #pragma unroll
       for (int i = 0; i < kAttnMaxAcc; ++i)
-        if (i < nh) acc[i] = __fmaf_rn(pr[i * hstride + s + u], v[u], acc[i]);
+        if (i < nh) acc[i] = __fmaf_rn(pr[i * hstride + c0 + s], v, acc[i]);
     }
   }
-  for (; s < len; ++s) {
-    const float v = __bfloat162float(vb[int64_t(s) * D + d]);
-#pragma unroll
-    for (int i = 0; i < kAttnMaxAcc; ++i)
-      if (i < nh) acc[i] = __fmaf_rn(pr[i * hstride + s], v, acc[i]);
-  }
+  dev::cp_async_wait<0>();                               // len 0: the speculative chunks still land first
 #pragma unroll
   for (int i = 0; i < kAttnMaxAcc; ++i)
     if (i < nh) out[(head0 + grp + i * groups) * D + d] = __float2bfloat16_rn(acc[i]);
@@ -321,9 +347,9 @@ void launch_decode_attention(const void* q, const void* kc, const void* vc, cons
                << " query heads per kv head at head dim " << d);
   if (streams == 0) return;
   const dim3 grid(hkv, streams);
-  const int64_t q_bytes = int64_t(hq / hkv) * d * 4, score_bytes = int64_t(hq / hkv) * cap * 4;
-  const int smem_scores = q_bytes + score_bytes <= kAttnMaxSmem;  // else the scores go through `scratch`
-  const int smem = int(q_bytes + (smem_scores ? score_bytes : 0));
+  const int64_t fixed = 2 * kAttnChunkBytes + int64_t(hq / hkv) * d * 4, score_bytes = int64_t(hq / hkv) * cap * 4;
+  const int smem_scores = fixed + score_bytes <= kAttnMaxSmem;  // else the scores go through `scratch`
+  const int smem = int(fixed + (smem_scores ? score_bytes : 0));
   const auto* qp = static_cast<const __nv_bfloat16*>(q);
   const auto* kp = static_cast<const __nv_bfloat16*>(kc);
   const auto* vp = static_cast<const __nv_bfloat16*>(vc);

@@ -27,18 +27,13 @@
 // tile and stage, 3 stages in flight; 24 warps per SM); every lane copies only what it reads itself, so
 // no barrier is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
 // the same expert).
-#include <cstdlib>
-
 #include "common.cuh"
 
 namespace rocket {
 namespace {
 
-// Warps per block (one expert per block, its warps share the rows in L1): 8 by default; ROCKET_EXPERT_WARPS=4 or 2
-// spreads a small launch (a decode step's few experts) over more SMs at the same warps per SM. Which warp or
-// block computes a feature group never changes what it computes.
-constexpr int kWarpsDefault = 8;
-constexpr int kWarpsPerSm = 24;
+constexpr int kWarps = 8;                                   // one expert per block: 8 warps share rows in L1
+constexpr int kThreads = kWarps * 32;
 constexpr int kFT = 2;                                      // feature tiles per warp
 constexpr int kStageCodes = kFT * 32 * 16;                  // per warp and stage: codes 512 B per tile
 constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 scale bytes per tile
@@ -294,15 +289,15 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
 
-// grid (feature groups / W, passes): warp w of block x takes feature group x * W + w of pass
+// grid (feature groups / kWarps, passes): warp w of block x takes feature group x * kWarps + w of pass
 // y, so a block's warps share the pass's rows in L1. Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
 // slower on the H200, results/README.md, session 9.)
-template <int W, bool kSwiglu, int S, int L, int B>
-__global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
+template <bool kSwiglu, int S, int L, int B>
+__global__ void __launch_bounds__(kThreads, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int fg = blockIdx.x * W + warp;
+  const int fg = blockIdx.x * kWarps + warp;
   if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
   const int4 grp = p.groups[blockIdx.y];
   char* smem_warp = smem + warp * warp_smem<S>();
@@ -375,34 +370,19 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
   }
 }
 
-template <int W, bool kSwiglu, int S, int L, int B>
+template <bool kSwiglu, int S, int L, int B>
 void launch_gemm_cfg(const GemmParams& p, cudaStream_t stream) {
   static bool done[64] = {};
-  constexpr int bytes = W * warp_smem<S>();
-  set_smem_attr(experts_gemm_kernel<W, kSwiglu, S, L, B>, bytes, done);
-  dim3 grid((p.n_fgroups + W - 1) / W, p.n_groups);
-  experts_gemm_kernel<W, kSwiglu, S, L, B><<<grid, W * 32, bytes, stream>>>(p);
+  constexpr int bytes = kWarps * warp_smem<S>();
+  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B>, bytes, done);
+  dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
+  experts_gemm_kernel<kSwiglu, S, L, B><<<grid, kThreads, bytes, stream>>>(p);
   ROCKET_LAUNCH_CHECK();
-}
-
-int warps_per_block() {
-  static const int w = [] {
-    const char* e = std::getenv("ROCKET_EXPERT_WARPS");
-    const int v = e ? std::atoi(e) : kWarpsDefault;
-    ROCKET_CHECK(v == 8 || v == 4 || v == 2, "ROCKET_EXPERT_WARPS=" << e << ": 8, 4 or 2");
-    return v;
-  }();
-  return w;
 }
 
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, cudaStream_t stream) {
-  static_assert(kBlocksPerSm * kWarpsDefault == kWarpsPerSm, "warps per SM");
-  switch (warps_per_block()) {
-    case 4: launch_gemm_cfg<4, kSwiglu, kRing, kRingLookahead, kWarpsPerSm / 4>(p, stream); break;
-    case 2: launch_gemm_cfg<2, kSwiglu, kRing, kRingLookahead, kWarpsPerSm / 2>(p, stream); break;
-    default: launch_gemm_cfg<8, kSwiglu, kRing, kRingLookahead, kBlocksPerSm>(p, stream); break;
-  }
+  launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm>(p, stream);
 }
 
 }  // namespace

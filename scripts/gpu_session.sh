@@ -75,16 +75,6 @@ fabbench)
   done ;;
 experts)
   T=240 run bench_experts python3 scripts/bench_experts.py --decode 1,8,32 ;;
-warps)  # expert kernel warps per block (ROCKET_EXPERT_WARPS, same warps per SM): kernel bench, decode on 1 and 2 GPUs
-  for w in ${WARPS:-8 4 2}; do
-    T=150 run "bench_experts_w$w" env ROCKET_EXPERT_WARPS=$w python3 scripts/bench_experts.py --rows 1,8,16 --decode 1,8,32 --reps 10
-    T=150 run "decode1_${PRESET}_graph_w$w" env ROCKET_EXPERT_WARPS=$w python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --decode-path graph --sweep 1,8 --tokens 12
-    [ -n "${ONE_GPU:-}" ] || T=150 run "decode2_${PRESET}_graph_w$w" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x ROCKET_EXPERT_WARPS=$w python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
-  done ;;
-ab2)  # two GPUs, expert kernel 8 vs 4 warps per block, interleaved
-  i=0; for w in 8 4 8 4; do i=$((i+1))
-    T=150 run "decode2_${PRESET}_ab${i}_w$w" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x ROCKET_EXPERT_WARPS=$w python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
-  done ;;
 fire1)  # static fires with every rank on the one GPU of this host (cuda-ipc between processes, graphed step)
   for n in 2 3; do
     T=240 run "fire1gpu_graph_ipc$n" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12

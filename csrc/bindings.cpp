@@ -423,27 +423,6 @@ void kv_append(torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& k, con
                            c10::cuda::getCurrentCUDAStream().stream());
 }
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                               const torch::Tensor& pos, double scale) {
-  const c10::Device dev = q.device();
-  expect(q, "q", torch::kBFloat16, 3, dev, 2);
-  expect(kc, "kc", torch::kBFloat16, 4, dev, 16);  // 8- and 16-byte loads of a key row
-  expect(vc, "vc", torch::kBFloat16, 4, dev, 16);
-  expect(pos, "pos", torch::kLong, 1, dev, 8);
-  const int64_t m = q.size(0), hq = q.size(1), d = q.size(2), hkv = kc.size(1), cap = kc.size(2);
-  ROCKET_CHECK(vc.sizes() == kc.sizes() && kc.size(0) == m && kc.size(3) == d && pos.numel() == m,
-               "decode_attention: q " << q.sizes() << ", caches " << kc.sizes() << " / " << vc.sizes() << ", pos "
-               << pos.sizes());
-  const c10::cuda::CUDAGuard guard(dev);
-  auto out = torch::empty({m, hq * d}, q.options());
-  auto scratch = torch::empty({m, hq, std::max<int64_t>(cap, 1)}, q.options().dtype(torch::kFloat32));
-  rocket::launch_decode_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr<int64_t>(),
-                                  scratch.data_ptr<float>(), out.data_ptr(), static_cast<int>(m), static_cast<int>(hq),
-                                  static_cast<int>(hkv), static_cast<int>(cap), static_cast<int>(d),
-                                  static_cast<float>(scale), c10::cuda::getCurrentCUDAStream().stream());
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -462,7 +441,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step)");
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
-  m.def("decode_attention", &decode_attention, "one query per stream over its cache up to pos (decode step)");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "
         "with by_canon and sum, also sum += the rows' checksum", py::arg("rows"), py::arg("by_token"), py::arg("coef"),
         py::arg("by_canon") = py::none(), py::arg("sum") = py::none());

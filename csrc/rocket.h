@@ -186,10 +186,5 @@ void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens,
                  cudaStream_t stream);
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,
                       int cap, int d, cudaStream_t stream);
-// q [streams, hq, d] against the caches [streams, hkv, cap, d] up to pos[m] + 1 keys; scratch [streams, hq, cap]
-// fp32 (scores, then probabilities); out [streams, hq * d] bf16
-void launch_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* pos, float* scratch,
-                             void* out, int streams, int hq, int hkv, int cap, int d, float scale,
-                             cudaStream_t stream);
 
 }  // namespace rocket

@@ -4,7 +4,7 @@
     moe_scatter_add(rows, by_token, coef)     per token, fp32 sum of coef * row in expert order, bf16 once
                                               (optionally summing the rows' checksum as it reads them)
     route(x, weight, bias, cfg)               the router in two kernels (moe/router.py route's result)
-    rms_norm / rope_ / kv_append / decode_attention   fused ops of the fixed-shape decode step (graph.py), CUDA only
+    rms_norm / rope_ / kv_append              fused ops of the fixed-shape decode step (graph.py), CUDA only
 
 CPU tensors run the reference; CUDA tensors need the extension (csrc/, built by setup.py) and raise a
 RuntimeError saying why when it is missing. The package imports everywhere: the extension is looked
@@ -151,13 +151,6 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def kv_append(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
     """kc[s, :, pos[s]] = k[s] (and v) for every stream s."""
     _ext.require().kv_append(kc, vc, k.contiguous(), v.contiguous(), pos)
-
-
-def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per stream, q [M, hq, d], against its cache kc/vc [M, hkv, cap, d] up to its own position
-    (pos[m] + 1 keys) -> [M, hq * d] bf16: glm4_moe._attend's roundings (bf16 scores, bf16 scale, fp32
-    softmax, bf16 probabilities, fp32 sum of p * v) in one kernel with its own fixed sum orders."""
-    return _ext.require().decode_attention(q.contiguous(), kc, vc, pos, float(scale))
 
 
 def dequant_packed_cuda(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -135,10 +135,8 @@ class Glm4MoeModel:
         """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
         over the cache's whole capacity under a length mask. The caller advances pos and cache.lengths.
-        On a GPU with the extension, RMSNorm, RoPE, the cache write and the attention run as fused kernels
-        (kernels.rms_norm / rope_ / kv_append / decode_attention): fewer launches in the graph, the same
-        roundings (sums in the kernels' own orders), and the attention reads each stream's keys up to its
-        position only."""
+        On a GPU with the extension, RMSNorm, RoPE and the cache write run as fused kernels
+        (kernels.rms_norm / rope_ / kv_append): fewer launches in the graph, the same math."""
         cfg = self.cfg
         dev = self.embed.device
         fused = dev.type == "cuda" and kernels.available()
@@ -183,11 +181,11 @@ class Glm4MoeModel:
         if decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
             idx, pos, span, mask = decode
-            if fused:  # one kernel, each stream's keys up to its own position (not the capacity)
+            if fused:
                 kernels.kv_append(kc, vc, k, v, pos)
-                return F.linear(kernels.decode_attention(q, kc, vc, pos, self.scale), a.o)
-            kc[idx, :, pos] = k
-            vc[idx, :, pos] = v
+            else:
+                kc[idx, :, pos] = k
+                vc[idx, :, pos] = v
             out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], mask, self.scale).reshape(t, -1)
         else:
             outs, off = [], 0

@@ -86,7 +86,8 @@ def _decode(args, comm) -> int:
 
     copy_bw = measure_copy_bandwidth(device)
     load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "resident_gib": engine.resident_bytes() / 2**30,
-            "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts()}
+            "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts(),
+            "stack_bytes": engine.stack_read_bytes()}
     results = []
     try:
         for p in runs:
@@ -106,6 +107,7 @@ def _decode(args, comm) -> int:
         run = {"streams": r.streams, "tokens": r.tokens, "path": r.path, "note": r.note,
                "row_checksums": {str(g[0]["rank"]): g[2][i] for g in gathered},
                "per_rank": [g[1][i] for g in gathered]}
+        run.update(split_ceiling(run["per_rank"], [g[0]["stack_bytes"] for g in gathered]))
         if tok is not None:
             run["text"] = [tok.decode(t) for t in r.tokens]
         out_runs.append(run)
@@ -119,6 +121,19 @@ def _decode(args, comm) -> int:
     if not args.quiet:
         print_report(doc, cfg)
     return 0
+
+
+def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:
+    """What the split can gain at best, from the bytes each rank read per step: one rank alone would read the
+    replicated stack once plus every expert any rank ran (each expert has one owner), the busiest rank reads
+    the stack plus its own experts; a bandwidth-bound step is at most their ratio faster split. Empty for
+    one rank."""
+    if len(per_rank) < 2:
+        return {}
+    experts = [s["weight_bytes_per_step"] - b for s, b in zip(per_rank, stack_bytes)]
+    one = stack_bytes[0] + sum(experts)
+    busiest = max(s["weight_bytes_per_step"] for s in per_rank)
+    return {"one_rank_bytes_per_step": one, "split_ceiling": one / busiest if busiest else 0.0}
 
 
 def _roofline(s: dict, gbps) -> str:
@@ -192,6 +207,12 @@ def print_report(doc: dict, cfg) -> None:
         if any(bw.values()):
             print("roofline % = (GB read/step / measured copy GB/s) / ms per step; copy GB/s counts read + write: "
                   + ", ".join(f"rank {r}: {v:.0f}" for r, v in bw.items() if v))
+        if run.get("split_ceiling"):
+            stack = doc["load"][0]["stack_bytes"]
+            print(f"split ceiling {run['split_ceiling']:.2f}x: one rank alone would read "
+                  f"{run['one_rank_bytes_per_step'] / 1e9:.3f} GB per step, the busiest rank reads "
+                  f"{max(s['weight_bytes_per_step'] for s in run['per_rank']) / 1e9:.3f} GB (every rank reads the "
+                  f"replicated stack, {stack / 1e9:.3f} GB; only the experts are split)")
         print(f"stream 0 tokens: {run['tokens'][0]}")
         if run.get("text"):
             print(f"stream 0 text:   {run['text'][0]!r}")

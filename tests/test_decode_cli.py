@@ -1,8 +1,8 @@
-"""The decode and make-checkpoint commands end to end, one rank."""
+"""The decode and make-checkpoint commands end to end (one rank; the split ceiling with two)."""
 import hashlib
 import json
 
-from conftest import rocket
+from conftest import rocket, rocket_mpi
 from rocket_mpi.checkpoint.make import make_checkpoint
 
 
@@ -72,3 +72,23 @@ def test_synthetic_preset_decodes_from_memory(tmp_path):
                "--out", str(tmp_path / "o.json"))
     assert r.returncode == 0, r.stderr
     assert len(json.loads((tmp_path / "o.json").read_text())["tokens"][0]) == 3
+
+
+def test_split_ceiling_counts_what_one_rank_would_read(tiny_ckpt, tmp_path):
+    """Two ranks report what one rank alone would read per step (the stack once plus every expert any rank
+    ran) and the ceiling it puts on the split; it is what the one-rank run of the same prompts does read
+    (the same tokens, so the same routing)."""
+    args = ["decode", "--checkpoint", str(tiny_ckpt), "--streams", "4", "--tokens", "6", "--sweep", "1,4"]
+    r2 = rocket_mpi(2, *args, "--out", str(tmp_path / "two.json"))
+    assert r2.returncode == 0, r2.stderr
+    r1 = rocket(*args, "--out", str(tmp_path / "one.json"))
+    assert r1.returncode == 0, r1.stderr
+    two, one = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
+    assert "split_ceiling" not in one["runs"][0] and "split ceiling" not in r1.stdout
+    for run2, run1 in zip(two["runs"], one["runs"]):
+        assert run2["tokens"] == run1["tokens"]
+        assert abs(run2["one_rank_bytes_per_step"] - run1["per_rank"][0]["weight_bytes_per_step"]) <= 1e-9 * run2["one_rank_bytes_per_step"]
+        busiest = max(s["weight_bytes_per_step"] for s in run2["per_rank"])
+        assert 1.0 < run2["split_ceiling"] <= 2.0
+        assert abs(run2["split_ceiling"] - run2["one_rank_bytes_per_step"] / busiest) < 1e-12
+    assert r2.stdout.count("split ceiling") == 2

@@ -29,6 +29,11 @@ def _decode(args, comm) -> int:
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
     torch.set_num_threads(args.threads)
     device = _pick_device(args.device, comm)
+    if device.type == "cuda" and size > 1:
+        with watchdog(comm, args.startup_timeout, "comparing the ranks' GPUs"):
+            shared = gpu_sharing(comm.allgather(gpu_identity(device)))
+        if shared and rank == 0:
+            print(f"warning: {shared}", file=sys.stderr, flush=True)
     sweep = args.sweep or [args.streams]
 
     def setup():
@@ -180,6 +185,31 @@ def _pick_device(name: str, comm):
     dev = torch.device("cuda", local_rank(comm) % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     return dev
+
+
+def gpu_identity(device) -> tuple[str, str, int]:
+    """(host, the GPU's UUID, its index here): the same physical GPU reads the same whatever
+    CUDA_VISIBLE_DEVICES each rank was given."""
+    import socket
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return socket.gethostname(), str(uuid) if uuid is not None else f"index {device.index}", device.index
+
+
+def gpu_sharing(ids: list[tuple[str, str, int]]) -> str:
+    """'' when every rank has a GPU of its own, else one line naming the ranks that share one. Not an error
+    (the tests put 3 ranks on 2 GPUs on purpose), but slow: ranks on one GPU take turns with its SMs, and the
+    graphed cuda-ipc exchange spins while it waits (3 ranks on 2 H200s: 11.6 ms per step against 0.5 ms for
+    2 ranks, results/h200_s11_run3_attnv2_fire_graph_ipc3.log)."""
+    by_gpu: dict[tuple[str, str], list[int]] = {}
+    for rank, (host, uuid, _) in enumerate(ids):
+        by_gpu.setdefault((host, uuid), []).append(rank)
+    shared = [(ranks, ids[ranks[0]]) for ranks in by_gpu.values() if len(ranks) > 1]
+    if not shared:
+        return ""
+    where = "; ".join(f"ranks {', '.join(map(str, ranks))} share GPU {index} of {host}"
+                      for ranks, (host, _, index) in shared)
+    return (f"{where}: ranks on one GPU take turns with it and run many times slower; start one rank per GPU "
+            f"(mpirun -np <GPUs per node x nodes>, or Slurm --ntasks-per-node = --gpus-per-node)")
 
 
 def print_report(doc: dict, cfg) -> None:

@@ -166,3 +166,17 @@ def test_placement_file_errors(capsys, ckpt, tmp_path):
 def test_decode_path_graph_on_cpu_says_why(capsys, ckpt):
     assert_one_line(*decode(capsys, ckpt, "--decode-path", "graph"), "--decode-path graph: not possible here")
     assert_one_line(*decode(capsys, ckpt, "--decode-path", "fast"), "--decode-path")
+
+
+def test_ranks_sharing_a_gpu_are_named():
+    """Ranks that land on one GPU (more ranks than GPUs, or a launcher that hid the others) are named in
+    one warning line; ranks on distinct GPUs, on one host or several, are not. The GPU counts by host
+    and UUID, not by the index each rank sees (Slurm may give every rank its own device 0)."""
+    from rocket_mpi.run import gpu_sharing
+    assert gpu_sharing([("a", "GPU-0", 0), ("a", "GPU-1", 1)]) == ""
+    assert gpu_sharing([("a", "GPU-0", 0), ("b", "GPU-0", 0)]) == ""          # same UUID string, two hosts
+    assert gpu_sharing([("a", "GPU-x", 0), ("a", "GPU-y", 0)]) == ""          # each rank sees its GPU as 0
+    line = gpu_sharing([("a", "GPU-0", 0), ("a", "GPU-1", 1), ("a", "GPU-0", 0), ("b", "GPU-9", 0),
+                        ("b", "GPU-9", 0)])
+    assert "ranks 0, 2 share GPU 0 of a" in line and "ranks 3, 4 share GPU 0 of b" in line
+    assert "one rank per GPU" in line and "\n" not in line

@@ -138,7 +138,8 @@ def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:
     experts = [s["weight_bytes_per_step"] - b for s, b in zip(per_rank, stack_bytes)]
     one = stack_bytes[0] + sum(experts)
     busiest = max(s["weight_bytes_per_step"] for s in per_rank)
-    return {"one_rank_bytes_per_step": one, "split_ceiling": one / busiest if busiest else 0.0}
+    return {"one_rank_bytes_per_step": one, "busiest_rank_bytes_per_step": busiest,
+            "split_ceiling": one / busiest if busiest else 0.0}
 
 
 def _roofline(s: dict, gbps) -> str:
@@ -241,7 +242,7 @@ def print_report(doc: dict, cfg) -> None:
             stack = doc["load"][0]["stack_bytes"]
             print(f"split ceiling {run['split_ceiling']:.2f}x: one rank alone would read "
                   f"{run['one_rank_bytes_per_step'] / 1e9:.3f} GB per step, the busiest rank reads "
-                  f"{max(s['weight_bytes_per_step'] for s in run['per_rank']) / 1e9:.3f} GB (every rank reads the "
+                  f"{run['busiest_rank_bytes_per_step'] / 1e9:.3f} GB (every rank reads the "
                   f"replicated stack, {stack / 1e9:.3f} GB; only the experts are split)")
         print(f"stream 0 tokens: {run['tokens'][0]}")
         if run.get("text"):

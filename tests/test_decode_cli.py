@@ -89,6 +89,7 @@ def test_split_ceiling_counts_what_one_rank_would_read(tiny_ckpt, tmp_path):
         assert run2["tokens"] == run1["tokens"]
         assert abs(run2["one_rank_bytes_per_step"] - run1["per_rank"][0]["weight_bytes_per_step"]) <= 1e-9 * run2["one_rank_bytes_per_step"]
         busiest = max(s["weight_bytes_per_step"] for s in run2["per_rank"])
+        assert run2["busiest_rank_bytes_per_step"] == busiest
         assert 1.0 < run2["split_ceiling"] <= 2.0
         assert abs(run2["split_ceiling"] - run2["one_rank_bytes_per_step"] / busiest) < 1e-12
     assert r2.stdout.count("split ceiling") == 2

@@ -100,12 +100,28 @@ def _checksum_weights(n: int, device) -> torch.Tensor:
 
 
 def parse_fault(spec: str | None):
-    """ROCKET_FAULT='stall:rank=1,step=2' or 'die:rank=1,step=2' (tests of dead and stalled peers)."""
+    """ROCKET_FAULT='stall:rank=1,step=2', 'die:rank=1,step=2' (tests of dead and stalled peers) or
+    'oom:rank=1,step=L' (the rank runs out of memory loading MoE layer L's experts) -> (kind, rank, step)."""
     if not spec:
         return None
     kind, _, rest = spec.partition(":")
     kv = dict(p.split("=") for p in rest.split(",") if p)
     return kind, int(kv.get("rank", 1)), int(kv.get("step", 1))
+
+
+def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: BaseException) -> RocketError:
+    """One line for a rank whose share of the model does not fit: where, what it was loading, how much was
+    in use, and what would make it fit."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        where = (f"memory on GPU {device} ({torch.cuda.get_device_name(device)}, {total / 2**30:.1f} GiB, "
+                 f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated by this rank)")
+    else:
+        where = "host memory"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return RocketError(f"rank {rank} of {size}: out of {where} while loading {what} ({first}): this "
+                       f"rank's share does not fit; use more ranks, NVFP4 experts, or a --placement that gives "
+                       f"it fewer experts")
 
 
 class Engine:
@@ -117,24 +133,35 @@ class Engine:
         self.rank, self.size = rank, size
         self.placement = placement or Placement.contiguous(self.cfg, size)
         model_cls = family(self.cfg.model_type).MODEL
-        self.model = model_cls.load(self.reader)
-        prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.experts = {layer: ExpertStore.load(self.reader, layer, self.placement.owned(layer, rank),
-                                                prefix(self.reader, layer), self.device)
-                        for layer in self.cfg.moe_layers}
-        if self.device.type != "cpu":
-            self.model.to(self.device)
-            for store in self.experts.values():
-                store.to(self.device)
+        self.fault = parse_fault(os.environ.get("ROCKET_FAULT"))
+        what = "the replicated stack"
+        try:
+            self.model = model_cls.load(self.reader)
+            prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
+            self.experts = {}
+            for layer in self.cfg.moe_layers:
+                owned = self.placement.owned(layer, rank)
+                what = f"MoE layer {layer}'s experts ({len(owned)} of {self.cfg.n_routed_experts} on this rank)"
+                if self.fault and self.fault[0] == "oom" and self.fault[1] == rank and self.fault[2] == layer:
+                    raise torch.OutOfMemoryError("ROCKET_FAULT: injected out of memory")
+                self.experts[layer] = ExpertStore.load(self.reader, layer, owned, prefix(self.reader, layer),
+                                                       self.device)
+            if self.device.type != "cpu":
+                what = f"the replicated stack onto {self.device}"
+                self.model.to(self.device)
+                what = f"the experts onto {self.device}"
+                for store in self.experts.values():
+                    store.to(self.device)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            raise out_of_memory(rank, size, self.device, what, e) from None
         self._cuda_scatter = kernels_enabled(self.device)
         self.load_seconds = time.perf_counter() - t0
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
         self.seq = 0
         self.step = 0
-        self.fault = parse_fault(os.environ.get("ROCKET_FAULT"))
         self._crc = 0
         self._rows_owned = 0
         self._rows_total = 0

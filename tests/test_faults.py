@@ -1,4 +1,5 @@
-"""A dead or stalled peer, or a mismatched rank: the job ends non-zero with a line naming it, no hang."""
+"""A dead or stalled peer, a mismatched rank, or a rank whose share does not fit its memory: the job ends
+non-zero with a line naming it, no hang."""
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,17 @@ def test_error_on_one_rank_is_reported_once_with_its_rank(tiny_ckpt, tmp_path):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "(rank 1): " in lines[0] and "missing" in lines[0], r.stderr
+
+
+def test_rank_out_of_memory_while_loading_is_one_line(tiny_ckpt):
+    """A rank that runs out of memory loading its experts (injected: MoE layer 2 on rank 1) ends the job with
+    one line naming the rank, the layer and what would make it fit; no traceback, no hang."""
+    r = rocket_mpi(2, *decode_args(tiny_ckpt, "shm"), env={"ROCKET_FAULT": "oom:rank=1,step=2"}, timeout=90)
+    assert r.returncode == 1, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "(rank 1): rank 1 of 2: out of host memory while loading MoE layer 2's experts" in lines[0], lines[0]
+    assert "use more ranks, NVFP4 experts, or a --placement" in lines[0]
 
 
 def _mpmd_env(parts, timeout=90):

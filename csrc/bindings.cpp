@@ -35,11 +35,26 @@ void expect(const torch::Tensor& t, const char* name, c10::ScalarType dtype, int
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// The packed experts' shapes against hidden / inter; returns the number of slots.
-int64_t check_packed(const c10::Device& dev, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
-                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
-                     int64_t inter) {
+// The packed experts' shapes against hidden / inter. NVFP4: q_* uint8 codes and s_* scale bytes; BF16 (q_*
+// bfloat16 [slots, tiles, K/64, 4, 256] in A-fragment order, pack.py pack_bf16): s_* empty, s2_gu ones.
+// Returns whether the experts are BF16.
+bool check_packed(const c10::Device& dev, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
+                  const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
+                  int64_t inter) {
   const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
+  if (q_gu.scalar_type() == torch::kBFloat16) {
+    expect(q_gu, "q_gu", torch::kBFloat16, 5, dev);
+    const int64_t slots = q_gu.size(0);
+    ROCKET_CHECK(q_gu.sizes() == torch::IntArrayRef({slots, 2 * ip / 16, hp / 64, 4, 256}),
+                 "BF16 q_gu " << q_gu.sizes() << " does not match hidden " << hidden << ", inter " << inter);
+    expect(q_dn, "q_dn", torch::kBFloat16, 5, dev);
+    ROCKET_CHECK(q_dn.sizes() == torch::IntArrayRef({slots, hp / 16, ip / 64, 4, 256}), "BF16 q_dn " << q_dn.sizes());
+    ROCKET_CHECK(s_gu.numel() == 0 && s_dn.numel() == 0, "BF16 experts have no block scales (s_gu " << s_gu.sizes()
+                 << ", s_dn " << s_dn.sizes() << ")");
+    expect(s2_gu, "s2_gu", torch::kFloat, 2, dev, 4);
+    ROCKET_CHECK(s2_gu.sizes() == torch::IntArrayRef({slots, 2}), "s2_gu " << s2_gu.sizes());
+    return true;
+  }
   expect(q_gu, "q_gu", torch::kByte, 5, dev);
   const int64_t slots = q_gu.size(0);
   ROCKET_CHECK(q_gu.sizes() == torch::IntArrayRef({slots, 2 * ip / 16, hp / 64, 32, 16}),
@@ -52,7 +67,7 @@ int64_t check_packed(const c10::Device& dev, const torch::Tensor& q_gu, const to
   ROCKET_CHECK(q_dn.sizes() == torch::IntArrayRef({slots, hp / 16, ip / 64, 32, 16}), "q_dn " << q_dn.sizes());
   expect(s_dn, "s_dn", torch::kByte, 5, dev);
   ROCKET_CHECK(s_dn.sizes() == torch::IntArrayRef({slots, hp / 16, ip / 64, 8, 8}), "s_dn " << s_dn.sizes());
-  return slots;
+  return false;
 }
 
 // Fills ExpertsLaunch from checked tensors and launches on the current stream.
@@ -69,11 +84,12 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
   a.groups = reinterpret_cast<const int4*>(groups);
   a.n_groups = static_cast<int>(n_groups);
   a.n_tiles = static_cast<int>(n_tiles);
-  a.q_gu = q_gu.data_ptr<uint8_t>();
-  a.s_gu = s_gu.data_ptr<uint8_t>();
+  a.bf16 = q_gu.scalar_type() == torch::kBFloat16 ? 1 : 0;
+  a.q_gu = static_cast<const uint8_t*>(q_gu.data_ptr());
+  a.s_gu = a.bf16 ? nullptr : s_gu.data_ptr<uint8_t>();
   a.s2_gu = s2_gu.data_ptr<float>();
-  a.q_dn = q_dn.data_ptr<uint8_t>();
-  a.s_dn = s_dn.data_ptr<uint8_t>();
+  a.q_dn = static_cast<const uint8_t*>(q_dn.data_ptr());
+  a.s_dn = a.bf16 ? nullptr : s_dn.data_ptr<uint8_t>();
   a.hidden = static_cast<int>(hidden);
   a.inter = static_cast<int>(inter);
   a.hidden_pad = static_cast<int>(round_up(hidden, rocket::kTileK));
@@ -299,12 +315,12 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
 // cuda-ipc push: this rank's block (src, meta rows) into every rank's row buffer (dst addresses, set 0 row
 // 0; ours included), then the doorbell words (bells[r]: rank r's word for this rank; ours unused).
 rocket::IpcPush push_args(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
-                          const std::vector<int64_t>& bells, torch::Tensor& counter, int64_t cap, int64_t set_rows,
-                          int64_t rank) {
+                          const std::vector<int64_t>& bells, const torch::Tensor* counter, int64_t cap,
+                          int64_t set_rows, int64_t rank) {
   const c10::Device dev = src.device();
   expect(src, "src", torch::kBFloat16, 2, dev, 16);
   expect(meta, "meta", torch::kLong, 1, dev, 8);
-  expect(counter, "counter", torch::kInt, 1, dev, 4);
+  if (counter) expect(*counter, "counter", torch::kInt, 1, dev, 4);
   const int64_t n = static_cast<int64_t>(dst.size());
   ROCKET_CHECK(n >= 1 && n <= rocket::kPlanMaxRanks && static_cast<int64_t>(bells.size()) == n && rank < n,
                dst.size() << " destinations, " << bells.size() << " doorbells, rank " << rank);
@@ -321,7 +337,7 @@ rocket::IpcPush push_args(const torch::Tensor& src, const torch::Tensor& meta, c
     a.bells[r] = reinterpret_cast<int64_t*>(bells[r]);
   }
   a.meta = meta.data_ptr<int64_t>();
-  a.counter = reinterpret_cast<unsigned*>(counter.data_ptr<int>());
+  a.counter = counter ? reinterpret_cast<unsigned*>(counter->data_ptr<int>()) : nullptr;
   a.row_words = row_bytes / 16;
   a.cap_words = cap * a.row_words;
   a.set_words = set_rows * a.row_words;
@@ -352,7 +368,7 @@ rocket::IpcWait wait_args(const torch::Tensor& bells, const torch::Tensor& meta,
 void ipc_push(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
               const std::vector<int64_t>& bells, torch::Tensor& counter, int64_t cap, int64_t set_rows, int64_t rank,
               int64_t blocks) {
-  const rocket::IpcPush a = push_args(src, meta, dst, bells, counter, cap, set_rows, rank);
+  const rocket::IpcPush a = push_args(src, meta, dst, bells, &counter, cap, set_rows, rank);
   const c10::cuda::CUDAGuard guard(src.device());
   rocket::launch_ipc_push(a, nullptr, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
 }
@@ -369,11 +385,41 @@ void ipc_exchange(const torch::Tensor& src, const torch::Tensor& meta, const std
                   const std::vector<int64_t>& peer_bells, torch::Tensor& counter, int64_t cap, int64_t set_rows,
                   int64_t rank, int64_t blocks, const torch::Tensor& bells, torch::Tensor& err, double timeout_s,
                   int64_t layer) {
-  const rocket::IpcPush a = push_args(src, meta, dst, peer_bells, counter, cap, set_rows, rank);
+  const rocket::IpcPush a = push_args(src, meta, dst, peer_bells, &counter, cap, set_rows, rank);
   ROCKET_CHECK(bells.device() == src.device(), "bells on " << bells.device() << ", rows on " << src.device());
   const rocket::IpcWait w = wait_args(bells, meta, err, timeout_s, rank, layer);
   const c10::cuda::CUDAGuard guard(src.device());
   rocket::launch_ipc_push(a, &w, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// The graphed step's exchange: one kernel, a flag word per (sender, block) instead of one doorbell per sender.
+// peer_flags[r]: rank r's flag words for this rank; flags: ours, int64 [ranks, kIpcMaxBlocks].
+void ipc_exchange_flags(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
+                        const std::vector<int64_t>& peer_flags, int64_t cap, int64_t set_rows, int64_t rank,
+                        int64_t blocks, const torch::Tensor& flags, torch::Tensor& err, double timeout_s,
+                        int64_t layer) {
+  const c10::Device dev = src.device();
+  expect(flags, "flags", torch::kLong, 2, dev, 8);
+  const int64_t n = static_cast<int64_t>(dst.size());
+  ROCKET_CHECK(flags.size(0) == n && flags.size(1) == rocket::kIpcMaxBlocks,
+               "flags " << flags.sizes() << " for " << n << " ranks (" << rocket::kIpcMaxBlocks << " words each)");
+  const rocket::IpcPush a = push_args(src, meta, dst, peer_flags, nullptr, cap, set_rows, rank);  // no counter
+  for (int64_t r = 0; r < n; ++r)
+    ROCKET_CHECK(peer_flags[r] % 8 == 0, "flag words of rank " << r << " are not 8-byte aligned");
+  expect(err, "err", torch::kLong, 1, dev, 8);
+  ROCKET_CHECK(err.numel() >= 4, "err needs 4 words");
+  ROCKET_CHECK(timeout_s > 0, "timeout " << timeout_s);
+  rocket::IpcWait w{};
+  w.bells = flags.data_ptr<int64_t>();
+  w.meta = meta.data_ptr<int64_t>();
+  w.err = err.data_ptr<int64_t>();
+  w.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  w.rank = static_cast<int>(rank);
+  w.n_ranks = static_cast<int>(n);
+  w.layer = static_cast<int>(layer);
+  w.blocks = static_cast<int>(blocks);
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_ipc_exchange_flags(a, w, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -438,6 +484,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ipc_push", &ipc_push, "cuda-ipc: block rows to every rank, then doorbells (one kernel)");
   m.def("ipc_wait", &ipc_wait, "cuda-ipc: wait for every peer's doorbell, bounded by a timeout");
   m.def("ipc_exchange", &ipc_exchange, "cuda-ipc: ipc_push and ipc_wait fused into one kernel");
+  m.def("ipc_exchange_flags", &ipc_exchange_flags, "cuda-ipc: one kernel, a flag word per (sender, block), no "
+        "counter (the graphed step's exchange)");
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step)");
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");

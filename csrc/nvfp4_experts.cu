@@ -44,8 +44,14 @@ constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 s
 // 62.6 / 74.6; S=4 L=2 B=3 71.7 / 71.7 / 59.9. More warps hide more latency than a deeper ring does. At
 // 80 registers only the 3- and 4-row-tile paths (17-32 rows of one expert) spill, a few words each.
 constexpr int kRing = 4, kRingLookahead = 3, kBlocksPerSm = 3;
-template <int S>
-__host__ __device__ constexpr int warp_smem() { return S * kStageBytes; }
+// BF16 weights (a BF16 checkpoint's experts): the same kernel without the decode. A tile's k-step j is 512 B,
+// lane l's A fragment at j * 512 + l * 16 (pack.py pack_bf16), so a k-tile is 2 KiB per tile and the ring is
+// 4 KiB per warp and stage: 3 stages, 2 in flight, 2 blocks per SM (96 KiB of shared memory each).
+constexpr int kBf16TileBytes = kTileN * kTileK * 2;
+constexpr int kBf16StageBytes = kFT * kBf16TileBytes;
+constexpr int kBf16Ring = 3, kBf16RingLookahead = 2, kBf16BlocksPerSm = 2;
+template <int S, bool kBf16>
+__host__ __device__ constexpr int warp_smem() { return S * (kBf16 ? kBf16StageBytes : kStageBytes); }
 
 // Decode masks: see rocket_mpi/kernels/pack.py (CODE_Q_BITS / CODE_S_BITS).
 // The main loop is bound by the integer pipe (ncu on the H200: ALU ~62% busy; scripts/sass_loops.py: 207
@@ -67,6 +73,7 @@ struct GemmParams {
   const int4* groups;
   int nk;                    // K / 64
   int n_fgroups;             // feature groups of kFT tiles per expert
+  float w_mul;               // undoes the weights' packed scale in the epilogues: 2^8 (NVFP4), 1 (BF16)
   // gate/up epilogue
   const float* s2;           // [slots][2]
   float limit;
@@ -125,18 +132,20 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int n
 // through L1 (shared by the block's warps on the same pass), prefetched one k-tile ahead where the
 // registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from 63% to 70% of
 // copy bandwidth on the H200 (results/README.md, session 9).
-template <int RT, int S, int L>
+template <int RT, int S, int L, bool kBf16>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4]) {
   constexpr bool kPrefetch = RT <= 2;
+  constexpr int kStage = kBf16 ? kBf16StageBytes : kStageBytes;
+  constexpr int kTileBytes = kBf16 ? kBf16TileBytes : kTileCodeBytes;  // weight bytes of a tile per k-tile
   const int nk = p.nk;
-  const int64_t q_tile = int64_t(nk) * kTileCodeBytes, s_tile = int64_t(nk) * kTileScaleBytes;
+  const int64_t q_tile = int64_t(nk) * kTileBytes, s_tile = int64_t(nk) * kTileScaleBytes;
   const uint8_t* qp[kFT];
   const uint8_t* sp[kFT];
 #pragma unroll
   for (int i = 0; i < kFT; ++i) {
     qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + lane * 16;
-    sp[i] = p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + (lane >> 2) * 8;
+    sp[i] = kBf16 ? nullptr : p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + (lane >> 2) * 8;
   }
   // No L2 evict-first hint: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an LDGSTS
   // whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
@@ -147,10 +156,15 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   auto issue = [&]() {  // the next k-tile, in order
 #pragma unroll
     for (int i = 0; i < kFT; ++i) {
-      dev::cp_async_16(s_codes + st_in * kStageBytes + i * 512, qp[i]);
-      dev::cp_async_8(s_scales + st_in * kStageBytes + i * 256, sp[i]);
-      qp[i] += kTileCodeBytes;
-      sp[i] += kTileScaleBytes;
+      if constexpr (kBf16) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dev::cp_async_16(s_codes + st_in * kStage + i * kTileBytes + j * 512, qp[i] + j * 512);
+      } else {
+        dev::cp_async_16(s_codes + st_in * kStage + i * 512, qp[i]);
+        dev::cp_async_8(s_scales + st_in * kStage + i * 256, sp[i]);
+        sp[i] += kTileScaleBytes;
+      }
+      qp[i] += kTileBytes;
     }
     ++issued;
     st_in = st_in + 1 == S ? 0 : st_in + 1;
@@ -189,25 +203,41 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     dev::cp_async_commit();
     const int st = st_out;
     st_out = st_out + 1 == S ? 0 : st_out + 1;
-    uint4 qv[kFT];
-    uint2 sv[kFT];
+    if constexpr (kBf16) {  // the A fragments as stored: no decode
 #pragma unroll
-    for (int i = 0; i < kFT; ++i) {
-      qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
-      sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
-    }
+      for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+        for (int i = 0; i < kFT; ++i) {
+          const uint4 v = *reinterpret_cast<const uint4*>(s_codes + st * kStage + i * kTileBytes + jj * 512);
+          const uint32_t a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint4& bb = b[rt][jj >> 1];
+            dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
+          }
+        }
+      }
+    } else {
+      uint4 qv[kFT];
+      uint2 sv[kFT];
 #pragma unroll
       for (int i = 0; i < kFT; ++i) {
-        const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
-                          : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
-        uint32_t a[4];
-        decode_a(word(qv[i], jj), sc, a);
+        qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStage + i * 512);
+        sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStage + i * 256);
+      }
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          const uint4& bb = b[rt][jj >> 1];
-          dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int i = 0; i < kFT; ++i) {
+          const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
+                            : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
+          uint32_t a[4];
+          decode_a(word(qv[i], jj), sc, a);
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint4& bb = b[rt][jj >> 1];
+            dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
+          }
         }
       }
     }
@@ -234,8 +264,8 @@ __device__ __forceinline__ void epilogue_swiglu(const GemmParams& p, int slot, i
                                                 const float (&acc)[kFT][RT][4]) {
   static_assert(kFT == 2, "two gate/up tiles make one 16-wide k-step of down");
   const int g = lane >> 2, t = lane & 3, odd = g & 1;
-  const float sg = __fmul_rn(p.s2[2 * slot], 256.0f);      // 2^8 undoes the packed 2^-8, exactly
-  const float su = __fmul_rn(p.s2[2 * slot + 1], 256.0f);
+  const float sg = __fmul_rn(p.s2[2 * slot], p.w_mul);     // 2^8 undoes NVFP4's packed 2^-8, exactly
+  const float su = __fmul_rn(p.s2[2 * slot + 1], p.w_mul);
   const int dst_lane = (2 * t + odd) * 4 + (g >> 1);
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
@@ -263,8 +293,8 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
     for (int i = 0; i < kFT; ++i) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // features g (c0, c1) and g + 8 (c2, c3)
-        const uint32_t v0 = dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(acc[i][rt][2 * half], 256.0f)));
-        const uint32_t v1 = dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(acc[i][rt][2 * half + 1], 256.0f)));
+        const uint32_t v0 = dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(acc[i][rt][2 * half], p.w_mul)));
+        const uint32_t v1 = dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(acc[i][rt][2 * half + 1], p.w_mul)));
         const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
         const uint32_t pair = odd ? (recv | (v1 << 16)) : (v0 | (recv << 16));
         const int feat = (fg * kFT + i) * kTileN + 8 * half + (g & ~1);
@@ -275,7 +305,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
   }
 }
 
-template <int RT, bool kSwiglu, int S, int L>
+template <int RT, bool kSwiglu, int S, int L, bool kBf16>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem_warp, int lane) {
   float acc[kFT][RT][4];
 #pragma unroll
@@ -284,7 +314,7 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-  mainloop<RT, S, L>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
+  mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
   if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
   else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
@@ -293,19 +323,19 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
 // y, so a block's warps share the pass's rows in L1. Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
 // slower on the H200, results/README.md, session 9.)
-template <bool kSwiglu, int S, int L, int B>
+template <bool kSwiglu, int S, int L, int B, bool kBf16>
 __global__ void __launch_bounds__(kThreads, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int fg = blockIdx.x * kWarps + warp;
   if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
   const int4 grp = p.groups[blockIdx.y];
-  char* smem_warp = smem + warp * warp_smem<S>();
+  char* smem_warp = smem + warp * warp_smem<S, kBf16>();
   switch (grp.z) {
-    case 1: run_group<1, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
-    case 2: run_group<2, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
-    case 3: run_group<3, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
-    case 4: run_group<4, kSwiglu, S, L>(p, grp, fg, smem_warp, lane); break;
+    case 1: run_group<1, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
+    case 2: run_group<2, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
+    case 3: run_group<3, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
+    case 4: run_group<4, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -370,19 +400,20 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
   }
 }
 
-template <bool kSwiglu, int S, int L, int B>
+template <bool kSwiglu, int S, int L, int B, bool kBf16>
 void launch_gemm_cfg(const GemmParams& p, cudaStream_t stream) {
   static bool done[64] = {};
-  constexpr int bytes = kWarps * warp_smem<S>();
-  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B>, bytes, done);
+  constexpr int bytes = kWarps * warp_smem<S, kBf16>();
+  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B, kBf16>, bytes, done);
   dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
-  experts_gemm_kernel<kSwiglu, S, L, B><<<grid, kThreads, bytes, stream>>>(p);
+  experts_gemm_kernel<kSwiglu, S, L, B, kBf16><<<grid, kThreads, bytes, stream>>>(p);
   ROCKET_LAUNCH_CHECK();
 }
 
 template <bool kSwiglu>
-void launch_gemm(const GemmParams& p, cudaStream_t stream) {
-  launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm>(p, stream);
+void launch_gemm(const GemmParams& p, bool bf16, cudaStream_t stream) {
+  if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true>(p, stream);
+  else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false>(p, stream);
 }
 
 }  // namespace
@@ -410,8 +441,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.s = a.s_gu;
     p.nk = a.hidden_pad / kTileK;
     const int tiles = 2 * a.inter_pad / kTileN;
-    p.q_slot_stride = int64_t(tiles) * p.nk * kTileCodeBytes;
-    p.s_slot_stride = int64_t(tiles) * p.nk * kTileScaleBytes;
+    p.q_slot_stride = int64_t(tiles) * p.nk * (a.bf16 ? kBf16TileBytes : kTileCodeBytes);
+    p.s_slot_stride = a.bf16 ? 0 : int64_t(tiles) * p.nk * kTileScaleBytes;
+    p.w_mul = a.bf16 ? 1.0f : 256.0f;
     p.frag = a.x_frag;
     p.groups = a.groups;
     p.n_fgroups = tiles / kFT;
@@ -422,7 +454,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.h_pairs = a.inter_pad / 32;
     p.pad_rows = a.pad_rows;
     p.n_groups = a.n_groups;
-    launch_gemm<true>(p, stream);
+    launch_gemm<true>(p, a.bf16 != 0, stream);
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
@@ -430,8 +462,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.s = a.s_dn;
     p.nk = a.inter_pad / kTileK;
     const int tiles = a.hidden_pad / kTileN;
-    p.q_slot_stride = int64_t(tiles) * p.nk * kTileCodeBytes;
-    p.s_slot_stride = int64_t(tiles) * p.nk * kTileScaleBytes;
+    p.q_slot_stride = int64_t(tiles) * p.nk * (a.bf16 ? kBf16TileBytes : kTileCodeBytes);
+    p.s_slot_stride = a.bf16 ? 0 : int64_t(tiles) * p.nk * kTileScaleBytes;
+    p.w_mul = a.bf16 ? 1.0f : 256.0f;
     p.frag = a.h_frag;
     p.groups = a.groups;
     p.n_fgroups = tiles / kFT;
@@ -439,7 +472,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.hidden = a.hidden;
     p.pad_rows = a.pad_rows;
     p.n_groups = a.n_groups;
-    launch_gemm<false>(p, stream);
+    launch_gemm<false>(p, a.bf16 != 0, stream);
   }
 }
 

@@ -85,6 +85,7 @@ struct ExpertsLaunch {
   const int4* groups;         // [n_groups] (slot, first tile, tiles 1..4, 0): one weight pass each
   int n_groups, n_tiles;
   // packed experts, `slot` indexes the leading dimension
+  int bf16;                    // 0: NVFP4 codes + scales; 1: BF16 tiles in q_gu / q_dn (pack.py pack_bf16), no s_*
   const uint8_t *q_gu, *s_gu;  // gate/up tiles interleaved: tile T = gate rows 8T..8T+7, up rows 8T..8T+7
   const float* s2_gu;          // [slots][2] weight_scale_2 of gate, up
   const uint8_t *q_dn, *s_dn;  // down [hidden_pad, inter_pad]; its weight_scale_2 is the scatter's
@@ -170,15 +171,20 @@ struct IpcPush {
   int rank, n_ranks;
 };
 struct IpcWait {
-  const int64_t* bells;              // this rank's doorbell words, one per peer
+  const int64_t* bells;              // this rank's doorbell words, one per peer (flags: [peer][kIpcMaxBlocks])
   const int64_t* meta;
   int64_t* err;                      // [4] (1, peer, seq, layer) after a timeout
   uint64_t timeout_ns;
   int rank, n_ranks, layer;
+  int blocks;                        // flags: blocks of each peer's push (0: doorbells)
 };
+constexpr int kIpcMaxBlocks = 32;    // flag words per sender on each receiver (rocket_mpi/fabric/cuda_ipc.py)
 // wait: nullable; given, the push kernel also waits for the peers (one kernel for the exchange).
 void launch_ipc_push(const IpcPush& a, const IpcWait* wait, int blocks, cudaStream_t stream);
 void launch_ipc_wait(const IpcWait& a, cudaStream_t stream);
+// One kernel: push as above, but each block writes its own flag word on every peer (a.bells[r] = rank r's
+// flag words for this sender) and block 0 waits for every peer's `blocks` flag words (w.bells = ours).
+void launch_ipc_exchange_flags(const IpcPush& a, const IpcWait& w, int blocks, cudaStream_t stream);
 
 // ---- fused ops of the fixed-shape decode step (decode_ops.cu) ----
 void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream);

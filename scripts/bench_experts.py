@@ -1,6 +1,8 @@
 """Routed-expert kernel benchmark (GPU): 64 NVFP4 experts of the GLM-5.3-Flash shape (hidden 4096,
 moe_intermediate 2048, swiglu_limit 10), R rows per expert, against the device copy bandwidth and
-torch's BF16 grouped GEMM on the same experts (dequantised to bf16).
+torch's BF16 grouped GEMM on the same experts (dequantised to bf16); and the same BF16 weights in our
+kernel's BF16 tiles (pack.pack_bf16: a BF16 checkpoint's experts), against its copy-bandwidth bar and
+against grouped_mm.
 
     python scripts/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--topk 8] [--reps 20] [--profile]
                                     [--decode 8,64 --decode-experts 128 --decode-inter 1408]
@@ -18,7 +20,8 @@ Checks first (ours against the bf16 path on the same weights and the same gather
 either side is reported by side), then one table: rows/expert, ours us (median, CUDA events: the three
 kernels, plan and row_index already on the device), ours GB/s (packed weight bytes / time), % of copy BW,
 grouped_mm us (including its x[tokens] gather, as the torch path of the engine gathers too), speed-up;
-plus the whole engine call with its host plan and upload ("op us"). Copy BW is a torch
+plus the whole engine call with its host plan and upload ("op us"); then a second table for BF16 weights:
+ours (BF16 tiles) us, GB/s of its bf16 bytes, % of copy BW, grouped_mm us, speed-up. Copy BW is a torch
 device-to-device copy of a few GB, counting read + write.
 """
 from __future__ import annotations
@@ -129,11 +132,22 @@ def nonfinite(t: torch.Tensor) -> int:
     return int((~torch.isfinite(t)).sum())
 
 
+def bf16_packed(w_gu: torch.Tensor, w_dn: torch.Tensor, inter: int) -> PackedExperts:
+    """The bf16 weights [E, 2I, H] (gate/up interleaved by 8, as packed) and [E, H, I] in the kernel's BF16
+    tiles: what ExpertStore.load packs for a BF16 checkpoint (pack_experts_bf16 interleaves first)."""
+    n, hp, ip = w_gu.shape[0], w_gu.shape[2], w_dn.shape[2]
+    return PackedExperts(list(range(n)), HIDDEN, inter, hp, ip,
+                         torch.stack([pack.pack_bf16(w_gu[e], w_gu.shape[1], hp) for e in range(n)]),
+                         torch.zeros(n, 0, dtype=torch.uint8, device="cuda"), torch.ones(n, 2, device="cuda"),
+                         torch.stack([pack.pack_bf16(w_dn[e], hp, ip) for e in range(n)]),
+                         torch.zeros(n, 0, dtype=torch.uint8, device="cuda"), torch.ones(n, device="cuda"))
+
+
 def bf16_weights(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, 2I, H] (gate/up interleaved by 8 as packed) and [E, H, I] bf16, the exact E2M1 * scale."""
     n = len(p.experts)
-    w_gu = torch.empty(n, 2 * INTER, HIDDEN, dtype=torch.bfloat16, device="cuda")
-    w_dn = torch.empty(n, HIDDEN, INTER, dtype=torch.bfloat16, device="cuda")
+    w_gu = torch.empty(n, 2 * p.inter_pad, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    w_dn = torch.empty(n, HIDDEN, p.inter_pad, dtype=torch.bfloat16, device="cuda")
     for e in range(n):  # the kernel's decode gives E2M1 * scale * 2^-8; * 256 is exact
         w_gu[e] = kernels.dequant_packed_cuda(p.q_gu[e], p.s_gu[e]) * 256
         w_dn[e] = kernels.dequant_packed_cuda(p.q_dn[e], p.s_dn[e]) * 256
@@ -173,7 +187,8 @@ def make_bf16_path(w_gu, w_dn, rows: int):
 
 
 def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, seed: int):
-    """M tokens routed to topk of n_exp random experts (Air-shaped), one rank: (label, us, bytes)."""
+    """M tokens routed to topk of n_exp random experts (Air-shaped), one rank: (label, us, bytes, BF16 tiles
+    us, BF16 bytes) for the same weights in NVFP4 and in BF16 tiles."""
     p = random_experts(n_exp, seed=100 + m, inter=inter)
     gen = torch.Generator().manual_seed(seed)
     experts = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)])
@@ -189,8 +204,13 @@ def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, seed: int)
     touched = len({e for e, s0, s1 in segs if s1 > s0})
     nbytes = p.nbytes * touched / n_exp
     us = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), reps)
+    pb = bf16_packed(*bf16_weights(p), inter)
     del p
-    return f"decode M={m} ({touched} of {n_exp} experts, inter {inter})", us, nbytes
+    launch_b = launch[:6] + (pb, LIMIT)
+    us_b = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch_b), reps)
+    nbytes_b = touched * 3 * HIDDEN * inter * 2
+    del pb
+    return f"decode M={m} ({touched} of {n_exp} experts, inter {inter})", us, nbytes, us_b, nbytes_b
 
 
 def main():
@@ -224,6 +244,8 @@ def main():
     if bad_w:
         print(f"WARNING: {bad_w} non-finite bf16 weights (the packed experts decode to inf/NaN)")
     compute = engine_call(p)
+    pb = bf16_packed(w_gu, w_dn, INTER)
+    bbytes = pb.nbytes
 
     rows_list = [int(r) for r in args.rows.split(",")] if args.rows else []
     results = []
@@ -263,21 +285,36 @@ def main():
         t_ours = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), args.reps)
         t_op = median_us(functools.partial(compute, x, tokens, segs, lo), args.reps)
         t_base = median_us(lambda: base_fn(x[tokens[lo:hi]]), args.reps)
-        results.append((rows, t_ours, t_op, t_base, err))
+        # the same bf16 weights in our kernel's BF16 tiles
+        c = kernels.nvfp4_experts_planned(*launch[:6], pb, LIMIT).float()
+        err_b = float((c - b).norm() / b.norm().clamp_min(1e-30)) if not (nonfinite(c) or bad_b) else float("nan")
+        if not err_b < 2.0 ** -6:
+            print(f"rows/expert {rows}: ours (BF16 tiles) vs {base_name}: relative error {err_b:.2e} EXCEEDS "
+                  f"{2.0 ** -6:.2e}")
+        t_bf16 = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch[:6], pb, LIMIT), args.reps)
+        results.append((rows, t_ours, t_op, t_base, err, t_bf16, err_b))
         del x, xb, a, b, a_op
 
     print()
     print(f"| rows/expert | ours us | ours GB/s | % of copy BW | {base_name if rows_list else 'bf16'} us | speed-up | "
           "op us | rel err |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for rows, t_ours, t_op, t_base, err in results:
+    for rows, t_ours, t_op, t_base, err, _, _ in results:
         gbs = wbytes / (t_ours * 1e-6) / 1e9
         print(f"| {rows} | {t_ours:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | {t_base:.1f} | "
               f"{t_base / t_ours:.2f}x | {t_op:.1f} | {err:.1e} |")
     if rows_list:
         print(f"\ncopy BW {copy_bw:.0f} GB/s; roofline {roof_us:.0f} us for {wbytes / 1e6:.0f} MB. Targets: >= "
               f"{TARGET_PCT:.0f}% of copy BW up to {TARGET_MAX_ROWS} rows/expert, >= {TARGET_SPEEDUP:.0f}x {base_name}.")
-    for rows, t_ours, _, t_base, _ in results:
+    if rows_list:
+        print(f"\nBF16 weights ({bbytes / 1e6:.0f} MB, the same values) in our kernel's BF16 tiles vs {base_name}:")
+        print(f"| rows/expert | ours BF16 us | GB/s | % of copy BW | {base_name} us | speed-up | rel err |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for rows, _, _, t_base, _, t_bf16, err_b in results:
+            gbs = bbytes / (t_bf16 * 1e-6) / 1e9
+            print(f"| {rows} | {t_bf16:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | {t_base:.1f} | "
+                  f"{t_base / t_bf16:.2f}x | {err_b:.1e} |")
+    for rows, t_ours, _, t_base, _, _, _ in results:
         pct = 100 * wbytes / (t_ours * 1e-6) / 1e9 / copy_bw
         ok_bw = pct >= TARGET_PCT or rows > TARGET_MAX_ROWS
         ok_sp = t_base / t_ours >= TARGET_SPEEDUP or rows > TARGET_MAX_ROWS
@@ -285,13 +322,15 @@ def main():
               f"{'met' if ok_sp else 'MISSED'} ({t_base / t_ours:.2f}x)")
 
     if args.decode:
-        del w_gu, w_dn
-        print("\n| decode case | packed MB | ours us | ours GB/s | % of copy BW |")
-        print("|:--|---:|---:|---:|---:|")
+        del w_gu, w_dn, pb
+        print("\n| decode case | packed MB | ours us | ours GB/s | % of copy BW | BF16 MB | ours BF16 us | GB/s | % |")
+        print("|:--|---:|---:|---:|---:|---:|---:|---:|---:|")
         for m in [int(v) for v in args.decode.split(",")]:
-            label, us, nbytes = decode_case(m, args.decode_experts, args.decode_inter, args.topk, args.reps, seed=m)
-            gbs = nbytes / (us * 1e-6) / 1e9
-            print(f"| {label} | {nbytes / 1e6:.0f} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} |")
+            label, us, nbytes, us_b, nbytes_b = decode_case(m, args.decode_experts, args.decode_inter, args.topk,
+                                                            args.reps, seed=m)
+            gbs, gbs_b = nbytes / (us * 1e-6) / 1e9, nbytes_b / (us_b * 1e-6) / 1e9
+            print(f"| {label} | {nbytes / 1e6:.0f} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | "
+                  f"{nbytes_b / 1e6:.0f} | {us_b:.1f} | {gbs_b:.0f} | {100 * gbs_b / copy_bw:.1f} |")
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -180,3 +180,9 @@ def test_ranks_sharing_a_gpu_are_named():
                         ("b", "GPU-9", 0)])
     assert "ranks 0, 2 share GPU 0 of a" in line and "ranks 3, 4 share GPU 0 of b" in line
     assert "one rank per GPU" in line and "\n" not in line
+
+
+def test_bad_bf16_experts_switch(capsys, ckpt, monkeypatch):
+    """ROCKET_BF16_EXPERTS (kernel | grouped) with another value: one line naming it, on any device."""
+    monkeypatch.setenv("ROCKET_BF16_EXPERTS", "fast")
+    assert_one_line(*decode(capsys, ckpt), "ROCKET_BF16_EXPERTS", "'fast'")

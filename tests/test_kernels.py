@@ -12,7 +12,10 @@ GPU tests (skip, with the reason, without a GPU or the extension):
   - nvfp4_experts against nvfp4_experts_ref within TOL_KERNEL (small odd shapes, GLM-5.3 shape);
   - batch invariance: every row's output is bitwise the same as when computed alone, with 1..64 rows
     per expert, other experts present, shuffled expert order, different launch sizes, row_index;
-  - moe_scatter_add bitwise equal to rocket_mpi/moe/scatter.py.
+  - moe_scatter_add bitwise equal to rocket_mpi/moe/scatter.py;
+  - BF16 experts (pack_experts_bf16, the same kernel without the decode): against the F.linear SwiGLU MLP
+    of ExpertStore.compute within TOL_STORE, against nvfp4_experts_ref within TOL_KERNEL, and batch
+    invariant as above. (CPU: the BF16 tile layout is the mma A-fragment layout, element by element.)
 
 Tolerances, stated (relative to the reference's scale; errors are ||out - ref|| / ||ref|| and
 max|out - ref| / max|ref|):
@@ -224,6 +227,46 @@ def test_pack_experts_layout():
         fused[e] = ((fgw, fgs, g2), (fuw, fus, u2), d)
     pf = pack.pack_experts(fused, h, i)
     assert torch.equal(pf.q_gu, p.q_gu) and torch.equal(pf.s_gu, p.s_gu)
+
+
+def test_pack_bf16_is_the_mma_fragment_layout():
+    """pack_bf16 puts W[row, k] of tile T, k-step j where lane (g, t) register r reads it in mma.m16n8k16
+    (row g + 8 (r % 2), k 16 j + 2t + 8 (r // 2) + half); unpack_bf16 is its exact inverse; padding is 0."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 40, 150
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    q = pack.pack_bf16(w, 48, 192)
+    assert q.shape == (3, 3, 4, 256) and q.dtype == torch.bfloat16
+    full = torch.zeros(48, 192, dtype=torch.bfloat16)
+    full[:n, :k] = w
+    assert torch.equal(pack.unpack_bf16(q), full)
+    row, kk = pack._lane_index("cpu")                                   # [32 lanes, 4 regs, 2 halves]
+    frag = q.view(3, 3, 4, 32, 4, 2)
+    for t in range(3):
+        for kt in range(3):
+            for j in range(4):
+                tile = full[16 * t:16 * t + 16, 64 * kt + 16 * j:64 * kt + 16 * j + 16]
+                assert torch.equal(frag[t, kt, j], tile[row, kk]), (t, kt, j)
+
+
+def test_pack_experts_bf16_layout():
+    h, i = 80, 48
+    gen = torch.Generator().manual_seed(6)
+    ex = {e: tuple(torch.randn(*shape, generator=gen).to(torch.bfloat16) for shape in ((i, h), (i, h), (h, i)))
+          for e in (7, 2)}
+    p = pack.pack_experts_bf16(ex, h, i)
+    assert p.bf16 and p.experts == [2, 7] and (p.hidden_pad, p.inter_pad) == (128, 64)
+    assert p.q_gu.shape == (2, 2 * 64 // 16, 128 // 64, 4, 256) and p.q_dn.shape == (2, 128 // 16, 64 // 64, 4, 256)
+    assert p.s_gu.numel() == 0 and p.s_dn.numel() == 0 and p.s2_gu.eq(1).all() and p.s2_dn.eq(1).all()
+    assert p.nbytes == 2 * 2 * (2 * 64 * 128 + 128 * 64)
+    for e, slot in p.slot.items():
+        g, u, d = p.dense(slot)
+        assert torch.equal(g, ex[e][0].float()) and torch.equal(u, ex[e][1].float())
+        assert torch.equal(d, ex[e][2].float())
+    with pytest.raises(ValueError):
+        pack.pack_experts_bf16({0: (ex[2][0].float(), ex[2][1], ex[2][2])}, h, i)     # not bf16
+    with pytest.raises(ValueError):
+        pack.pack_experts_bf16(ex, 72, i)                                               # shape mismatch
 
 
 def test_launch_plan():
@@ -541,8 +584,13 @@ def test_gpu_batch_invariance():
     h, i = 512, 256
     ids = list(range(6))
     p = pack.pack_experts(make_experts(ids, h, i, seed=11), h, i).to("cuda")
-    rng = random.Random(0)
-    gen = torch.Generator().manual_seed(0)
+    _check_batch_invariance(p, seed=0)
+
+
+def _check_batch_invariance(p, seed):
+    h = p.hidden
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
     pool = (torch.randn(96, h, generator=gen) * 2).to(torch.bfloat16).cuda()
 
     alone = {}
@@ -582,6 +630,54 @@ def test_gpu_batch_invariance():
     b = kernels.nvfp4_experts(pool[:40], [(1, 0, 17), (4, 17, 40)], p)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     print(f"\n[batch invariance] {checked} rows in {launches} launches bitwise equal to {len(alone)} single-row runs")
+
+
+def make_bf16_experts(ids, hidden, inter, seed=0):
+    """{e: (gate [I, H], up [I, H], down [H, I]) bf16} as a BF16 checkpoint holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    return {e: tuple((torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+                     for shape in ((inter, hidden), (inter, hidden), (hidden, inter))) for e in ids}
+
+
+@gpu
+@pytest.mark.parametrize("h,i,counts,limit", [
+    (80, 48, {1: 1, 4: 13, 6: 5}, None),              # padded K and N
+    (256, 128, {0: 8, 2: 16, 3: 32, 5: 40}, 0.05),    # full tiles, 4-tile group, a second weight pass
+    (4096, 1408, {0: 3, 1: 1}, None),                 # the GLM-4.5-Air expert shape
+])
+def test_gpu_bf16_experts_match_reference(h, i, counts, limit):
+    """BF16 experts in the kernel's BF16 tiles: the SwiGLU MLP of ExpertStore.compute (F.linear, bf16 between
+    the steps) up to sum order, the reference path exactly as nvfp4_experts_ref computes it."""
+    ids = sorted(counts) + [9]
+    ex = make_bf16_experts(ids, h, i, seed=h + i)
+    p = pack.pack_experts_bf16(ex, h, i)
+    pc = p.to("cuda")
+    assert pc.bf16
+    segs = segments_for(counts, base=3)
+    n = sum(counts.values())
+    x = (torch.randn(n + 5, h) * 2).to(torch.bfloat16)
+    row_index = torch.randperm(n + 5)[:n]
+    got = kernels.nvfp4_experts(x.cuda(), segs, pc, 3, row_index.cuda(), limit).cpu()
+    norm, mx = assert_close(got, kernels.nvfp4_experts_ref(x, segs, p, 3, row_index, limit), TOL_KERNEL,
+                            f"BF16 kernel vs nvfp4_experts_ref h={h} i={i}")
+    store_cls = expert_store_class()
+    if store_cls is not None:
+        store = store_cls(0, ids, {e: torch.cat(ex[e][:2]).cuda() for e in ids}, {e: ex[e][2].cuda() for e in ids},
+                          torch.ones(10), 0, limit)
+        tokens = torch.cat((torch.zeros(3, dtype=torch.long), row_index)).cuda()
+        assert_close(got, store.compute(x.cuda(), tokens, segs, 3).cpu(), TOL_KERNEL,
+                     "BF16 kernel vs ExpertStore.compute (F.linear)")
+    print(f"\n[BF16 kernel vs ref] h={h} i={i} rows={n}: rel err norm {norm:.2e} max {mx:.2e}")
+    got2 = kernels.nvfp4_experts(x[row_index].cuda(), segs, pc, 3, None, limit).cpu()
+    assert torch.equal(got.view(torch.int16), got2.view(torch.int16)), "pre-gathered rows differ from row_index"
+
+
+@gpu
+def test_gpu_bf16_batch_invariance():
+    """BF16 tiles: every row's output bits are those of the row computed alone, whatever shares the launch."""
+    h, i = 512, 256
+    p = pack.pack_experts_bf16(make_bf16_experts(range(6), h, i, seed=12), h, i).to("cuda")
+    _check_batch_invariance(p, seed=1)
 
 
 @gpu

@@ -1,6 +1,7 @@
 """Fast ops of rocket_mpi, each exposed once beside its pure-torch reference (refs.py).
 
-    nvfp4_experts(x, segments, packed, ...)   this rank's routed experts (NVFP4 W4A16, batch-invariant)
+    nvfp4_experts(x, segments, packed, ...)   this rank's routed experts (NVFP4 W4A16, batch-invariant; the
+                                              same kernel runs BF16 experts packed by pack_experts_bf16)
     moe_scatter_add(rows, by_token, coef)     per token, fp32 sum of coef * row in expert order, bf16 once
                                               (optionally summing the rows' checksum as it reads them)
     route(x, weight, bias, cfg)               the router in two kernels (moe/router.py route's result)
@@ -15,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from rocket_mpi.kernels import _ext
-from rocket_mpi.kernels.pack import (PackedExperts, dequant_packed, emulate_decode, pack_codes,  # noqa: F401
-                                     pack_experts, padded_codes, split_fused_gate_up, unpack_codes)
+from rocket_mpi.kernels.pack import (PackedExperts, dequant_packed, emulate_decode, pack_bf16,  # noqa: F401
+                                     pack_codes, pack_experts, pack_experts_bf16, padded_codes,
+                                     split_fused_gate_up, unpack_bf16, unpack_codes)
 from rocket_mpi.kernels.refs import moe_scatter_add_ref, nvfp4_experts_ref  # noqa: F401
 from rocket_mpi.moe.router import route as route_ref
 

@@ -41,6 +41,10 @@ One bf16 multiply of the two is exact: E2M1 * scale * 2^-8 has at most 6 signifi
 Gate and up of one expert are packed as one matrix [2 * inter_pad, hidden_pad] whose tile T holds gate
 rows 8T..8T+7 (rows 0..7) and up rows 8T..8T+7 (rows 8..15): mma rows g and g+8 of one lane are then
 gate and up of the same intermediate feature, and SwiGLU needs no data exchange.
+
+BF16 experts (a BF16 checkpoint) run in the same kernel without the decode: each tile's A fragments as
+stored, bf16 [N/16, K/64, 4, 256] where k-step j holds lane l's 8 values (reg 0..3, each a k pair) at
+j * 256 + 8 l, so a warp reads a k-step of a tile as one coalesced 512 B block (pack_bf16).
 """
 from __future__ import annotations
 
@@ -234,6 +238,28 @@ def emulate_decode(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     return out.permute(0, 3, 1, 2, 4).reshape(nt * TILE_N, kt * TILE_K)
 
 
+def pack_bf16(w: torch.Tensor, n_pad: int, k_pad: int) -> torch.Tensor:
+    """W [N, K] -> bf16 tiles [n_pad/16, k_pad/64, 4, 256] in mma A-fragment order, zero padded: tile T,
+    k-step j, lane (g, t) = 4g + t holds reg r, half h at 8 lane + 2 r + h, the element (row, k) of
+    _lane_index: row g + 8 (r % 2), k 16 j + 2t + 8 (r // 2) + h."""
+    n, k = w.shape
+    if n_pad < n or k_pad < k or n_pad % TILE_N or k_pad % TILE_K:
+        raise ValueError(f"padding [{n_pad}, {k_pad}] for [{n}, {k}]: need multiples of {TILE_N}, {TILE_K}")
+    full = torch.zeros(n_pad, k_pad, dtype=torch.bfloat16, device=w.device)
+    full[:n, :k] = w
+    nt, kt = n_pad // TILE_N, k_pad // TILE_K
+    # row = 8 rh + g, k = 64 kt + 16 j + 8 kh + 2 t + h; reg = rh + 2 kh
+    v = full.view(nt, 2, 8, kt, 4, 2, 4, 2)                               # [T, rh, g, KT, j, kh, t, h]
+    return v.permute(0, 3, 4, 2, 6, 5, 1, 7).reshape(nt, kt, 4, 256).contiguous()
+
+
+def unpack_bf16(q: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_bf16: tiles [N/16, K/64, 4, 256] -> W [N, K] bf16 (padding included)."""
+    nt, kt = q.shape[:2]
+    v = q.reshape(nt, kt, 4, 8, 4, 2, 2, 2)                               # [T, KT, j, g, t, kh, rh, h]
+    return v.permute(0, 6, 3, 1, 2, 5, 4, 7).reshape(nt * TILE_N, kt * TILE_K)
+
+
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """[I_pad, ...] each -> [2 I_pad, ...]: tile T = gate rows 8T..8T+7, then up rows 8T..8T+7."""
     i = gate.shape[0]
@@ -280,9 +306,14 @@ class PackedExperts:
         return self.q_gu.device
 
     @property
+    def bf16(self) -> bool:
+        """BF16 experts (pack_experts_bf16): q_* hold bf16 tiles, s_* are empty, s2_* are ones."""
+        return self.q_gu.dtype == torch.bfloat16
+
+    @property
     def nbytes(self) -> int:
-        """Packed bytes one full pass over every slot reads (codes + scales)."""
-        return sum(t.numel() for t in (self.q_gu, self.s_gu, self.q_dn, self.s_dn))
+        """Packed bytes one full pass over every slot reads (codes + scales, or the BF16 tiles)."""
+        return sum(t.numel() * t.element_size() for t in (self.q_gu, self.s_gu, self.q_dn, self.s_dn))
 
     def to(self, device) -> "PackedExperts":
         mv = lambda t: t.to(device)  # noqa: E731
@@ -291,10 +322,14 @@ class PackedExperts:
                              mv(self.s2_dn), dict(self.slot))
 
     def dense(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 (gate [I, H], up [I, H], down [H, I]) of one slot as E2M1 * scale, no weight_scale_2."""
-        gu = dequant_packed(self.q_gu[slot], self.s_gu[slot])
+        """fp32 (gate [I, H], up [I, H], down [H, I]) of one slot as E2M1 * scale, no weight_scale_2
+        (BF16 experts: the weights themselves)."""
+        if self.bf16:
+            gu, d = unpack_bf16(self.q_gu[slot]).float(), unpack_bf16(self.q_dn[slot]).float()
+        else:
+            gu = dequant_packed(self.q_gu[slot], self.s_gu[slot])
+            d = dequant_packed(self.q_dn[slot], self.s_dn[slot])
         g, u = deinterleave_gate_up(gu)
-        d = dequant_packed(self.q_dn[slot], self.s_dn[slot])
         return g[:self.inter, :self.hidden], u[:self.inter, :self.hidden], d[:self.hidden, :self.inter]
 
 
@@ -343,3 +378,32 @@ def pack_experts(experts: Mapping[int, Sequence], hidden: int, inter: int, devic
         (torch.stack(s2_gu) if ids else torch.zeros(0, 2)).to(dev),
         stack(q_dn, (0, hp // 16, ip // 64, 32, 16)), stack(s_dn, (0, hp // 16, ip // 64, 8, 8)),
         torch.tensor(s2_dn, dtype=torch.float32, device=dev))
+
+
+def pack_experts_bf16(experts: Mapping[int, Sequence[torch.Tensor]], hidden: int, inter: int,
+                      device=None) -> PackedExperts:
+    """{expert id: (gate [I, H], up [I, H], down [H, I]) bf16} -> PackedExperts of BF16 tiles (pack_bf16),
+    slots in ascending expert id: the same kernel as NVFP4 without the decode (s_* empty, s2_* ones)."""
+    if hidden % TILE_N or inter % TILE_N:
+        raise ValueError(f"hidden {hidden}, moe_intermediate {inter}: the expert kernel needs multiples of {TILE_N}")
+    hp, ip = round_up(hidden, TILE_K), round_up(inter, TILE_K)
+    ids = sorted(experts)
+    q_gu, q_dn = [], []
+    for e in ids:
+        g, u, d = experts[e]
+        for name, w, shape in (("gate", g, (inter, hidden)), ("up", u, (inter, hidden)), ("down", d, (hidden, inter))):
+            if tuple(w.shape) != shape or w.dtype != torch.bfloat16:
+                raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} bfloat16")
+        dev = device if device is not None else g.device
+        pad = lambda w, n, k: torch.nn.functional.pad(w.to(dev), (0, k - w.shape[1], 0, n - w.shape[0]))  # noqa: E731
+        q_gu.append(pack_bf16(interleave_gate_up(pad(g, ip, hp), pad(u, ip, hp)), 2 * ip, hp))
+        q_dn.append(pack_bf16(d.to(dev), hp, ip))
+    dev = q_gu[0].device if ids else torch.device(device or "cpu")
+    n = len(ids)
+    stack = lambda xs, shape: torch.stack(xs) if xs else torch.zeros(shape, dtype=torch.bfloat16)  # noqa: E731
+    empty = torch.zeros(n, 0, dtype=torch.uint8, device=dev)
+    return PackedExperts(ids, hidden, inter, hp, ip,
+                         stack(q_gu, (0, 2 * ip // 16, hp // 64, 4, 256)).to(dev), empty,
+                         torch.ones(n, 2, dtype=torch.float32, device=dev),
+                         stack(q_dn, (0, hp // 16, ip // 64, 4, 256)).to(dev), empty.clone(),
+                         torch.ones(n, dtype=torch.float32, device=dev))

@@ -39,7 +39,9 @@ class ExpertStore:
              device=None) -> "ExpertStore":
         """`prefix`: the experts' tensor-name prefix (default model.layers.{layer}.mlp.experts).
         On a GPU with the CUDA extension built, NVFP4 experts stay packed and run in the batch-invariant
-        kernel (rocket_mpi.kernels); otherwise they are dequantised to BF16 for the torch reference."""
+        kernel (rocket_mpi.kernels), and BF16 experts are packed into the same kernel's BF16 tiles
+        (ROCKET_BF16_EXPERTS=grouped keeps them dense: F.linear eagerly, torch._grouped_mm in the graphed
+        step); otherwise they are dequantised to BF16 for the torch reference."""
         cfg = reader.config
         h, i, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         pre = prefix or f"model.layers.{layer}.mlp.experts"
@@ -48,8 +50,9 @@ class ExpertStore:
             name = f"{pre}.{e}.down_proj.weight_scale_2"
             if name in reader:
                 s2[e] = float(reader.get(name, None, (torch.float32,), finite=True).reshape(()))
-        gate_up, down, nbytes, raw = {}, {}, 0, {}
+        gate_up, down, nbytes, raw, raw_bf16 = {}, {}, 0, {}, {}
         use_kernel = kernels_enabled(device)
+        bf16_kernel = bf16_kernel_enabled() and use_kernel  # a bad ROCKET_BF16_EXPERTS fails everywhere
         for e in owned:
             g = reader.linear(f"{pre}.{e}.gate_proj", i, h)
             u = reader.linear(f"{pre}.{e}.up_proj", i, h)
@@ -58,17 +61,22 @@ class ExpertStore:
                 raw[e] = (g, u, d)
                 nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
                 continue
+            if bf16_kernel and not (g.nvfp4 or u.nvfp4 or d.nvfp4):
+                raw_bf16[e] = (g.dense(), u.dense(), d.dense())
+                nbytes += sum(x.numel() * x.element_size() for x in raw_bf16[e])
+                continue
             gate_up[e] = torch.cat((g.dense(), u.dense()), dim=0)
             down[e] = d.dense(with_global_scale=False)
             if d.nvfp4 and float(d.weight_scale_2) != float(s2[e]):
                 raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
             nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
         store = cls(layer, owned, gate_up, down, s2, nbytes, cfg.swiglu_limit)
-        if raw:
-            if len(raw) != len(owned):
+        if raw or raw_bf16:
+            if len(raw) + len(raw_bf16) != len(owned) or (raw and raw_bf16):
                 raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
             from rocket_mpi import kernels
-            store.packed = kernels.pack_experts(raw, h, i, device=device)
+            store.packed = (kernels.pack_experts(raw, h, i, device=device) if raw
+                            else kernels.pack_experts_bf16(raw_bf16, h, i, device=device))
             store.read_bytes_per_expert = nbytes // max(len(owned), 1)
         return store
 
@@ -128,6 +136,17 @@ class ExpertStore:
         if self.packed is not None:
             return self.packed.nbytes
         return sum(t.numel() * t.element_size() for t in list(self.gate_up.values()) + list(self.down.values()))
+
+
+def bf16_kernel_enabled() -> bool:
+    """BF16 experts run in the expert kernel (BF16 tiles) unless ROCKET_BF16_EXPERTS=grouped keeps torch's
+    path (F.linear eagerly, torch._grouped_mm in the graphed step): the A/B switch of the decode benchmark."""
+    import os
+    v = os.environ.get("ROCKET_BF16_EXPERTS", "kernel")
+    if v not in ("kernel", "grouped"):
+        from rocket_mpi.errors import RocketError
+        raise RocketError(f"ROCKET_BF16_EXPERTS={v!r}: expected 'kernel' (default) or 'grouped'")
+    return v == "kernel"
 
 
 def kernels_enabled(device) -> bool:

@@ -10,6 +10,11 @@
 //       until it reaches seq, bounded by a timeout read from %globaltimer. On expiry it records
 //       (1, peer, seq, layer) in `err` and returns; later waits see err set and return at once, so a
 //       dead peer costs one timeout per step, and the host reads err after the step and names them.
+// flags (ipc_exchange_flags, the graphed step's exchange): no counter and no last block. Every block
+//       fences its own stores and then writes seq into its own flag word on every peer (release, system
+//       scope): flags [sender][kIpcMaxBlocks] on each receiver. Block 0 then waits for every peer's flag
+//       words of this seq, one thread each. Against the doorbell version this drops the atomic counter
+//       that serialises the blocks and the second system fence of the ringing block.
 #include "common.cuh"
 
 namespace rocket {
@@ -31,13 +36,12 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
-// One lane per peer: spin until the peer's doorbell word reaches the layer's seq, or time out.
-__device__ __forceinline__ void wait_peer(const IpcWait& a, int peer) {
-  if (peer >= a.n_ranks || peer == a.rank) return;
+// Spin until `word` (written by `peer`) reaches the layer's seq, or time out.
+__device__ __forceinline__ void wait_word(const IpcWait& a, const int64_t* word, int peer) {
   const int64_t seq = a.meta[4];
   const uint64_t t0 = globaltimer_ns();
   for (uint32_t spin = 0;; ++spin) {
-    if (load_acquire_sys(a.bells + peer) >= seq) return;
+    if (load_acquire_sys(word) >= seq) return;
     if ((spin & 255) == 0) {
       if (*reinterpret_cast<volatile int64_t*>(a.err) != 0) return;  // a peer already timed out this step
       if (globaltimer_ns() - t0 > a.timeout_ns) {
@@ -49,6 +53,21 @@ __device__ __forceinline__ void wait_peer(const IpcWait& a, int peer) {
         return;
       }
     }
+  }
+}
+
+// One lane per peer: its doorbell word.
+__device__ __forceinline__ void wait_peer(const IpcWait& a, int peer) {
+  if (peer >= a.n_ranks || peer == a.rank) return;
+  wait_word(a, a.bells + peer, peer);
+}
+
+// The block's threads over every (peer, block) flag word of the exchange.
+__device__ __forceinline__ void wait_flags(const IpcWait& a) {
+  const int n = a.n_ranks * a.blocks;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int peer = i / a.blocks, b = i % a.blocks;
+    if (peer != a.rank) wait_word(a, a.bells + peer * kIpcMaxBlocks + b, peer);
   }
 }
 
@@ -85,6 +104,23 @@ __global__ void ipc_push_kernel(const IpcPush a, const IpcWait w) {
 
 __global__ void ipc_wait_kernel(const IpcWait a) { wait_peer(a, threadIdx.x); }
 
+// a.bells[r]: rank r's flag words for this sender ([kIpcMaxBlocks]); w.bells: ours, [sender][kIpcMaxBlocks].
+__global__ void ipc_exchange_flags_kernel(const IpcPush a, const IpcWait w) {
+  const int64_t rows = a.meta[2], set = a.meta[3];
+  const int64_t words = rows * a.row_words;
+  const int64_t first = set * a.set_words + int64_t(a.rank) * a.cap_words;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 v = a.src[i];
+    for (int r = 0; r < a.n_ranks; ++r) a.dst[r][first + i] = v;
+  }
+  __threadfence_system();  // each thread's stores, before the block's flags (the threadfence pattern)
+  __syncthreads();
+  const int64_t seq = a.meta[4];
+  for (int r = threadIdx.x; r < a.n_ranks; r += blockDim.x)
+    if (r != a.rank) store_release_sys(a.bells[r] + blockIdx.x, seq);
+  if (blockIdx.x == 0) wait_flags(w);
+}
+
 }  // namespace
 
 namespace {
@@ -106,6 +142,17 @@ void launch_ipc_push(const IpcPush& a, const IpcWait* wait, int blocks, cudaStre
   } else {
     ipc_push_kernel<false><<<blocks, 512, 0, stream>>>(a, IpcWait{});
   }
+  ROCKET_LAUNCH_CHECK();
+}
+
+void launch_ipc_exchange_flags(const IpcPush& a, const IpcWait& w, int blocks, cudaStream_t stream) {
+  ROCKET_CHECK(a.n_ranks >= 1 && a.n_ranks <= kPlanMaxRanks && a.rank >= 0 && a.rank < a.n_ranks,
+               "rank " << a.rank << " of " << a.n_ranks);
+  ROCKET_CHECK(blocks >= 1 && blocks <= kIpcMaxBlocks, "blocks " << blocks << " (flag words for " << kIpcMaxBlocks
+               << " per sender)");
+  ROCKET_CHECK(w.blocks == blocks && w.rank == a.rank && w.n_ranks == a.n_ranks && w.meta == a.meta,
+               "push and wait of one exchange disagree on blocks, rank, ranks or meta");
+  ipc_exchange_flags_kernel<<<blocks, 512, 0, stream>>>(a, w);
   ROCKET_LAUNCH_CHECK();
 }
 

@@ -5,8 +5,9 @@ routing back once per MoE layer (the host plan). Here every MoE layer is
 
     route (router_logits + moe_route, two kernels) -> moe_plan (one kernel: the canonical plan in slot
     space, kernels/plan.py)
-    -> this rank's block: nvfp4_experts_into (NVFP4, our kernel, fixed grid) or, for BF16 experts,
-       torch._grouped_mm over the stacked weights with group ends counted on the device
+    -> this rank's block: nvfp4_experts_into (our kernel, fixed grid: NVFP4 experts, or BF16 experts in
+       its BF16 tiles), or with ROCKET_BF16_EXPERTS=grouped torch._grouped_mm over the stacked BF16 weights
+       with group ends counted on the device
     -> exchange -> moe_scatter_add, which also sums the rows' checksum (folded by the host after the step)
 
 with shapes fixed by (streams, top-k, ranks), so the whole decode step (attention over the cache's full
@@ -16,10 +17,11 @@ CUDA graph and replayed: one launch and one small device-to-host read (tokens + 
 Exchange per fabric (rows of rank r's block live at slot space r * cap + i on every rank):
     local     one rank: the block is the row set
     nccl      all_gather_into_tensor of every rank's cap rows (captured by NCCL)
-    cuda-ipc  ipc_exchange, one kernel: block rows into every peer's buffer over NVLink, doorbells, then
-              the block that rang spins on our doorbells with a timeout (a timeout is recorded on the
-              device and raised by the host after the step naming peer, layer and step); two row buffer
-              sets used in turn (seq parity) as the eager path's double buffer
+    cuda-ipc  ipc_exchange_flags, one kernel: block rows into every peer's buffer over NVLink, each block
+              then writes its own flag word (seq) on every peer, and block 0 spins on ours with a timeout
+              (a timeout is recorded on the device and raised by the host after the step naming peer,
+              layer and step); two row buffer sets used in turn (seq parity) as the eager path's double
+              buffer
 
 Parity: canonical order, the kernel's weight passes and the scatter order are the host plan's
 (tests/test_device_plan.py checks moe_plan against its reference), so the split and one rank compute the
@@ -38,7 +40,7 @@ from rocket_mpi.errors import FabricTimeout, RocketError
 from rocket_mpi.kernels import plan as kplan
 from rocket_mpi.moe.router import route
 
-PUSH_BLOCKS = 32
+PUSH_BLOCKS = 32  # blocks of the exchange kernel: one flag word each (fabric/cuda_ipc.py IPC_MAX_BLOCKS)
 
 
 def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
@@ -74,7 +76,7 @@ class DeviceMoE:
 
     def __init__(self, engine, streams: int):
         from rocket_mpi.fabric.base import LocalFabric
-        from rocket_mpi.fabric.cuda_ipc import BELL_BYTES, CudaIpcFabric
+        from rocket_mpi.fabric.cuda_ipc import BELL_BYTES, FLAGS_OFFSET, IPC_MAX_BLOCKS, CudaIpcFabric
         from rocket_mpi.fabric.nccl import NcclFabric
         e = self.engine = engine
         cfg, dev = e.cfg, e.device
@@ -115,9 +117,8 @@ class DeviceMoE:
             self.rows = fab.buf[BELL_BYTES:BELL_BYTES + 2 * fab.slot_bytes].view(torch.bfloat16).view(-1, self.hidden)
             self.out = torch.empty(self.cap, self.hidden, dtype=torch.bfloat16, device=dev)
             self.dst = [fab.base[r] + BELL_BYTES for r in range(self.size)]
-            self.peer_bells = [fab.base[r] + 8 * self.rank for r in range(self.size)]
-            self.bells = fab.bells
-            self.counter = torch.zeros(1, dtype=torch.int32, device=dev)
+            self.peer_flags = [fab.base[r] + FLAGS_OFFSET + 8 * IPC_MAX_BLOCKS * self.rank for r in range(self.size)]
+            self.flags = fab.flags
             self.timeout = fab.timeout
         else:
             raise RocketError(f"the graphed step has no exchange for fabric {fab.name}")
@@ -151,15 +152,16 @@ class DeviceMoE:
             kernels._ext.require().nvfp4_experts_into(x.contiguous(), p["row_index"], p["pad_rows"], p["groups"],
                                                       self.out, pk.q_gu, pk.s_gu, pk.s2_gu, pk.q_dn, pk.s_dn,
                                                       pk.hidden, pk.inter, store.swiglu_limit)
-        elif store.owned:  # BF16: torch's grouped GEMM, fixed shapes (tests/test_device_plan.py: row invariance)
+        elif store.owned:  # ROCKET_BF16_EXPERTS=grouped: torch's grouped GEMM, fixed shapes (row invariance:
+            # tests/test_device_plan.py)
             self.out.copy_(store.grouped(x, p["row_index"], experts))
         C = kernels._ext.require()
         if self.mode == "nccl":
             import torch.distributed as dist
             dist.all_gather_into_tensor(self.rows, self.out)
         elif self.mode == "cuda-ipc":
-            C.ipc_exchange(self.out, p["meta"], self.dst, self.peer_bells, self.counter, self.cap, self.set_stride,
-                           self.rank, PUSH_BLOCKS, self.bells, self.err, self.timeout, layer)
+            C.ipc_exchange_flags(self.out, p["meta"], self.dst, self.peer_flags, self.cap, self.set_stride,
+                                 self.rank, PUSH_BLOCKS, self.flags, self.err, self.timeout, layer)
         out = kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)])
         self.metas.append(p["meta"])
         return out

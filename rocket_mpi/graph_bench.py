@@ -3,9 +3,12 @@
     mpirun -np 2 python -m rocket_mpi fabric-bench --device cuda --fabric cuda-ipc|nccl --graph [--sizes ...]
 
 Per message size, medians over --reps replays of one graph holding --iters exchanges back to back:
-  exchange us    one symmetric exchange (both ranks send the size, each waits for the other's doorbell):
-                 cuda-ipc = ipc_exchange, push and wait in one kernel (graph.py), nccl = all_gather_into_tensor;
-  2 kernels us   cuda-ipc only: the same exchange as ipc_push + ipc_wait, two kernels (the first version);
+  exchange us    one symmetric exchange (both ranks send the size, each waits for the other's rows):
+                 cuda-ipc = ipc_exchange_flags, one kernel, a flag word per block (the decode step's, graph.py),
+                 nccl = all_gather_into_tensor;
+  doorbell us    cuda-ipc only: ipc_exchange, one kernel, one doorbell per rank rung by the last block to
+                 finish (an atomic counter; the second version);
+  2 kernels us   cuda-ipc only: ipc_push + ipc_wait, doorbells, two kernels (the first version);
   GB/s           size / exchange time: what one rank's rows move at;
   peer copy GB/s a plain peer copy (cudaMemcpyAsync to the peer's mapped buffer) of the same size, timed
                  with events: the bandwidth bar; and the exchange's share of it.
@@ -33,8 +36,8 @@ def push_blocks(nbytes: int) -> int:
 class GraphExchange:
     """`iters` exchanges of `nbytes` per rank, captured once; replay() runs them all."""
 
-    def __init__(self, fab, comm, nbytes: int, iters: int, device, fused: bool = True):
-        self.fab, self.comm, self.device, self.fused = fab, comm, device, fused
+    def __init__(self, fab, comm, nbytes: int, iters: int, device, mode: str = "flags"):
+        self.fab, self.comm, self.device, self.mode = fab, comm, device, mode
         self.rank, self.size = comm.rank, comm.size
         self.rows = nbytes // ROW_BYTES
         self.nbytes, self.iters = nbytes, iters
@@ -49,10 +52,12 @@ class GraphExchange:
             fab.enable_peer_access()
             self.recv = fab.buf[BELL_BYTES:BELL_BYTES + fab.slot_bytes].view(torch.bfloat16).view(-1, ROW_HIDDEN)
             self.dst = [fab.base[r] + BELL_BYTES for r in range(self.size)]
+            from rocket_mpi.fabric.cuda_ipc import FLAGS_OFFSET, IPC_MAX_BLOCKS
             self.peer_bells = [fab.base[r] + 8 * self.rank for r in range(self.size)]
+            self.peer_flags = [fab.base[r] + FLAGS_OFFSET + 8 * IPC_MAX_BLOCKS * self.rank for r in range(self.size)]
             self.counter = torch.zeros(1, dtype=torch.int32, device=device)
             self.err = torch.zeros(4, dtype=torch.long, device=device)
-            start = int(fab.bells.max()) + 1 if self.size > 1 else 1
+            start = max(int(fab.bells.max()), int(fab.flags.max())) + 1 if self.size > 1 else 1
             start = max(comm.allgather(start))
             head = [0, 0, self.rows, 0, 0, 0] + [self.rows] * self.size
             self.metas = torch.tensor([head] * iters, dtype=torch.long, device=device)
@@ -66,7 +71,10 @@ class GraphExchange:
         if self.fab.name == "cuda-ipc":
             C = kernels._ext.require()
             for i in range(self.iters):
-                if self.fused:
+                if self.mode == "flags":
+                    C.ipc_exchange_flags(self.src, self.metas[i], self.dst, self.peer_flags, self.rows, 0, self.rank,
+                                         push_blocks(self.nbytes), self.fab.flags, self.err, self.fab.timeout, -1)
+                elif self.mode == "bells":
                     C.ipc_exchange(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0,
                                    self.rank, push_blocks(self.nbytes), self.fab.bells, self.err, self.fab.timeout, -1)
                 else:
@@ -147,10 +155,10 @@ def peer_copy_gbps(fab, comm, nbytes: int, device, reps: int = 20) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def _time_one(fab, comm, n: int, k: int, reps: int, device, fused: bool) -> tuple[float, str]:
+def _time_one(fab, comm, n: int, k: int, reps: int, device, mode: str) -> tuple[float, str]:
     """(us per exchange, why capture failed or "") of one captured exchange variant. Built only now: its
-    seqs start past every doorbell value the variants before it left."""
-    ex = GraphExchange(fab, comm, n, k, device, fused)
+    seqs start past every doorbell and flag value the variants before it left."""
+    ex = GraphExchange(fab, comm, n, k, device, mode)
     ex.check()
     why = ex.capture()
     if comm.allreduce(1 if why else 0) == 0:
@@ -166,22 +174,26 @@ def run(fab, comm, sizes: list[int], iters: int | None, reps: int, device) -> li
     out = []
     for n in sizes:
         k = iters or max(10, min(200, (64 << 20) // max(n, 1)))
-        us, why = _time_one(fab, comm, n, k, reps, device, True)
-        split = _time_one(fab, comm, n, k, reps, device, False)[0] if fab.name == "cuda-ipc" else float("nan")
+        us, why = _time_one(fab, comm, n, k, reps, device, "flags")
+        ipc = fab.name == "cuda-ipc"
+        bells = _time_one(fab, comm, n, k, reps, device, "bells")[0] if ipc else float("nan")
+        split = _time_one(fab, comm, n, k, reps, device, "split")[0] if ipc else float("nan")
         copy = peer_copy_gbps(fab, comm, n, device)
         out.append({"bytes": n, "exchange_us": us, "gbs": float("nan") if math.isnan(us) else n / (us * 1e-6) / 1e9,
-                    "copy_gbs": copy, "note": why, "split_us": split})
+                    "copy_gbs": copy, "note": why, "bells_us": bells, "split_us": split})
     return out
 
 
 def format_table(results: list[dict], header: str) -> str:
     from rocket_mpi.fabric_bench import human, num
     lines = [f"fabric-bench --graph: {header}",
-             f"{'message':>9}  {'exchange us':>12}  {'2 kernels us':>12}  {'GB/s':>8}  {'peer copy GB/s':>14}  "
+             f"{'message':>9}  {'exchange us':>12}  {'doorbell us':>12}  {'2 kernels us':>12}  {'GB/s':>8}  "
+             f"{'peer copy GB/s':>14}  "
              f"{'% of copy':>9}"]
     for r in results:
         pct = None if math.isnan(r["gbs"]) or math.isnan(r["copy_gbs"]) else 100 * r["gbs"] / r["copy_gbs"]
-        lines.append(f"{human(r['bytes']):>9}  {num(r['exchange_us']):>12}  {num(r.get('split_us', math.nan)):>12}  "
+        lines.append(f"{human(r['bytes']):>9}  {num(r['exchange_us']):>12}  {num(r.get('bells_us', math.nan)):>12}  "
+                     f"{num(r.get('split_us', math.nan)):>12}  "
                      f"{num(r['gbs']):>8}  "
                      f"{num(r['copy_gbs']):>14}  {(f'{pct:.0f}' if pct is not None else '-'):>9}"
                      + (f"  capture failed: {r['note']}" if r["note"] else ""))

@@ -6,7 +6,7 @@ OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 steps=${*:-check build kernels fire decode hf}
 PRESET=${PRESET:-air8}
-run() { local name=$1; shift; echo "=== $name: $*"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
+run() { local name=$1 t0=$SECONDS rc; shift; echo "=== $name: $*"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; rc=$?; echo "rc=$rc ($((SECONDS - t0)) s)"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
 for s in $steps; do case $s in
 check)
   nvidia-smi -L; nvidia-smi topo -m | head -5
@@ -28,9 +28,11 @@ fire_bf16)
   for f in cuda-ipc nccl; do
     T=240 run "fire_graph_bf16_$f" python3 -m rocket_mpi static-fire --checkpoint preset:default --ranks 2 --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 12
   done ;;
-bf16)
-  T=300 run "decode1_${PRESET}_bf16_graph" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep 1,8 --tokens 16
-  T=300 run "decode2_${PRESET}_bf16_graph_cuda-ipc" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 16 ;;
+bf16)  # BF16 experts: our kernel's BF16 tiles beside torch._grouped_mm (ROCKET_BF16_EXPERTS), one GPU; then two
+  for m in ${BF16_MODES:-kernel grouped}; do
+    T=300 run "decode1_${PRESET}_bf16_${m}_graph" env ROCKET_BF16_EXPERTS=$m python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep 1,8 --tokens 16
+  done
+  T=300 run "decode2_${PRESET}_bf16_kernel_graph_cuda-ipc" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 16 ;;
 fire_glm5)  # the GLM-5 families' fixed-shape step captured (not yet under auto: model GRAPH_CHECKED)
   for p in dsa-tiny glm5-tiny; do
     T=240 run "fire_graph_$p" python3 -m rocket_mpi static-fire --checkpoint preset:$p:nvfp4 --ranks ${RANKS:-2} --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
@@ -49,7 +51,7 @@ paths2)
 profile)
   T=200 run "profile_${PRESET}" python3 scripts/profile_gpu_step.py "preset:$PRESET:nvfp4" 8 ;;
 fabgraph)
-  for f in cuda-ipc nccl; do
+  for f in ${FABRICS:-cuda-ipc nccl}; do
     T=200 run "fabgraph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --graph --sizes 2K..4M --reps 5
   done ;;
 faults)  # a stalled / dead rank on the graphed cuda-ipc step (after capture): non-zero exit naming it, no hang

@@ -1,6 +1,7 @@
 """cuda-ipc: GPUs of one host (NVLink or PCIe). Each rank owns one device allocation
 
-    [doorbells: size int64][seq ring: 64 int64][slot 0 rows][slot 1 rows]   (header padded to 1 KiB)
+    [doorbells: size int64][seq ring: 64 int64][flags: 64 x 32 int64][slot 0 rows][slot 1 rows]
+    (doorbells and ring in the first KiB; the flags are the graphed step's, csrc/ipc_bells.cu)
 
 opened by every peer through a CUDA IPC handle swapped over mpi4py. A sender enqueues, on its stream,
 a peer copy of its block into each peer's slot, then an 8-byte copy of seq into that peer's doorbell
@@ -19,9 +20,12 @@ from rocket_mpi.errors import FabricError
 from rocket_mpi.fabric.base import Fabric
 from rocket_mpi.fabric.nccl import _wait_event
 
-BELL_BYTES = 1024
 RING = 64
 RING_OFFSET = 512  # bytes: doorbells of up to 64 ranks come first
+FLAGS_OFFSET = 1024
+IPC_MAX_BLOCKS = 32  # flag words per sender (csrc/rocket.h kIpcMaxBlocks): one per block of the push kernel
+MAX_RANKS = RING_OFFSET // 8
+BELL_BYTES = FLAGS_OFFSET + 8 * MAX_RANKS * IPC_MAX_BLOCKS  # the header; rows start here
 
 
 def _check(res, what: str):
@@ -64,6 +68,9 @@ class CudaIpcFabric(Fabric):
                 self.base[r] = st.data_ptr()
         comm.Barrier()
         self.bells = self.buf[:8 * self.size].view(torch.int64)
+        # the graphed step's flag words: [sender][block] (graph.py, ipc_exchange_flags)
+        self.flags = self.buf[FLAGS_OFFSET:FLAGS_OFFSET + 8 * IPC_MAX_BLOCKS * self.size].view(torch.int64).view(
+            self.size, IPC_MAX_BLOCKS)
         self.rows = [self.buf[BELL_BYTES + k * self.slot_bytes: BELL_BYTES + (k + 1) * self.slot_bytes]
                      .view(torch.bfloat16).view(max(max_rows, 1), hidden) for k in (0, 1)]
         self.done = torch.cuda.Event()

@@ -30,9 +30,15 @@ fire_bf16)
   done ;;
 bf16)  # BF16 experts: our kernel's BF16 tiles beside torch._grouped_mm (ROCKET_BF16_EXPERTS), one GPU; then two
   for m in ${BF16_MODES:-kernel grouped}; do
-    T=300 run "decode1_${PRESET}_bf16_${m}_graph" env ROCKET_BF16_EXPERTS=$m python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep 1,8 --tokens 16
+    T=300 run "decode1_${PRESET}_bf16_${m}_graph" env ROCKET_BF16_EXPERTS=$m python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
   done
-  T=300 run "decode2_${PRESET}_bf16_kernel_graph_cuda-ipc" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 16 ;;
+  for f in ${FABRICS:-cuda-ipc}; do
+    T=300 run "decode2_${PRESET}_bf16_kernel_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
+  done ;;
+fire_bf16_glm5)  # BF16 experts (the kernel's BF16 tiles) in the GLM-5 families' graphed step, split vs one rank
+  for p in dsa-tiny glm5-tiny; do
+    T=240 run "fire_graph_bf16_$p" python3 -m rocket_mpi static-fire --checkpoint preset:$p --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
+  done ;;
 fire_glm5)  # the GLM-5 families' fixed-shape step captured (not yet under auto: model GRAPH_CHECKED)
   for p in dsa-tiny glm5-tiny; do
     T=240 run "fire_graph_$p" python3 -m rocket_mpi static-fire --checkpoint preset:$p:nvfp4 --ranks ${RANKS:-2} --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
@@ -88,5 +94,5 @@ ncu)  # hardware counters of the expert GEMMs (persistent schedule) at 1 and 8 r
       --section ComputeWorkloadAnalysis --section LaunchStats python3 scripts/bench_experts.py --rows $r --reps 1
   done ;;
 hf)
-  T=400 run hf python3 scripts/bench_gpu.py --preset "$PRESET" --sweep 1,8 --tokens 16 ;;
+  T=400 run hf python3 scripts/bench_gpu.py --preset "$PRESET" --sweep ${SWEEP:-1,8} --tokens 16 ;;
 esac; done

@@ -121,7 +121,8 @@ def collective(comm, timeout: float, what: str, fn):
         lines = []
         for msg, ranks in by_msg.items():
             who = "all ranks" if len(ranks) == comm.size else "rank " + ",".join(map(str, ranks))
-            lines.append(f"({who}): {msg}")
+            # a message that already names its one rank ("rank 1 of 2: ...") needs no "(rank 1): " before it
+            lines.append(msg if len(ranks) == 1 and msg.startswith(f"rank {ranks[0]} ") else f"({who}): {msg}")
         raise AgreedError("; ".join(lines))
     return val
 

@@ -89,7 +89,8 @@ def test_rank_out_of_memory_while_loading_is_one_line(tiny_ckpt):
     assert r.returncode == 1, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "(rank 1): rank 1 of 2: out of host memory while loading MoE layer 2's experts" in lines[0], lines[0]
+    assert lines[0].startswith("rocket_mpi: error: rank 1 of 2: out of host memory while loading MoE layer 2's "
+                               "experts"), lines[0]
     assert "use more ranks, NVFP4 experts, or a --placement" in lines[0]
 
 

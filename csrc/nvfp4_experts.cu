@@ -27,8 +27,6 @@
 // tile and stage, 3 stages in flight; 24 warps per SM); every lane copies only what it reads itself, so
 // no barrier is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
 // the same expert).
-#include <cstdlib>
-
 #include "common.cuh"
 
 namespace rocket {
@@ -134,61 +132,7 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int n
 // through L1 (shared by the block's warps on the same pass), prefetched one k-tile ahead where the
 // registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from 63% to 70% of
 // copy bandwidth on the H200 (results/README.md, session 9).
-// One k-tile of the warp's kFT tiles from its ring stage (codes / scales: the lane's bytes of that stage),
-// with the rows' B fragments b: k-steps of 16 in ascending order, one mma each into acc.
-template <int RT, bool kBf16>
-__device__ __forceinline__ void mma_ktile(float (&acc)[kFT][RT][4], const char* codes, const char* scales,
-                                          const uint4 (&b)[RT][2]) {
-  if constexpr (kBf16) {  // the A fragments as stored: no decode
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-      for (int i = 0; i < kFT; ++i) {
-        const uint4 v = *reinterpret_cast<const uint4*>(codes + i * kBf16TileBytes + jj * 512);
-        const uint32_t a[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          const uint4& bb = b[rt][jj >> 1];
-          dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
-        }
-      }
-    }
-  } else {
-    uint4 qv[kFT];
-    uint2 sv[kFT];
-#pragma unroll
-    for (int i = 0; i < kFT; ++i) {
-      qv[i] = *reinterpret_cast<const uint4*>(codes + i * 512);
-      sv[i] = *reinterpret_cast<const uint2*>(scales + i * 256);
-    }
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-      for (int i = 0; i < kFT; ++i) {
-        const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
-                          : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
-        uint32_t a[4];
-        decode_a(word(qv[i], jj), sc, a);
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          const uint4& bb = b[rt][jj >> 1];
-          dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
-        }
-      }
-    }
-  }
-}
-
-// The batch-invariant core: acc[i][rt] = W tile (fg * kFT + i) x rows of tile (tile0 + rt) over all K,
-// k-steps of 16 in ascending order, one mma per step into the same fp32 accumulator starting from 0.
-// Weights stream through the warp's cp.async ring, one commit group per k-tile. B fragments come
-// through L1 (shared by the block's warps on the same pass), prefetched one k-tile ahead where the
-// registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from 63% to 70% of
-// copy bandwidth on the H200 (results/README.md, session 9).
-// kUnroll: the k loop unrolled by the ring size S, so every ring stage, shared-memory offset and weight
-// offset inside it is a compile-time constant (no ring counters, one pointer bump per S k-tiles); the same
-// copies, waits and mmas in the same order, so the same bits.
-template <int RT, int S, int L, bool kBf16, bool kUnroll>
+template <int RT, int S, int L, bool kBf16>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4]) {
   constexpr bool kPrefetch = RT <= 2;
@@ -208,82 +152,94 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   char* s_codes = smem_warp + lane * 16;
   char* s_scales = smem_warp + kStageCodes + lane * 8;
   static_assert(L >= 1 && L <= S - 1, "lookahead");
-  // k-tile `ahead` past the weight pointers into ring stage `st`
-  auto issue_at = [&](int st, int ahead) {
+  int issued = 0, st_in = 0, st_out = 0;  // k-tiles issued; ring slots of the next issue and the next read
+  auto issue = [&]() {  // the next k-tile, in order
 #pragma unroll
     for (int i = 0; i < kFT; ++i) {
       if constexpr (kBf16) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          dev::cp_async_16(s_codes + st * kStage + i * kTileBytes + j * 512, qp[i] + ahead * kTileBytes + j * 512);
+        for (int j = 0; j < 4; ++j) dev::cp_async_16(s_codes + st_in * kStage + i * kTileBytes + j * 512, qp[i] + j * 512);
       } else {
-        dev::cp_async_16(s_codes + st * kStage + i * 512, qp[i] + ahead * kTileBytes);
-        dev::cp_async_8(s_scales + st * kStage + i * 256, sp[i] + ahead * kTileScaleBytes);
+        dev::cp_async_16(s_codes + st_in * kStage + i * 512, qp[i]);
+        dev::cp_async_8(s_scales + st_in * kStage + i * 256, sp[i]);
+        sp[i] += kTileScaleBytes;
       }
+      qp[i] += kTileBytes;
     }
-  };
-  auto bump = [&](int tiles) {  // the weight pointers `tiles` k-tiles on
-#pragma unroll
-    for (int i = 0; i < kFT; ++i) {
-      qp[i] += tiles * kTileBytes;
-      if constexpr (!kBf16) sp[i] += tiles * kTileScaleBytes;
-    }
+    ++issued;
+    st_in = st_in + 1 == S ? 0 : st_in + 1;
   };
   // L k-tiles in flight; slot (kt + L) % S is refilled S - L iterations after its read (each lane reads
   // only what it copied, and a read's registers are consumed within its iteration, so L = S - 1 is safe).
   constexpr int kLookahead = L;
 #pragma unroll
   for (int kt = 0; kt < kLookahead; ++kt) {
-    if (kt < nk) issue_at(kt, kt);
+    if (issued < nk) issue();
     dev::cp_async_commit();
   }
   bool valid[RT];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) valid[rt] = p.pad_rows[(tile0 + rt) * kRowTile + (lane >> 2)] >= 0;
-  const uint4* fr = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;  // row tile rt at + rt * 2 nk * 32
+  const uint4* fr0 = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;  // row tile rt at + rt * 2 nk * 32
   uint4 bn[RT][2];
-  if constexpr (kPrefetch) load_b<RT>(bn, fr, nk, valid);
-  // k-tile kt (ring stage st): its rows, its weights landed, the k-tile L ahead issued, its mmas
-  auto step = [&](int kt, const uint4* frk, uint4 (&b)[RT][2]) {
+  if constexpr (kPrefetch) load_b<RT>(bn, fr0, nk, valid);
+  const uint4* fr = fr0;
+  for (int kt = 0; kt < nk; ++kt) {
+    uint4 b[RT][2];
     if constexpr (kPrefetch) {
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
         b[rt][0] = bn[rt][0];
         b[rt][1] = bn[rt][1];
       }
-      if (kt + 1 < nk) load_b<RT>(bn, frk + 2 * 32, nk, valid);  // the next k-tile's rows
+      fr += 2 * 32;  // the next k-tile's rows (one past the end on the last: not read)
+      if (kt + 1 < nk) load_b<RT>(bn, fr, nk, valid);
     } else {
-      load_b<RT>(b, frk, nk, valid);
+      load_b<RT>(b, fr, nk, valid);
+      fr += 2 * 32;
     }
     dev::cp_async_wait<kLookahead - 1>();  // k-tile kt has landed (one group per k-tile)
-  };
-  if constexpr (kUnroll) {
-    for (int kt0 = 0; kt0 < nk; kt0 += S) {  // weight pointers at k-tile kt0, fr at its rows
+    if (issued < nk) issue();
+    dev::cp_async_commit();
+    const int st = st_out;
+    st_out = st_out + 1 == S ? 0 : st_out + 1;
+    if constexpr (kBf16) {  // the A fragments as stored: no decode
 #pragma unroll
-      for (int u = 0; u < S; ++u) {
-        if (kt0 + u < nk) {
-          uint4 b[RT][2];
-          step(kt0 + u, fr + u * 2 * 32, b);
-          if (kt0 + u + L < nk) issue_at((u + L) % S, u + L);
-          dev::cp_async_commit();
-          mma_ktile<RT, kBf16>(acc, s_codes + u * kStage, s_scales + u * kStage, b);
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int i = 0; i < kFT; ++i) {
+          const uint4 v = *reinterpret_cast<const uint4*>(s_codes + st * kStage + i * kTileBytes + jj * 512);
+          const uint32_t a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint4& bb = b[rt][jj >> 1];
+            dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
+          }
         }
       }
-      bump(S);
-      fr += S * 2 * 32;
-    }
-  } else {
-    int st_in = L, st_out = 0;  // ring stages of k-tiles kt + L and kt
-    for (int kt = 0; kt < nk; ++kt) {
-      uint4 b[RT][2];
-      step(kt, fr, b);
-      fr += 2 * 32;
-      if (kt + L < nk) issue_at(st_in, L);
-      bump(1);
-      dev::cp_async_commit();
-      mma_ktile<RT, kBf16>(acc, s_codes + st_out * kStage, s_scales + st_out * kStage, b);
-      st_in = st_in + 1 == S ? 0 : st_in + 1;
-      st_out = st_out + 1 == S ? 0 : st_out + 1;
+    } else {
+      uint4 qv[kFT];
+      uint2 sv[kFT];
+#pragma unroll
+      for (int i = 0; i < kFT; ++i) {
+        qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStage + i * 512);
+        sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStage + i * 256);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int i = 0; i < kFT; ++i) {
+          const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
+                            : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
+          uint32_t a[4];
+          decode_a(word(qv[i], jj), sc, a);
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint4& bb = b[rt][jj >> 1];
+            dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
+          }
+        }
+      }
     }
   }
 }
@@ -349,7 +305,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
   }
 }
 
-template <int RT, bool kSwiglu, int S, int L, bool kBf16, bool kUnroll>
+template <int RT, bool kSwiglu, int S, int L, bool kBf16>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem_warp, int lane) {
   float acc[kFT][RT][4];
 #pragma unroll
@@ -358,7 +314,7 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-  mainloop<RT, S, L, kBf16, kUnroll>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
+  mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
   if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
   else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
@@ -367,7 +323,7 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
 // y, so a block's warps share the pass's rows in L1. Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
 // slower on the H200, results/README.md, session 9.)
-template <bool kSwiglu, int S, int L, int B, bool kBf16, bool kUnroll>
+template <bool kSwiglu, int S, int L, int B, bool kBf16>
 __global__ void __launch_bounds__(kThreads, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -376,10 +332,10 @@ __global__ void __launch_bounds__(kThreads, B) experts_gemm_kernel(const GemmPar
   const int4 grp = p.groups[blockIdx.y];
   char* smem_warp = smem + warp * warp_smem<S, kBf16>();
   switch (grp.z) {
-    case 1: run_group<1, kSwiglu, S, L, kBf16, kUnroll>(p, grp, fg, smem_warp, lane); break;
-    case 2: run_group<2, kSwiglu, S, L, kBf16, kUnroll>(p, grp, fg, smem_warp, lane); break;
-    case 3: run_group<3, kSwiglu, S, L, kBf16, kUnroll>(p, grp, fg, smem_warp, lane); break;
-    case 4: run_group<4, kSwiglu, S, L, kBf16, kUnroll>(p, grp, fg, smem_warp, lane); break;
+    case 1: run_group<1, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
+    case 2: run_group<2, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
+    case 3: run_group<3, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
+    case 4: run_group<4, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -444,30 +400,20 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
   }
 }
 
-template <bool kSwiglu, int S, int L, int B, bool kBf16, bool kUnroll>
+template <bool kSwiglu, int S, int L, int B, bool kBf16>
 void launch_gemm_cfg(const GemmParams& p, cudaStream_t stream) {
   static bool done[64] = {};
   constexpr int bytes = kWarps * warp_smem<S, kBf16>();
-  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B, kBf16, kUnroll>, bytes, done);
+  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B, kBf16>, bytes, done);
   dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
-  experts_gemm_kernel<kSwiglu, S, L, B, kBf16, kUnroll><<<grid, kThreads, bytes, stream>>>(p);
+  experts_gemm_kernel<kSwiglu, S, L, B, kBf16><<<grid, kThreads, bytes, stream>>>(p);
   ROCKET_LAUNCH_CHECK();
-}
-
-// ROCKET_EXPERTS_UNROLL=1: the NVFP4 k loop unrolled by the ring size (same bits; an A/B switch for the bench)
-bool unroll_nvfp4() {
-  static const bool on = [] {
-    const char* v = std::getenv("ROCKET_EXPERTS_UNROLL");
-    return v != nullptr && v[0] == '1';
-  }();
-  return on;
 }
 
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, bool bf16, cudaStream_t stream) {
-  if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, false>(p, stream);
-  else if (unroll_nvfp4()) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, true>(p, stream);
-  else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, false>(p, stream);
+  if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true>(p, stream);
+  else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false>(p, stream);
 }
 
 }  // namespace

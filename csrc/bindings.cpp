@@ -406,17 +406,8 @@ void ipc_exchange_flags(const torch::Tensor& src, const torch::Tensor& meta, con
   const rocket::IpcPush a = push_args(src, meta, dst, peer_flags, nullptr, cap, set_rows, rank);  // no counter
   for (int64_t r = 0; r < n; ++r)
     ROCKET_CHECK(peer_flags[r] % 8 == 0, "flag words of rank " << r << " are not 8-byte aligned");
-  expect(err, "err", torch::kLong, 1, dev, 8);
-  ROCKET_CHECK(err.numel() >= 4, "err needs 4 words");
-  ROCKET_CHECK(timeout_s > 0, "timeout " << timeout_s);
-  rocket::IpcWait w{};
-  w.bells = flags.data_ptr<int64_t>();
-  w.meta = meta.data_ptr<int64_t>();
-  w.err = err.data_ptr<int64_t>();
-  w.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
-  w.rank = static_cast<int>(rank);
+  rocket::IpcWait w = wait_args(flags.view({-1}), meta, err, timeout_s, rank, layer);  // our words, all peers
   w.n_ranks = static_cast<int>(n);
-  w.layer = static_cast<int>(layer);
   w.blocks = static_cast<int>(blocks);
   const c10::cuda::CUDAGuard guard(dev);
   rocket::launch_ipc_exchange_flags(a, w, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());

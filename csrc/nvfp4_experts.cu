@@ -27,9 +27,6 @@
 // tile and stage, 3 stages in flight; 24 warps per SM); every lane copies only what it reads itself, so
 // no barrier is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
 // the same expert).
-#include <cstdlib>
-#include <cstring>
-
 #include "common.cuh"
 
 namespace rocket {
@@ -47,10 +44,6 @@ constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 s
 // 62.6 / 74.6; S=4 L=2 B=3 71.7 / 71.7 / 59.9. More warps hide more latency than a deeper ring does. At
 // 80 registers only the 3- and 4-row-tile paths (17-32 rows of one expert) spill, a few words each.
 constexpr int kRing = 4, kRingLookahead = 3, kBlocksPerSm = 3;
-// Small launches (at most one block per SM: a decode step with few tokens) are bound by the bytes each warp
-// has in flight, not by issue: they take a deeper ring (6 k-tiles in flight, 2 blocks per SM at most). The
-// ring changes only when copies are issued, never the mma sequence, so both give the same bits (a GPU test).
-constexpr int kDeepRing = 8, kDeepRingLookahead = 6, kDeepBlocksPerSm = 2;
 // BF16 weights (a BF16 checkpoint's experts): the same kernel without the decode. A tile's k-step j is 512 B,
 // lane l's A fragment at j * 512 + l * 16 (pack.py pack_bf16), so a k-tile is 2 KiB per tile and the ring is
 // 4 KiB per warp and stage: 3 stages, 2 in flight, 2 blocks per SM (96 KiB of shared memory each).
@@ -417,27 +410,9 @@ void launch_gemm_cfg(const GemmParams& p, cudaStream_t stream) {
   ROCKET_LAUNCH_CHECK();
 }
 
-// ROCKET_EXPERTS_RING=normal|deep forces a ring (tests, A/B runs); auto (default): deep when the grid has at
-// most one block per SM.
-bool deep_ring(const GemmParams& p) {
-  const char* v = std::getenv("ROCKET_EXPERTS_RING");
-  if (v != nullptr && std::strcmp(v, "deep") == 0) return true;
-  if (v != nullptr && std::strcmp(v, "normal") == 0) return false;
-  static int sms[64] = {};
-  int dev = 0;
-  ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
-  int n = dev < 64 ? sms[dev] : 0;
-  if (n == 0) {
-    ROCKET_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    if (dev < 64) sms[dev] = n;
-  }
-  return int64_t((p.n_fgroups + kWarps - 1) / kWarps) * p.n_groups <= n;
-}
-
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, bool bf16, cudaStream_t stream) {
   if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true>(p, stream);
-  else if (deep_ring(p)) launch_gemm_cfg<kSwiglu, kDeepRing, kDeepRingLookahead, kDeepBlocksPerSm, false>(p, stream);
   else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false>(p, stream);
 }
 

@@ -632,31 +632,6 @@ def _check_batch_invariance(p, seed):
     print(f"\n[batch invariance] {checked} rows in {launches} launches bitwise equal to {len(alone)} single-row runs")
 
 
-@gpu
-@pytest.mark.parametrize("h,i,counts", [(512, 256, {0: 1, 3: 1}), (4096, 1408, {0: 1, 2: 9, 5: 33})])
-def test_gpu_ring_choice_same_bits(h, i, counts):
-    """The NVFP4 kernel's two weight rings (deep for launches of at most one block per SM, normal otherwise;
-    ROCKET_EXPERTS_RING forces one) issue the same mmas in the same order: the same bits."""
-    ids = sorted(counts) + [7]
-    p = pack.pack_experts(make_experts(ids, h, i, seed=3), h, i).to("cuda")
-    segs = segments_for(counts)
-    n = sum(counts.values())
-    x = (torch.randn(n, h, generator=torch.Generator().manual_seed(4)) * 2).to(torch.bfloat16).cuda()
-    old = os.environ.get("ROCKET_EXPERTS_RING")
-    out = {}
-    try:
-        for ring in ("normal", "deep", "auto"):
-            os.environ["ROCKET_EXPERTS_RING"] = ring
-            out[ring] = kernels.nvfp4_experts(x, segs, p, 0, None, 0.05)
-    finally:
-        if old is None:
-            os.environ.pop("ROCKET_EXPERTS_RING", None)
-        else:
-            os.environ["ROCKET_EXPERTS_RING"] = old
-    for ring in ("deep", "auto"):
-        assert torch.equal(out[ring].view(torch.int16), out["normal"].view(torch.int16)), f"{ring} ring differs"
-
-
 def make_bf16_experts(ids, hidden, inter, seed=0):
     """{e: (gate [I, H], up [I, H], down [H, I]) bf16} as a BF16 checkpoint holds them."""
     gen = torch.Generator().manual_seed(seed)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from rocket_mpi.kernels import _ext
-from rocket_mpi.kernels.pack import (PackedExperts, dequant_packed, emulate_decode, pack_bf16,  # noqa: F401
-                                     pack_codes, pack_experts, pack_experts_bf16, padded_codes,
+from rocket_mpi.kernels.pack import (ExpertPacker, PackedExperts, dequant_packed, emulate_decode,  # noqa: F401
+                                     pack_bf16, pack_codes, pack_experts, pack_experts_bf16, padded_codes,
                                      split_fused_gate_up, unpack_bf16, unpack_codes)
 from rocket_mpi.kernels.refs import moe_scatter_add_ref, nvfp4_experts_ref  # noqa: F401
 from rocket_mpi.moe.router import route as route_ref

@@ -345,65 +345,94 @@ def _parts(lin) -> tuple[torch.Tensor, torch.Tensor, float]:
     return w, s, float(s2)
 
 
+class ExpertPacker:
+    """A layer's experts packed one at a time into stacks allocated once (slot = the expert id's rank among
+    `ids`), so loading holds one expert's unpacked weights at a time beside the packed layer (not every
+    expert's parts, then a list of packed tensors, then their stack). NVFP4 parts: (weight, weight_scale,
+    weight_scale_2) or reader Linears; BF16 parts: bf16 tensors ([I, H], [I, H], [H, I] each)."""
+
+    def __init__(self, ids: Sequence[int], hidden: int, inter: int, bf16: bool, device=None):
+        mult = TILE_N if bf16 else nvfp4.BLOCK
+        if hidden % mult or inter % mult:
+            raise ValueError(f"hidden {hidden}, moe_intermediate {inter}: "
+                             f"{'the expert kernel' if bf16 else 'NVFP4'} needs multiples of {mult}")
+        self.ids, self.hidden, self.inter, self.bf16 = sorted(ids), hidden, inter, bf16
+        self.hp, self.ip = round_up(hidden, TILE_K), round_up(inter, TILE_K)
+        self.slot = {e: k for k, e in enumerate(self.ids)}
+        self.device = torch.device(device) if device is not None else None
+        self.filled: set[int] = set()
+        self.t: dict[str, torch.Tensor] = {}
+
+    def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        n, hp, ip = len(self.ids), self.hp, self.ip
+        if self.bf16:
+            return {"q_gu": ((n, 2 * ip // 16, hp // 64, 4, 256), torch.bfloat16), "s_gu": ((n, 0), torch.uint8),
+                    "q_dn": ((n, hp // 16, ip // 64, 4, 256), torch.bfloat16), "s_dn": ((n, 0), torch.uint8),
+                    "s2_gu": ((n, 2), torch.float32), "s2_dn": ((n,), torch.float32)}
+        return {"q_gu": ((n, 2 * ip // 16, hp // 64, 32, 16), torch.uint8),
+                "s_gu": ((n, 2 * ip // 16, hp // 64, 8, 8), torch.uint8),
+                "q_dn": ((n, hp // 16, ip // 64, 32, 16), torch.uint8), "s_dn": ((n, hp // 16, ip // 64, 8, 8), torch.uint8),
+                "s2_gu": ((n, 2), torch.float32), "s2_dn": ((n,), torch.float32)}
+
+    def _alloc(self, device) -> None:
+        if not self.t:
+            self.device = self.device or torch.device(device)
+            self.t = {k: (torch.ones if k.startswith("s2") else torch.empty)(shape, dtype=dt, device=self.device)
+                      for k, (shape, dt) in self._shapes().items()}
+
+    def add(self, e: int, gate, up, down) -> None:
+        if e not in self.slot or e in self.filled:
+            raise ValueError(f"expert {e}: not among {self.ids} or packed twice")
+        k = self.slot[e]
+        if self.bf16:
+            for name, w, shape in (("gate", gate, (self.inter, self.hidden)), ("up", up, (self.inter, self.hidden)),
+                                   ("down", down, (self.hidden, self.inter))):
+                if tuple(w.shape) != shape or w.dtype != torch.bfloat16:
+                    raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} bfloat16")
+            self._alloc(gate.device)
+            dev = self.device
+            pad = lambda w, n, kk: torch.nn.functional.pad(w.to(dev), (0, kk - w.shape[1], 0, n - w.shape[0]))  # noqa: E731
+            self.t["q_gu"][k] = pack_bf16(interleave_gate_up(pad(gate, self.ip, self.hp), pad(up, self.ip, self.hp)),
+                                          2 * self.ip, self.hp)
+            self.t["q_dn"][k] = pack_bf16(down.to(dev), self.hp, self.ip)
+        else:
+            (gw, gs, g2), (uw, us, u2), (dw, ds, d2) = (_parts(x) for x in (gate, up, down))
+            for name, w, shape in (("gate", gw, (self.inter, self.hidden // 2)),
+                                   ("up", uw, (self.inter, self.hidden // 2)), ("down", dw, (self.hidden, self.inter // 2))):
+                if tuple(w.shape) != shape or w.dtype != torch.uint8:
+                    raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} uint8")
+            self._alloc(gw.device)
+            dev = self.device
+            gc, gsb = padded_codes(gw.to(dev), gs.to(dev), self.ip, self.hp)
+            uc, usb = padded_codes(uw.to(dev), us.to(dev), self.ip, self.hp)
+            self.t["q_gu"][k], self.t["s_gu"][k] = pack_codes(interleave_gate_up(gc, uc), interleave_gate_up(gsb, usb))
+            self.t["q_dn"][k], self.t["s_dn"][k] = pack_codes(*padded_codes(dw.to(dev), ds.to(dev), self.hp, self.ip))
+            self.t["s2_gu"][k, 0], self.t["s2_gu"][k, 1], self.t["s2_dn"][k] = g2, u2, d2
+        self.filled.add(e)
+
+    def done(self) -> PackedExperts:
+        if len(self.filled) != len(self.ids):
+            raise ValueError(f"experts {sorted(set(self.ids) - self.filled)} were never packed")
+        self._alloc(self.device or "cpu")
+        t = self.t
+        return PackedExperts(list(self.ids), self.hidden, self.inter, self.hp, self.ip, t["q_gu"], t["s_gu"],
+                             t["s2_gu"], t["q_dn"], t["s_dn"], t["s2_dn"])
+
+
 def pack_experts(experts: Mapping[int, Sequence], hidden: int, inter: int, device=None) -> PackedExperts:
     """{expert id: (gate, up, down)} of NVFP4 Linears ([I, H], [I, H], [H, I]; each a reader.Linear or
     (weight, weight_scale, weight_scale_2)) -> PackedExperts, slots in ascending expert id."""
-    if hidden % nvfp4.BLOCK or inter % nvfp4.BLOCK:
-        raise ValueError(f"hidden {hidden}, moe_intermediate {inter}: NVFP4 needs multiples of {nvfp4.BLOCK}")
-    hp, ip = round_up(hidden, TILE_K), round_up(inter, TILE_K)
-    ids = sorted(experts)
-    q_gu, s_gu, s2_gu, q_dn, s_dn, s2_dn = [], [], [], [], [], []
-    for e in ids:
-        (gw, gs, g2), (uw, us, u2), (dw, ds, d2) = (_parts(x) for x in experts[e])
-        for name, w, shape in (("gate", gw, (inter, hidden // 2)), ("up", uw, (inter, hidden // 2)),
-                               ("down", dw, (hidden, inter // 2))):
-            if tuple(w.shape) != shape or w.dtype != torch.uint8:
-                raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} uint8")
-        dev = device if device is not None else gw.device
-        gc, gsb = padded_codes(gw.to(dev), gs.to(dev), ip, hp)
-        uc, usb = padded_codes(uw.to(dev), us.to(dev), ip, hp)
-        q, s = pack_codes(interleave_gate_up(gc, uc), interleave_gate_up(gsb, usb))
-        q_gu.append(q)
-        s_gu.append(s)
-        s2_gu.append(torch.tensor([g2, u2], dtype=torch.float32))
-        q, s = pack_codes(*padded_codes(dw.to(dev), ds.to(dev), hp, ip))
-        q_dn.append(q)
-        s_dn.append(s)
-        s2_dn.append(d2)
-    dev = q_gu[0].device if ids else (device or "cpu")
-    stack = lambda xs, shape: torch.stack(xs) if xs else torch.zeros(shape, dtype=torch.uint8)  # noqa: E731
-    return PackedExperts(
-        ids, hidden, inter, hp, ip,
-        stack(q_gu, (0, 2 * ip // 16, hp // 64, 32, 16)), stack(s_gu, (0, 2 * ip // 16, hp // 64, 8, 8)),
-        (torch.stack(s2_gu) if ids else torch.zeros(0, 2)).to(dev),
-        stack(q_dn, (0, hp // 16, ip // 64, 32, 16)), stack(s_dn, (0, hp // 16, ip // 64, 8, 8)),
-        torch.tensor(s2_dn, dtype=torch.float32, device=dev))
+    packer = ExpertPacker(list(experts), hidden, inter, bf16=False, device=device)
+    for e in sorted(experts):
+        packer.add(e, *experts[e])
+    return packer.done()
 
 
 def pack_experts_bf16(experts: Mapping[int, Sequence[torch.Tensor]], hidden: int, inter: int,
                       device=None) -> PackedExperts:
     """{expert id: (gate [I, H], up [I, H], down [H, I]) bf16} -> PackedExperts of BF16 tiles (pack_bf16),
     slots in ascending expert id: the same kernel as NVFP4 without the decode (s_* empty, s2_* ones)."""
-    if hidden % TILE_N or inter % TILE_N:
-        raise ValueError(f"hidden {hidden}, moe_intermediate {inter}: the expert kernel needs multiples of {TILE_N}")
-    hp, ip = round_up(hidden, TILE_K), round_up(inter, TILE_K)
-    ids = sorted(experts)
-    q_gu, q_dn = [], []
-    for e in ids:
-        g, u, d = experts[e]
-        for name, w, shape in (("gate", g, (inter, hidden)), ("up", u, (inter, hidden)), ("down", d, (hidden, inter))):
-            if tuple(w.shape) != shape or w.dtype != torch.bfloat16:
-                raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} bfloat16")
-        dev = device if device is not None else g.device
-        pad = lambda w, n, k: torch.nn.functional.pad(w.to(dev), (0, k - w.shape[1], 0, n - w.shape[0]))  # noqa: E731
-        q_gu.append(pack_bf16(interleave_gate_up(pad(g, ip, hp), pad(u, ip, hp)), 2 * ip, hp))
-        q_dn.append(pack_bf16(d.to(dev), hp, ip))
-    dev = q_gu[0].device if ids else torch.device(device or "cpu")
-    n = len(ids)
-    stack = lambda xs, shape: torch.stack(xs) if xs else torch.zeros(shape, dtype=torch.bfloat16)  # noqa: E731
-    empty = torch.zeros(n, 0, dtype=torch.uint8, device=dev)
-    return PackedExperts(ids, hidden, inter, hp, ip,
-                         stack(q_gu, (0, 2 * ip // 16, hp // 64, 4, 256)).to(dev), empty,
-                         torch.ones(n, 2, dtype=torch.float32, device=dev),
-                         stack(q_dn, (0, hp // 16, ip // 64, 4, 256)).to(dev), empty.clone(),
-                         torch.ones(n, dtype=torch.float32, device=dev))
+    packer = ExpertPacker(list(experts), hidden, inter, bf16=True, device=device)
+    for e in sorted(experts):
+        packer.add(e, *experts[e])
+    return packer.done()

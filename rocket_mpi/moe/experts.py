@@ -50,20 +50,25 @@ class ExpertStore:
             name = f"{pre}.{e}.down_proj.weight_scale_2"
             if name in reader:
                 s2[e] = float(reader.get(name, None, (torch.float32,), finite=True).reshape(()))
-        gate_up, down, nbytes, raw, raw_bf16 = {}, {}, 0, {}, {}
+        gate_up, down, nbytes, packer = {}, {}, 0, None
         use_kernel = kernels_enabled(device)
         bf16_kernel = bf16_kernel_enabled() and use_kernel  # a bad ROCKET_BF16_EXPERTS fails everywhere
         for e in owned:
             g = reader.linear(f"{pre}.{e}.gate_proj", i, h)
             u = reader.linear(f"{pre}.{e}.up_proj", i, h)
             d = reader.linear(f"{pre}.{e}.down_proj", h, i)
-            if use_kernel and g.nvfp4 and u.nvfp4 and d.nvfp4:
-                raw[e] = (g, u, d)
-                nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
-                continue
-            if bf16_kernel and not (g.nvfp4 or u.nvfp4 or d.nvfp4):
-                raw_bf16[e] = (g.dense(), u.dense(), d.dense())
-                nbytes += sum(x.numel() * x.element_size() for x in raw_bf16[e])
+            nv = g.nvfp4 and u.nvfp4 and d.nvfp4
+            if (use_kernel and nv) or (bf16_kernel and not (g.nvfp4 or u.nvfp4 or d.nvfp4)):
+                # packed as read, one expert at a time (kernels.ExpertPacker)
+                if packer is None:
+                    from rocket_mpi import kernels
+                    packer = kernels.ExpertPacker(owned, h, i, bf16=not nv, device=device)
+                elif packer.bf16 == nv:
+                    raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
+                parts = (g, u, d) if nv else (g.dense(), u.dense(), d.dense())
+                nbytes += (sum(x.weight.numel() * x.weight.element_size() for x in parts) if nv
+                           else sum(x.numel() * x.element_size() for x in parts))  # what the kernel reads
+                packer.add(e, *parts)
                 continue
             gate_up[e] = torch.cat((g.dense(), u.dense()), dim=0)
             down[e] = d.dense(with_global_scale=False)
@@ -71,12 +76,10 @@ class ExpertStore:
                 raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
             nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
         store = cls(layer, owned, gate_up, down, s2, nbytes, cfg.swiglu_limit)
-        if raw or raw_bf16:
-            if len(raw) + len(raw_bf16) != len(owned) or (raw and raw_bf16):
+        if packer is not None:
+            if gate_up:
                 raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
-            from rocket_mpi import kernels
-            store.packed = (kernels.pack_experts(raw, h, i, device=device) if raw
-                            else kernels.pack_experts_bf16(raw_bf16, h, i, device=device))
+            store.packed = packer.done()
             store.read_bytes_per_expert = nbytes // max(len(owned), 1)
         return store
 

@@ -422,7 +422,11 @@ class ExpertPacker:
 def pack_experts(experts: Mapping[int, Sequence], hidden: int, inter: int, device=None) -> PackedExperts:
     """{expert id: (gate, up, down)} of NVFP4 Linears ([I, H], [I, H], [H, I]; each a reader.Linear or
     (weight, weight_scale, weight_scale_2)) -> PackedExperts, slots in ascending expert id."""
-    packer = ExpertPacker(list(experts), hidden, inter, bf16=False, device=device)
+    return _pack_all(experts, hidden, inter, False, device)
+
+
+def _pack_all(experts: Mapping[int, Sequence], hidden: int, inter: int, bf16: bool, device) -> PackedExperts:
+    packer = ExpertPacker(list(experts), hidden, inter, bf16=bf16, device=device)
     for e in sorted(experts):
         packer.add(e, *experts[e])
     return packer.done()
@@ -432,7 +436,4 @@ def pack_experts_bf16(experts: Mapping[int, Sequence[torch.Tensor]], hidden: int
                       device=None) -> PackedExperts:
     """{expert id: (gate [I, H], up [I, H], down [H, I]) bf16} -> PackedExperts of BF16 tiles (pack_bf16),
     slots in ascending expert id: the same kernel as NVFP4 without the decode (s_* empty, s2_* ones)."""
-    packer = ExpertPacker(list(experts), hidden, inter, bf16=True, device=device)
-    for e in sorted(experts):
-        packer.add(e, *experts[e])
-    return packer.done()
+    return _pack_all(experts, hidden, inter, True, device)

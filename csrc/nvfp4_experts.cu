@@ -131,7 +131,9 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int n
 // Weights stream through the warp's cp.async ring, one commit group per k-tile. B fragments come
 // through L1 (shared by the block's warps on the same pass), prefetched one k-tile ahead where the
 // registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from 63% to 70% of
-// copy bandwidth on the H200 (results/README.md, session 9).
+// copy bandwidth on the H200 (results/README.md, session 9). 17-32 rows load them half a k-tile at a time
+// (fewer live registers, less spilling under the 80-register bound): 32 rows per expert 817 -> 603 us
+// (session 13).
 template <int RT, int S, int L, bool kBf16>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4]) {
@@ -185,7 +187,9 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   if constexpr (kPrefetch) load_b<RT>(bn, fr0, nk, valid);
   const uint4* fr = fr0;
   for (int kt = 0; kt < nk; ++kt) {
-    uint4 b[RT][2];
+    // kPrefetch: this k-tile's rows, loaded one iteration ahead. Otherwise (17-32 rows) the rows are
+    // loaded half a k-tile at a time below, which keeps the 3- and 4-tile paths within the register bound.
+    uint4 b[kPrefetch ? RT : 1][2];
     if constexpr (kPrefetch) {
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
@@ -194,26 +198,34 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       }
       fr += 2 * 32;  // the next k-tile's rows (one past the end on the last: not read)
       if (kt + 1 < nk) load_b<RT>(bn, fr, nk, valid);
-    } else {
-      load_b<RT>(b, fr, nk, valid);
-      fr += 2 * 32;
     }
     dev::cp_async_wait<kLookahead - 1>();  // k-tile kt has landed (one group per k-tile)
     if (issued < nk) issue();
     dev::cp_async_commit();
     const int st = st_out;
     st_out = st_out + 1 == S ? 0 : st_out + 1;
+    // Rows of k-steps 2 pp, 2 pp + 1 (lane's uint4 of pair pp): from the prefetch, or loaded now.
+    auto rows_half = [&](uint4 (&bh)[RT], int pp) {
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        if constexpr (kPrefetch) bh[rt] = b[rt][pp];
+        else bh[rt] = valid[rt] ? __ldg(fr + (rt * 2 * nk + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    };
     if constexpr (kBf16) {  // the A fragments as stored: no decode
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
+      for (int pp = 0; pp < 2; ++pp) {
+        uint4 bh[RT];
+        rows_half(bh, pp);
 #pragma unroll
-        for (int i = 0; i < kFT; ++i) {
-          const uint4 v = *reinterpret_cast<const uint4*>(s_codes + st * kStage + i * kTileBytes + jj * 512);
-          const uint32_t a[4] = {v.x, v.y, v.z, v.w};
+        for (int jj = 2 * pp; jj < 2 * pp + 2; ++jj) {
 #pragma unroll
-          for (int rt = 0; rt < RT; ++rt) {
-            const uint4& bb = b[rt][jj >> 1];
-            dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
+          for (int i = 0; i < kFT; ++i) {
+            const uint4 v = *reinterpret_cast<const uint4*>(s_codes + st * kStage + i * kTileBytes + jj * 512);
+            const uint32_t a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+              dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bh[rt].z : bh[rt].x, (jj & 1) ? bh[rt].w : bh[rt].y);
           }
         }
       }
@@ -226,21 +238,25 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
         sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStage + i * 256);
       }
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
+      for (int pp = 0; pp < 2; ++pp) {
+        uint4 bh[RT];
+        rows_half(bh, pp);
 #pragma unroll
-        for (int i = 0; i < kFT; ++i) {
-          const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
-                            : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
-          uint32_t a[4];
-          decode_a(word(qv[i], jj), sc, a);
+        for (int jj = 2 * pp; jj < 2 * pp + 2; ++jj) {
 #pragma unroll
-          for (int rt = 0; rt < RT; ++rt) {
-            const uint4& bb = b[rt][jj >> 1];
-            dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bb.z : bb.x, (jj & 1) ? bb.w : bb.y);
+          for (int i = 0; i < kFT; ++i) {
+            const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
+                              : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
+            uint32_t a[4];
+            decode_a(word(qv[i], jj), sc, a);
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+              dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bh[rt].z : bh[rt].x, (jj & 1) ? bh[rt].w : bh[rt].y);
           }
         }
       }
     }
+    if constexpr (!kPrefetch) fr += 2 * 32;
   }
 }
 

@@ -316,10 +316,11 @@ def main():
                   f"{t_base / t_bf16:.2f}x | {err_b:.1e} |")
     for rows, t_ours, _, t_base, _, _, _ in results:
         pct = 100 * wbytes / (t_ours * 1e-6) / 1e9 / copy_bw
-        ok_bw = pct >= TARGET_PCT or rows > TARGET_MAX_ROWS
-        ok_sp = t_base / t_ours >= TARGET_SPEEDUP or rows > TARGET_MAX_ROWS
-        print(f"  rows/expert {rows:>3}: BW {'met' if ok_bw else 'MISSED'} ({pct:.1f}%), speed-up "
-              f"{'met' if ok_sp else 'MISSED'} ({t_base / t_ours:.2f}x)")
+        if rows > TARGET_MAX_ROWS:
+            print(f"  rows/expert {rows:>3}: no target ({pct:.1f}% of copy BW, {t_base / t_ours:.2f}x)")
+            continue
+        print(f"  rows/expert {rows:>3}: BW {'met' if pct >= TARGET_PCT else 'MISSED'} ({pct:.1f}%), speed-up "
+              f"{'met' if t_base / t_ours >= TARGET_SPEEDUP else 'MISSED'} ({t_base / t_ours:.2f}x)")
 
     if args.decode:
         del w_gu, w_dn, pb

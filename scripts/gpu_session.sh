@@ -52,8 +52,10 @@ paths)
   done ;;
 paths2)
   for f in ${FABRICS:-cuda-ipc nccl}; do
-    T=300 run "decode2_${PRESET}_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 16
+    T=300 run "decode2_${PRESET}_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
   done ;;
+fire_big)  # static fire on $PRESET (BF16 experts, the kernel's tiles), 2 ranks one per GPU, at the large M of SWEEP
+  T=400 run "fire_graph_${PRESET}_bf16" python3 -m rocket_mpi static-fire --checkpoint "preset:$PRESET" --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep ${SWEEP:-64} --tokens 8 ;;
 profile)
   T=200 run "profile_${PRESET}" python3 scripts/profile_gpu_step.py "preset:$PRESET:nvfp4" 8 ;;
 fabgraph)

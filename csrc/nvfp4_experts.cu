@@ -115,7 +115,7 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
 }
 
 // Rows of row tile rt of k-tile kt for this lane (B fragments, 2 x uint4). Padding rows (the lane's
-// row g is -1 in pad_rows) are not loaded: the zeros fed instead are the bits prep wrote there.
+// row g is -1 in pad_rows) are neither written by prep nor loaded here: zeros are fed instead.
 template <int RT>
 __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int nk, const bool (&valid)[RT]) {
 #pragma unroll
@@ -366,7 +366,8 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
   const int64_t rest = idx >> 5;
   const int pp = int(rest % pairs), tile = int(rest / pairs);
   int64_t src = pad_rows[tile * kRowTile + g];
-  if (src >= 0 && row_index != nullptr) src = row_index[src];
+  if (src < 0) return;  // a padding row: the GEMMs never load it (mainloop's `valid`), so nothing to write
+  if (row_index != nullptr) src = row_index[src];
   // row_index values live on the device and are not checked by the binding (that would sync): an
   // out-of-range index reads as a zero row instead of past x. Without row_index, x_rows >= rows (checked).
   const bool valid = src >= 0 && src < x_rows;

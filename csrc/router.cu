@@ -29,8 +29,8 @@ constexpr int kSlice = 512;         // k per block (kSlice / 4 quads: 4 per lane
 constexpr int kLogitTokens = 8;     // tokens per pass over the slice (registers)
 constexpr int kRouteWarps = 4;      // tokens per block of moe_route
 
-// grid (ceil(E / kLogitWarps), slices). The block stages its x slice [T][kSlice] in shared memory as
-// fp32, tokens in chunks of kLogitTokens, and each warp reads its expert's 2 KiB of W once per chunk.
+// grid (ceil(E / kLogitWarps), slices, token chunks). The block stages its x slice of kLogitTokens tokens in
+// shared memory as fp32, and each warp reads its expert's 2 KiB of W (from L2 after the first chunk).
 __global__ void __launch_bounds__(kLogitWarps * 32) router_logits_kernel(const __nv_bfloat16* __restrict__ x,
                                                                          const float* __restrict__ w, int tokens,
                                                                          int hidden, int n_experts,
@@ -47,19 +47,25 @@ __global__ void __launch_bounds__(kLogitWarps * 32) router_logits_kernel(const _
     wv[i] = (e < n_experts && q < quads) ? __ldg(reinterpret_cast<const float4*>(w + int64_t(e) * hidden + k0) + q)
                                          : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  for (int t0 = 0; t0 < tokens; t0 += kLogitTokens) {
+  // Chunks of kLogitTokens tokens are dealt over gridDim.z (one each up to 65535 chunks): a decode step's
+  // M tokens run side by side rather than one chunk after another (M = 64: 23.6 -> ~3 us per layer).
+  for (int t0 = blockIdx.z * kLogitTokens; t0 < tokens; t0 += gridDim.z * kLogitTokens) {
     const int nt = min(kLogitTokens, tokens - t0);
     __syncthreads();  // the previous chunk's reads are done
 #pragma unroll 4
-    for (int i = threadIdx.x; i < nt * quads; i += blockDim.x) {
+    for (int i = threadIdx.x; i < kLogitTokens * quads; i += blockDim.x) {
       const int t = i / quads, q = i % quads;
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(x + int64_t(t0 + t) * hidden + k0) + q);
-      const __nv_bfloat162 a = dev::bits_bf16x2(v.x), b = dev::bits_bf16x2(v.y);
-      xs[t][q] = make_float4(__low2float(a), __high2float(a), __low2float(b), __high2float(b));
+      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);  // rows t >= nt: zeros, computed, never stored
+      if (t < nt) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(x + int64_t(t0 + t) * hidden + k0) + q);
+        const __nv_bfloat162 a = dev::bits_bf16x2(v.x), b = dev::bits_bf16x2(v.y);
+        f = make_float4(__low2float(a), __high2float(a), __low2float(b), __high2float(b));
+      }
+      xs[t][q] = f;
     }
     __syncthreads();
     if (e >= n_experts) continue;  // whole warps; the block's barriers above stay matched
-    float acc[kLogitTokens];  // rows t >= nt of xs hold the previous chunk: computed, never stored
+    float acc[kLogitTokens];
 #pragma unroll
     for (int t = 0; t < kLogitTokens; ++t) {
       acc[t] = 0.0f;
@@ -219,7 +225,8 @@ void launch_router_logits(const void* x, const float* w, int tokens, int hidden,
                "router_logits: tokens " << tokens << ", experts " << n_experts << ", hidden " << hidden
                << " (a multiple of 4)");
   if (tokens == 0) return;
-  const dim3 grid((n_experts + kLogitWarps - 1) / kLogitWarps, router_slices(hidden));
+  const int chunks = (tokens + kLogitTokens - 1) / kLogitTokens;
+  const dim3 grid((n_experts + kLogitWarps - 1) / kLogitWarps, router_slices(hidden), chunks < 65535 ? chunks : 65535);
   router_logits_kernel<<<grid, kLogitWarps * 32, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), w, tokens,
                                                                 hidden, n_experts, partial);
   ROCKET_LAUNCH_CHECK();

@@ -434,7 +434,7 @@ def _router_cfg(e, k, n_group=1, topk_group=1, norm=True, scale=2.5):
 
 
 @gpu
-@pytest.mark.parametrize("tokens,hidden,e", [(1, 256, 16), (11, 4096, 128), (40, 1600, 260)])
+@pytest.mark.parametrize("tokens,hidden,e", [(1, 256, 16), (11, 4096, 128), (40, 1600, 260), (130, 512, 64)])
 def test_gpu_router_logits(tokens, hidden, e):
     """Logits (partials over slices of hidden, summed) within 2^-20 of F.linear (only the sum order
     differs); each token's partials the same bits whatever other tokens share the launch (the engine's

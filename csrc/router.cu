@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kLogitWarps * 32) router_logits_kernel(const _
                                          : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   // Chunks of kLogitTokens tokens are dealt over gridDim.z (one each up to 65535 chunks): a decode step's
-  // M tokens run side by side rather than one chunk after another (M = 64: 23.6 -> ~3 us per layer).
+  // M tokens run side by side rather than one chunk after another (M = 64: 23.6 -> 12.5 us per layer).
   for (int t0 = blockIdx.z * kLogitTokens; t0 < tokens; t0 += gridDim.z * kLogitTokens) {
     const int nt = min(kLogitTokens, tokens - t0);
     __syncthreads();  // the previous chunk's reads are done

@@ -610,3 +610,45 @@ def test_gpu_graph_decode_bf16_equals_eager_device_step(streams, experts):
         else:
             os.environ["ROCKET_BF16_EXPERTS"] = old
     assert runs["graph"] == runs["device"]
+
+
+@gpu
+@pytest.mark.parametrize("preset,path", [("default", "graph"), ("default", "host"), ("dsa-tiny", "graph"),
+                                         ("glm5-tiny", "graph")])
+def test_gpu_shared_expert_side_stream_same_bits(preset, path, monkeypatch):
+    """The shared expert on a side stream (ROCKET_SHARED_STREAM=1, the default) decodes the same logits, bit
+    for bit, as after the routed experts on one stream (=0), eagerly (host path) and captured (graph)."""
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.prompts import default_prompts
+    runs = {}
+    ckpt = f"preset:{preset}:nvfp4"
+    for side in ("0", "1"):
+        monkeypatch.setenv("ROCKET_SHARED_STREAM", side)
+        eng = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
+        assert eng.set_decode_path(path, "local") == path
+        logits = []
+        r = eng.generate(default_prompts(8, eng.cfg.vocab_size), 6, on_step=lambda s, lg: logits.append(lg.clone()))
+        assert r.path == path and not r.note, r.note
+        runs[side] = (r.tokens, [s.row_crc for s in r.steps], logits)
+    assert runs["0"][:2] == runs["1"][:2]
+    assert len(runs["0"][2]) == len(runs["1"][2]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(runs["0"][2], runs["1"][2]))
+
+
+def test_shared_stream_switch(monkeypatch):
+    """ROCKET_SHARED_STREAM: 1 (default) or 0, anything else one error line; on the CPU the sum is computed in
+    order whatever the switch."""
+    from rocket_mpi.errors import RocketError
+    from rocket_mpi.model.layers import routed_plus_shared, shared_stream_enabled
+    monkeypatch.delenv("ROCKET_SHARED_STREAM", raising=False)
+    assert shared_stream_enabled()
+    monkeypatch.setenv("ROCKET_SHARED_STREAM", "0")
+    assert not shared_stream_enabled()
+    x = torch.randn(3, 4).to(torch.bfloat16)
+    calls = []
+    out = routed_plus_shared(lambda: calls.append("routed") or x * 2, lambda: calls.append("shared") or x, x)
+    assert calls == ["routed", "shared"] and torch.equal(out, x * 2 + x)
+    monkeypatch.setenv("ROCKET_SHARED_STREAM", "yes")
+    with pytest.raises(RocketError, match="ROCKET_SHARED_STREAM='yes'"):
+        routed_plus_shared(lambda: x, lambda: x, x)

@@ -54,14 +54,6 @@ paths2)
   for f in ${FABRICS:-cuda-ipc nccl}; do
     T=300 run "decode2_${PRESET}_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
   done ;;
-shared)  # the shared expert on a side stream (ROCKET_SHARED_STREAM=1, default) or after the routed experts (0), A/B
-  for v in ${SHARED_MODES:-0 1 0 1}; do
-    for q in ${VARIANTS:-:nvfp4 bf16}; do
-      [ "$q" = bf16 ] && q=""
-      T=300 run "decode1_${PRESET}${q#:}_shared$v" env ROCKET_SHARED_STREAM=$v python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
-      T=300 run "decode2_${PRESET}${q#:}_shared$v" env ROCKET_SHARED_STREAM=$v mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x ROCKET_SHARED_STREAM python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --fabric cuda-ipc --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
-    done
-  done ;;
 fire_big)  # static fire on $PRESET (BF16 experts, the kernel's tiles), 2 ranks one per GPU, at the large M of SWEEP
   T=400 run "fire_graph_${PRESET}_bf16" python3 -m rocket_mpi static-fire --checkpoint "preset:$PRESET" --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep ${SWEEP:-64} --tokens 8 ;;
 profile)

@@ -16,7 +16,7 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
 from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, move_stack, rms_norm,
-                                     routed_plus_shared, swiglu_mlp, unique_nbytes)
+                                     swiglu_mlp, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -159,7 +159,7 @@ class Glm4MoeModel:
             if L.mlp is not None:
                 x = x + swiglu_mlp(h, *L.mlp)
             else:
-                x = x + routed_plus_shared(lambda: moe(i, h, L), lambda: swiglu_mlp(h, *L.shared), h)
+                x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
         return x
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens, decode,

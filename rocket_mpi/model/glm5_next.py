@@ -28,7 +28,7 @@ from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_p
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
-from rocket_mpi.model.layers import load_swiglu, move_stack, rms_norm, routed_plus_shared, unique_nbytes
+from rocket_mpi.model.layers import load_swiglu, move_stack, rms_norm, unique_nbytes
 
 DT = torch.bfloat16
 
@@ -352,7 +352,7 @@ class Glm5NextModel:
                 if L.mlp is not None:
                     y = self._mlp(h, *L.mlp)
                 else:
-                    y = routed_plus_shared(lambda: moe(i, h, L), lambda: self._mlp(h, *L.shared), h)
+                    y = moe(i, h, L) + self._mlp(h, *L.shared)
                 streams = hc_post(post, comb, y, streams)
         cache.lengths += torch.tensor(seqlens)                                         # host
         with self._section("head"):
@@ -382,8 +382,7 @@ class Glm5NextModel:
             streams = hc_post(post, comb, y, streams)
             post, comb, h = hc_pre(L.ffn_hc, streams, hca)
             h = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
-            y = (self._mlp(h, *L.mlp) if L.mlp is not None
-                 else routed_plus_shared(lambda: moe(i, h, L), lambda: self._mlp(h, *L.shared), h))
+            y = self._mlp(h, *L.mlp) if L.mlp is not None else moe(i, h, L) + self._mlp(h, *L.shared)
             streams = hc_post(post, comb, y, streams)
         h = rms_norm(streams.mean(dim=1), self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

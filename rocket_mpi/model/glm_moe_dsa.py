@@ -31,7 +31,7 @@ from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
 from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, rms_norm, swiglu_mlp,
-                                     move_stack, routed_plus_shared, unique_nbytes)
+                                     move_stack, unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -286,7 +286,7 @@ class GlmMoeDsaModel:
                 if L.mlp is not None:
                     x = x + swiglu_mlp(h, *L.mlp)
                 else:
-                    x = x + routed_plus_shared(lambda: moe(i, h, L), lambda: swiglu_mlp(h, *L.shared), h)
+                    x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
         cache.lengths += torch.tensor(seqlens)                        # host
         with self._section("head"):
             last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
@@ -407,7 +407,7 @@ class GlmMoeDsaModel:
             if L.mlp is not None:
                 x = x + swiglu_mlp(h, *L.mlp)
             else:
-                x = x + routed_plus_shared(lambda: moe(i, h, L), lambda: swiglu_mlp(h, *L.shared), h)
+                x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
 
 

@@ -7,45 +7,6 @@ import torch
 import torch.nn.functional as F
 
 
-_SIDE: dict[int, torch.cuda.Stream] = {}
-
-
-def shared_stream_enabled() -> bool:
-    """ROCKET_SHARED_STREAM=1 (default) runs a MoE layer's shared expert on a side stream on GPUs (see
-    routed_plus_shared); 0 runs it after the routed experts on the same stream (the benchmark's A/B switch)."""
-    import os
-    v = os.environ.get("ROCKET_SHARED_STREAM", "1")
-    if v not in ("0", "1"):
-        from rocket_mpi.errors import RocketError
-        raise RocketError(f"ROCKET_SHARED_STREAM={v!r}: expected 1 (default) or 0")
-    return v == "1"
-
-
-def routed_plus_shared(routed, shared, x: torch.Tensor) -> torch.Tensor:
-    """routed() + shared() of one MoE layer (the routed experts with the split, then the shared expert on the
-    same input x). On a GPU the shared expert's kernels go to a side stream forked from the current one
-    before the routed experts are issued, and joined before the sum: they run beside the router, the row
-    plan, the expert kernels' last wave and the exchange's wait for the peers, in eager steps and in the
-    captured graph alike (a fork/join of streams captures as graph branches). The same kernels on the same
-    inputs and one bf16 add: the same bits as one after the other.
-
-    Memory: x is allocated on the current stream and is read by the side stream only before the join; the
-    side stream's output is consumed after the join, and every later fork waits for the current stream
-    first, so no block is reused while the other stream may still touch it (no record_stream needed)."""
-    if not shared_stream_enabled() or x.device.type != "cuda":  # the switch is checked everywhere
-        return routed() + shared()
-    main = torch.cuda.current_stream(x.device)
-    side = _SIDE.get(x.device.index)
-    if side is None:
-        side = _SIDE[x.device.index] = torch.cuda.Stream(x.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        y = shared()
-    r = routed()
-    main.wait_stream(side)
-    return r + y
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 statistics, cast back, then scale (transformers' RMSNorm order)."""
     h = x.float()

@@ -16,7 +16,7 @@
 //
 // Weights as mma operand A (16 features x 16 k), rows as operand B (8 rows), so one decoded weight
 // fragment feeds every row tile. Decode (pack.py has the bit layout and the proof in numbers):
-// each 32-bit word holds a lane's 8 codes of one k-step; 4 mask/shift steps put an E2M1 code
+// each 32-bit word holds a lane's 8 codes of one k-step; 9 mask/shift/rotate steps put each E2M1 code
 // (sign, 2 exponent bits, 1 mantissa bit) into bf16 bits 15, 8..6, which reads as E2M1 * 2^-126
 // (0.5 lands on a bf16 subnormal, exact). The e4m3 block scale is stored as the 8 bits 4..11 of
 // bf16(scale * 2^118) (bits 12..14 are always 1), so one LOP3 rebuilds it, and one HMUL2 gives the
@@ -32,8 +32,6 @@
 namespace rocket {
 namespace {
 
-constexpr int kWarps = 8;                                   // one expert per block: 8 warps share rows in L1
-constexpr int kThreads = kWarps * 32;
 constexpr int kFT = 2;                                      // feature tiles per warp
 constexpr int kStageCodes = kFT * 32 * 16;                  // per warp and stage: codes 512 B per tile
 constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 scale bytes per tile
@@ -43,24 +41,31 @@ constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 s
 // S=4 L=3 B=3 (24 warps/SM, 80 registers) 74.7 / 73.1 / 59.4, 62.1 / 75.8; S=6 L=5 B=3 74.6 / 73.0 / 59.1,
 // 62.6 / 74.6; S=4 L=2 B=3 71.7 / 71.7 / 59.9. More warps hide more latency than a deeper ring does. At
 // 80 registers only the 3- and 4-row-tile paths (17-32 rows of one expert) spill, a few words each.
-constexpr int kRing = 4, kRingLookahead = 3, kBlocksPerSm = 3;
+// Again with the unrolled loop and the 9-step decode (session 14, h200_s14_run2/3, two rounds each, % at
+// 1 / 8 / 16 rows): S=4 L=3 80.3-83.0 / 79.0-80.5 / 65.2-65.7; S=5 L=4 81.2-81.4 / 77.3-78.8 / 63.0-63.2;
+// S=6 L=5 77.0-79.4 / 75.1-77.3 / 62.6-63.2; 4 warps per block (6 blocks per SM) 78.7-81.9 / 75.8-77.1 /
+// 63.4-63.6; 2 warps (12 blocks) 76.2-80.6 / 76.0-78.1 / 64.1-64.6.
+constexpr int kRing = 4, kRingLookahead = 3, kBlocksPerSm = 3, kWarps = 8;  // kWarps: per block (one expert;
+                                                                               // they share its rows in L1)
 // BF16 weights (a BF16 checkpoint's experts): the same kernel without the decode. A tile's k-step j is 512 B,
 // lane l's A fragment at j * 512 + l * 16 (pack.py pack_bf16), so a k-tile is 2 KiB per tile and the ring is
 // 4 KiB per warp and stage: 3 stages, 2 in flight, 2 blocks per SM (96 KiB of shared memory each).
 constexpr int kBf16TileBytes = kTileN * kTileK * 2;
 constexpr int kBf16StageBytes = kFT * kBf16TileBytes;
-constexpr int kBf16Ring = 3, kBf16RingLookahead = 2, kBf16BlocksPerSm = 2;
+constexpr int kBf16Ring = 3, kBf16RingLookahead = 2, kBf16BlocksPerSm = 2, kBf16Warps = 8;
 template <int S, bool kBf16>
 __host__ __device__ constexpr int warp_smem() { return S * (kBf16 ? kBf16StageBytes : kStageBytes); }
 
-// Decode masks: see rocket_mpi/kernels/pack.py (CODE_Q_BITS / CODE_S_BITS).
-// The main loop is bound by the integer pipe (ncu on the H200: ALU ~62% busy; scripts/sass_loops.py: 207
-// instructions per k-tile at one row tile, 99 of them LOP3/SHF/IADD3/ISETP). Tried in session 9: the
-// shifts as multiplies by factors passed from the host (IMAD on the FMA pipe): ptxas then emitted 416
-// instructions per k-tile and the bench did not move (results/README.md); not kept.
+// Decode masks: see rocket_mpi/kernels/pack.py (decode_words, CODE_SOURCE).
+// Instructions per k-tile at one row tile (scripts/sass_loops.py): 207 in session 13 (99 of them
+// LOP3/SHF/IADD3/ISETP: ncu had the ALU pipe ~62% busy), 146 now: the loop unrolled by the ring size (ring
+// slots and pointer offsets constant, no register copies of the prefetched rows, no zero fills: ~209 -> 162)
+// and a decode of 9 operations per word instead of 11 (-> 146). NVFP4 at 1 row per expert 74 -> 80-83 % of
+// copy bandwidth (session 14). Tried in session 9: the shifts as multiplies by factors passed from the host
+// (IMAD on the FMA pipe): no speed change; not kept.
 constexpr uint32_t kCodeMask = 0x81C081C0u;   // bf16x2 sign + exponent bits 0..1 + mantissa bit 6
-constexpr uint32_t kCodeQ = 0x01C001C0u;
-constexpr uint32_t kCodeS = 0x80008000u;
+constexpr uint32_t kCodeMaskP = 0x80C080C0u;  // reg3: sign, exponent bit 0, mantissa
+constexpr uint32_t kCodeMaskQ = 0x01000100u;  // reg3: exponent bit 1
 constexpr uint32_t kScaleMask = 0x0FF00FF0u;  // scale byte at bf16 bits 4..11 of each half
 constexpr uint32_t kScaleHigh = 0x70007000u;  // bf16 exponent bits 5..7 of every scale * 2^118
 
@@ -91,9 +96,9 @@ struct GemmParams {
 // high bf16 of `sc`. Returns exact bf16 pairs E2M1 * scale * 2^-8.
 __device__ __forceinline__ void decode_a(uint32_t w, uint32_t sc, uint32_t (&a)[4]) {
   const uint32_t o0 = w & kCodeMask;                                  // (g,   k 2t..2t+1)
-  const uint32_t o1 = (w << 3) & kCodeMask;                           // (g+8, k 2t..2t+1)
-  const uint32_t o2 = ((w << 6) & kCodeQ) | ((w << 1) & kCodeS);      // (g,   k 2t+8..2t+9)
-  const uint32_t o3 = ((w >> 3) & kCodeQ) | ((w << 2) & kCodeS);      // (g+8, k 2t+8..2t+9)
+  const uint32_t o1 = __funnelshift_r(w, w, 4) & kCodeMask;           // (g+8, k 2t..2t+1)
+  const uint32_t o2 = (w << 6) & kCodeMask;                           // (g,   k 2t+8..2t+9)
+  const uint32_t o3 = ((w << 2) & kCodeMaskP) | ((w >> 6) & kCodeMaskQ);  // (g+8, k 2t+8..2t+9)
   const __nv_bfloat162 s = dev::bits_bf16x2(sc);
   const __nv_bfloat162 lo = __low2bfloat162(s), hi = __high2bfloat162(s);
   a[0] = dev::bf16x2_bits(__hmul2(dev::bits_bf16x2(o0), lo));
@@ -114,15 +119,13 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// Rows of row tile rt of k-tile kt for this lane (B fragments, 2 x uint4). Padding rows (the lane's
-// row g is -1 in pad_rows) are neither written by prep nor loaded here: zeros are fed instead.
+// Rows of each row tile of one k-tile for this lane (B fragments, 2 x uint4 per tile), from fr[rt] + off.
 template <int RT>
-__device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* fr, int nk, const bool (&valid)[RT]) {
+__device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&fr)[RT], int off) {
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
 #pragma unroll
-    for (int pp = 0; pp < 2; ++pp)
-      b[rt][pp] = valid[rt] ? __ldg(fr + (rt * 2 * nk + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
+    for (int pp = 0; pp < 2; ++pp) b[rt][pp] = __ldg(fr[rt] + off + pp * 32);
   }
 }
 
@@ -154,64 +157,51 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   char* s_codes = smem_warp + lane * 16;
   char* s_scales = smem_warp + kStageCodes + lane * 8;
   static_assert(L >= 1 && L <= S - 1, "lookahead");
-  int issued = 0, st_in = 0, st_out = 0;  // k-tiles issued; ring slots of the next issue and the next read
-  auto issue = [&]() {  // the next k-tile, in order
+  // Issue the k-tile `u` past the one qp / sp point at into ring slot st_in (u: a constant where unrolled).
+  auto issue = [&](int st_in, int u) {
 #pragma unroll
     for (int i = 0; i < kFT; ++i) {
       if constexpr (kBf16) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) dev::cp_async_16(s_codes + st_in * kStage + i * kTileBytes + j * 512, qp[i] + j * 512);
+        for (int j = 0; j < 4; ++j)
+          dev::cp_async_16(s_codes + st_in * kStage + i * kTileBytes + j * 512, qp[i] + u * kTileBytes + j * 512);
       } else {
-        dev::cp_async_16(s_codes + st_in * kStage + i * 512, qp[i]);
-        dev::cp_async_8(s_scales + st_in * kStage + i * 256, sp[i]);
-        sp[i] += kTileScaleBytes;
+        dev::cp_async_16(s_codes + st_in * kStage + i * 512, qp[i] + u * kTileBytes);
+        dev::cp_async_8(s_scales + st_in * kStage + i * 256, sp[i] + u * kTileScaleBytes);
       }
-      qp[i] += kTileBytes;
     }
-    ++issued;
-    st_in = st_in + 1 == S ? 0 : st_in + 1;
+  };
+  auto advance = [&](int n) {  // n k-tiles issued: move the weight pointers on
+#pragma unroll
+    for (int i = 0; i < kFT; ++i) {
+      qp[i] += n * kTileBytes;
+      if constexpr (!kBf16) sp[i] += n * kTileScaleBytes;
+    }
   };
   // L k-tiles in flight; slot (kt + L) % S is refilled S - L iterations after its read (each lane reads
   // only what it copied, and a read's registers are consumed within its iteration, so L = S - 1 is safe).
-  constexpr int kLookahead = L;
 #pragma unroll
-  for (int kt = 0; kt < kLookahead; ++kt) {
-    if (issued < nk) issue();
+  for (int kt = 0; kt < L; ++kt) {
+    if (kt < nk) issue(kt, kt);
     dev::cp_async_commit();
   }
+  advance(L < nk ? L : nk);
+  // The lane's rows. Up to 16 rows (kPrefetch): row tile tile0 + rt at fr[rt], k-tile kt at + kt * 64; a
+  // padding row (-1 in pad_rows; prep writes nothing there) reads the fragments of row 0 of its tile (always
+  // a real row) instead: an mma column is its own dot product, so what a padding column holds never reaches
+  // a real row, and no predicated loads or zero fills are needed (its outputs are not used: h_frag is read
+  // the same way by the down kernel, out is not written). 17-32 rows: one pointer (the registers are spoken
+  // for), row tile rt at fr[0] + rt * 2 nk * 32, padding rows fed as zeros.
+  constexpr int kPtrs = kPrefetch ? RT : 1;
+  const uint4* fr[kPtrs];
   bool valid[RT];
 #pragma unroll
-  for (int rt = 0; rt < RT; ++rt) valid[rt] = p.pad_rows[(tile0 + rt) * kRowTile + (lane >> 2)] >= 0;
-  const uint4* fr0 = p.frag + int64_t(tile0) * 2 * nk * 32 + lane;  // row tile rt at + rt * 2 nk * 32
-  uint4 bn[RT][2];
-  if constexpr (kPrefetch) load_b<RT>(bn, fr0, nk, valid);
-  const uint4* fr = fr0;
-  for (int kt = 0; kt < nk; ++kt) {
-    // kPrefetch: this k-tile's rows, loaded one iteration ahead. Otherwise (17-32 rows) the rows are
-    // loaded half a k-tile at a time below, which keeps the 3- and 4-tile paths within the register bound.
-    uint4 b[kPrefetch ? RT : 1][2];
-    if constexpr (kPrefetch) {
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt) {
-        b[rt][0] = bn[rt][0];
-        b[rt][1] = bn[rt][1];
-      }
-      fr += 2 * 32;  // the next k-tile's rows (one past the end on the last: not read)
-      if (kt + 1 < nk) load_b<RT>(bn, fr, nk, valid);
-    }
-    dev::cp_async_wait<kLookahead - 1>();  // k-tile kt has landed (one group per k-tile)
-    if (issued < nk) issue();
-    dev::cp_async_commit();
-    const int st = st_out;
-    st_out = st_out + 1 == S ? 0 : st_out + 1;
-    // Rows of k-steps 2 pp, 2 pp + 1 (lane's uint4 of pair pp): from the prefetch, or loaded now.
-    auto rows_half = [&](uint4 (&bh)[RT], int pp) {
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt) {
-        if constexpr (kPrefetch) bh[rt] = b[rt][pp];
-        else bh[rt] = valid[rt] ? __ldg(fr + (rt * 2 * nk + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    };
+  for (int rt = 0; rt < RT; ++rt) {
+    valid[rt] = p.pad_rows[(tile0 + rt) * kRowTile + (lane >> 2)] >= 0;
+    if (rt < kPtrs) fr[rt] = p.frag + int64_t(tile0 + rt) * 2 * nk * 32 + (valid[rt] ? lane : (lane & 3));
+  }
+  // The mmas of one k-tile: weights from ring slot st, rows of k-steps 2 pp, 2 pp + 1 from rows_half(bh, pp).
+  auto mma_ktile = [&](int st, auto&& rows_half) {
     if constexpr (kBf16) {  // the A fragments as stored: no decode
 #pragma unroll
       for (int pp = 0; pp < 2; ++pp) {
@@ -256,7 +246,68 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
         }
       }
     }
-    if constexpr (!kPrefetch) fr += 2 * 32;
+  };
+  if constexpr (kPrefetch) {
+    // Up to 16 rows: the rows of each k-tile are loaded one k-tile ahead (bn). A step is k-tile `u` past
+    // where qp / sp / fr point: its weights sit in ring slot st; the k-tile L further on (if `more`) is issued
+    // into slot st_next; `next`: a k-tile follows. Unrolled by the ring size while every step issues: the
+    // ring slots and pointer offsets are constants and the prefetched rows change registers without copies
+    // (209 -> 146 instructions per k-tile at one row tile, with the decode below). The last S + L - 1
+    // k-tiles or fewer run one by one; the same mma sequence either way.
+    uint4 bn[RT][2];
+    load_b<RT>(bn, fr, 0);
+    auto step = [&](int u, int st, int st_next, bool more, bool next) {
+      uint4 b[RT][2];
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        b[rt][0] = bn[rt][0];
+        b[rt][1] = bn[rt][1];
+      }
+      if (next) load_b<RT>(bn, fr, (u + 1) * 2 * 32);
+      dev::cp_async_wait<L - 1>();  // this k-tile has landed (one group per k-tile)
+      if (more) issue(st_next, u);
+      dev::cp_async_commit();
+      mma_ktile(st, [&](uint4 (&bh)[RT], int pp) {
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) bh[rt] = b[rt][pp];
+      });
+    };
+    int kt = 0;
+    for (; kt + S + L <= nk; kt += S) {
+#pragma unroll
+      for (int u = 0; u < S; ++u) step(u, u, (u + L) % S, true, true);
+      advance(S);
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) fr[rt] += S * 2 * 32;
+    }
+    for (; kt < nk; ++kt) {
+      const bool more = kt + L < nk;
+      step(0, kt % S, (kt + L) % S, more, kt + 1 < nk);
+      if (more) advance(1);
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) fr[rt] += 2 * 32;
+    }
+  } else {
+    // 17-32 rows: the rows are loaded half a k-tile at a time, which keeps the 3- and 4-tile paths within
+    // the register bound (32 rows per expert 817 -> 603 us, session 13); not unrolled (measured: 603 -> 715 us
+    // when it was, session 14: more spilling).
+    int st_in = L % S, st_out = 0;
+    for (int kt = 0; kt < nk; ++kt) {
+      dev::cp_async_wait<L - 1>();
+      if (kt + L < nk) {
+        issue(st_in, 0);
+        advance(1);
+      }
+      dev::cp_async_commit();
+      st_in = st_in + 1 == S ? 0 : st_in + 1;
+      mma_ktile(st_out, [&](uint4 (&bh)[RT], int pp) {
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+          bh[rt] = valid[rt] ? __ldg(fr[0] + (rt * 2 * nk + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
+      });
+      st_out = st_out + 1 == S ? 0 : st_out + 1;
+      fr[0] += 2 * 32;
+    }
   }
 }
 
@@ -335,15 +386,15 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
 
-// grid (feature groups / kWarps, passes): warp w of block x takes feature group x * kWarps + w of pass
+// grid (feature groups / W, passes): warp w of block x takes feature group x * W + w of pass
 // y, so a block's warps share the pass's rows in L1. Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
 // slower on the H200, results/README.md, session 9.)
-template <bool kSwiglu, int S, int L, int B, bool kBf16>
-__global__ void __launch_bounds__(kThreads, B) experts_gemm_kernel(const GemmParams p) {
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
+__global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int fg = blockIdx.x * kWarps + warp;
+  const int fg = blockIdx.x * W + warp;
   if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
   const int4 grp = p.groups[blockIdx.y];
   char* smem_warp = smem + warp * warp_smem<S, kBf16>();
@@ -366,7 +417,7 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
   const int64_t rest = idx >> 5;
   const int pp = int(rest % pairs), tile = int(rest / pairs);
   int64_t src = pad_rows[tile * kRowTile + g];
-  if (src < 0) return;  // a padding row: the GEMMs never load it (mainloop's `valid`), so nothing to write
+  if (src < 0) return;  // a padding row: the GEMMs never load it (mainloop reads row 0's instead)
   if (row_index != nullptr) src = row_index[src];
   // row_index values live on the device and are not checked by the binding (that would sync): an
   // out-of-range index reads as a zero row instead of past x. Without row_index, x_rows >= rows (checked).
@@ -417,20 +468,20 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
   }
 }
 
-template <bool kSwiglu, int S, int L, int B, bool kBf16>
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
 void launch_gemm_cfg(const GemmParams& p, cudaStream_t stream) {
   static bool done[64] = {};
-  constexpr int bytes = kWarps * warp_smem<S, kBf16>();
-  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B, kBf16>, bytes, done);
-  dim3 grid((p.n_fgroups + kWarps - 1) / kWarps, p.n_groups);
-  experts_gemm_kernel<kSwiglu, S, L, B, kBf16><<<grid, kThreads, bytes, stream>>>(p);
+  constexpr int bytes = W * warp_smem<S, kBf16>();
+  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W>, bytes, done);
+  dim3 grid((p.n_fgroups + W - 1) / W, p.n_groups);
+  experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W><<<grid, W * 32, bytes, stream>>>(p);
   ROCKET_LAUNCH_CHECK();
 }
 
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, bool bf16, cudaStream_t stream) {
-  if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true>(p, stream);
-  else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false>(p, stream);
+  if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, stream);
+  else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, stream);
 }
 
 }  // namespace

@@ -12,17 +12,16 @@ so a warp reads each tile as one coalesced 512 B block, 16 B per lane (cp.async 
 Codes. mma.m16n8k16 gives lane (g, t) of k-step j the A fragment
     reg0 (row g,   k 2t, 2t+1)     reg1 (row g+8, k 2t, 2t+1)
     reg2 (row g,   k 2t+8, 2t+9)   reg3 (row g+8, k 2t+8, 2t+9)
-(k relative to the step). Its word holds those 8 codes; in each 16-bit half (low half = the even k)
-the 3 magnitude bits q = (e1 e0 m) of reg r sit at CODE_Q_POS[r] and the sign at CODE_S_POS[r]:
+(k relative to the step). Its word w holds those 8 codes; the kernel moves each code to bf16 bits 15
+(sign), 8..7 (exponent), 6 (mantissa) of its register half (low half = the even k) with
 
-    bits  0- 2 q(reg2)   3- 5 q(reg1)   6- 8 q(reg0)   9-11 q(reg3)   12 s(reg1) 13 s(reg3) 14 s(reg2) 15 s(reg0)
+    reg0 = w & 0x81C081C0                   reg1 = rotr(w, 4) & 0x81C081C0
+    reg2 = (w << 6) & 0x81C081C0            reg3 = ((w << 2) & 0x80C080C0) | ((w >> 6) & 0x01000100)
 
-The kernel moves each code to bf16 bits 15 (sign), 8..7 (exponent), 6 (mantissa) with
-    reg0 = w & 0x81C081C0              reg1 = (w << 3) & 0x81C081C0
-    reg2 = ((w << 6) & 0x01C001C0) | ((w << 1) & 0x80008000)
-    reg3 = ((w >> 3) & 0x01C001C0) | ((w << 2) & 0x80008000)
-(7 LOP/SHF on the integer pipe and 4 shifts the compiler may put on IMAD, per 8 codes: an exhaustive
-search over such shift-and-mask layouts finds none cheaper; no 4 shifts of one mask tile the 16 bits).
+(decode_words; CODE_SOURCE, derived from it, says which bit of w each code bit comes from). Per 8 codes
+that is 9 operations, 7 of them on the integer pipe (the two left shifts may go to IMAD). No 4 shifts or
+rotations of the one mask cover the word (they would have to tile Z_16 with {6, 7, 8, 15}); three of
+them and one two-part register do, and this is one such cover (an exhaustive search).
 A bf16 with exponent field e and mantissa m/2 is E2M1(code) * 2^-126 for every code: e >= 1
 is 2^(e-127)(1 + m/2) = 2^(e-1)(1 + m/2) * 2^-126, and e = 0 is the subnormal m/2 * 2^-126.
 
@@ -60,11 +59,36 @@ TILE_K = 64
 ROW_TILE = 8
 WEIGHT_SHIFT = 8            # packed weights are E2M1 * scale * 2^-WEIGHT_SHIFT
 SCALE_SHIFT = 118           # scale bytes hold bf16(scale * 2^SCALE_SHIFT) = 126 - WEIGHT_SHIFT
-CODE_Q_POS = (6, 3, 0, 9)   # magnitude field of A-fragment register 0..3, per 16-bit half
-CODE_S_POS = (15, 12, 14, 13)
-CODE_MASK, CODE_Q, CODE_S = 0x81C081C0, 0x01C001C0, 0x80008000
+CODE_MASK = 0x81C081C0      # bf16x2 sign, exponent bits 0..1, mantissa bit 6 (csrc kCodeMask)
+CODE_MASK_P, CODE_MASK_Q = 0x80C080C0, 0x01000100   # reg3's two parts (kCodeMaskP, kCodeMaskQ)
+CODE_OUT_BITS = (6, 7, 8, 15)   # where code bit 0 (mantissa), 1, 2 (exponent), 3 (sign) lands in a half
 SCALE_MASK, SCALE_HIGH = 0x0FF00FF0, 0x70007000
 _U32 = 0xFFFFFFFF
+
+
+def decode_words(w):
+    """The kernel's code decode (decode_a in csrc/nvfp4_experts.cu): 32-bit words (ints or int64
+    tensors, 0..2^32-1) -> the 4 A-fragment registers, each E2M1 codes at bf16 bits 15, 8..6 of both halves."""
+    rotr4 = ((w >> 4) | (w << 28)) & _U32
+    return (w & CODE_MASK, rotr4 & CODE_MASK, (w << 6) & CODE_MASK & _U32,
+            ((w << 2) & CODE_MASK_P & _U32) | ((w >> 6) & CODE_MASK_Q))
+
+
+def _code_source() -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """[reg][half][code bit] -> the bit of w it is read from, found by decoding each single bit."""
+    src: dict[tuple[int, int, int], int] = {}
+    for i in range(32):
+        for r, reg in enumerate(decode_words(1 << i)):
+            for h in range(2):
+                for c, ob in enumerate(CODE_OUT_BITS):
+                    if reg >> (ob + 16 * h) & 1:
+                        src[r, h, c] = i
+    if len(src) != 32 or len(set(src.values())) != 32:
+        raise AssertionError("decode_words must read each code bit from its own bit of the word")
+    return tuple(tuple(tuple(src[r, h, c] for c in range(4)) for h in range(2)) for r in range(4))
+
+
+CODE_SOURCE = _code_source()
 
 
 def round_up(n: int, m: int) -> int:
@@ -120,11 +144,8 @@ def _lane_index(device) -> tuple[torch.Tensor, torch.Tensor]:
     return row, kk
 
 
-def _shifts(device) -> tuple[torch.Tensor, torch.Tensor]:
-    half = torch.arange(2, device=device).view(1, 2) * 16
-    q = torch.tensor(CODE_Q_POS, device=device).view(4, 1) + half
-    s = torch.tensor(CODE_S_POS, device=device).view(4, 1) + half
-    return q, s                                          # [4, 2] bit positions
+def _sources(device) -> torch.Tensor:
+    return torch.tensor(CODE_SOURCE, device=device)      # [4 regs, 2 halves, 4 code bits] bit positions
 
 
 def _to_u32_bytes(words: torch.Tensor) -> torch.Tensor:
@@ -158,8 +179,8 @@ def pack_codes(codes: torch.Tensor, sb: torch.Tensor) -> tuple[torch.Tensor, tor
     c = codes.view(nt, TILE_N, kt, 4, 16).permute(0, 2, 3, 1, 4)          # [T, KT, j, row, kk]
     row, kk = _lane_index(dev)
     sel = c[:, :, :, row, kk].to(torch.int64)                              # [T, KT, j, 32, 4, 2]
-    qs, ss = _shifts(dev)
-    words = (((sel & 7) << qs) | ((sel >> 3) << ss)).sum(dim=(-1, -2))      # disjoint bits: sum = or
+    src = _sources(dev)
+    words = sum(((sel >> c) & 1) << src[..., c] for c in range(4)).sum(dim=(-1, -2))   # disjoint bits: sum = or
     q = _to_u32_bytes(words.permute(0, 1, 3, 2)).view(nt, kt, 32, 16)      # [T, KT, lane, j] words
 
     s = sb.view(nt, TILE_N, kt, 4).permute(0, 2, 1, 3).to(torch.int64)    # [T, KT, row, j]
@@ -176,9 +197,9 @@ def unpack_codes(q: torch.Tensor, sc: torch.Tensor) -> tuple[torch.Tensor, torch
     nt, kt = q.shape[:2]
     dev = q.device
     words = _from_u32_bytes(q.view(nt, kt, 32, 16)).permute(0, 1, 3, 2)  # [T, KT, j, lane]
-    qs, ss = _shifts(dev)
-    w = words.unsqueeze(-1).unsqueeze(-1)                                  # [T, KT, j, 32, 1, 1]
-    code = ((w >> qs) & 7) | (((w >> ss) & 1) << 3)                        # [T, KT, j, 32, 4, 2]
+    w = words[..., None, None]                                             # [T, KT, j, 32, 1, 1]
+    src = _sources(dev)
+    code = sum(((w >> src[..., c]) & 1) << c for c in range(4))            # [T, KT, j, 32, 4, 2]
     row, kk = _lane_index(dev)
     c = torch.zeros(nt, kt, 4, TILE_N, 16, dtype=torch.uint8, device=dev)
     c[:, :, :, row, kk] = code.to(torch.uint8)
@@ -212,9 +233,7 @@ def emulate_decode(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     nt, kt = q.shape[:2]
     dev = q.device
     w = _from_u32_bytes(q.view(nt, kt, 32, 16)).permute(0, 1, 3, 2)      # [T, KT, j, lane]
-    regs = torch.stack((w & CODE_MASK, (w << 3) & CODE_MASK,
-                        ((w << 6) & CODE_Q) | ((w << 1) & CODE_S),
-                        ((w >> 3) & CODE_Q) | ((w << 2) & CODE_S)), dim=-1) & _U32   # [T, KT, j, lane, reg]
+    regs = torch.stack(decode_words(w), dim=-1)                           # [T, KT, j, lane, reg]
     s = _from_u32_bytes(sc.view(nt, kt, 8, 8))                             # [T, KT, g, 2]
     sw = torch.stack((s[..., 0], _rotr8(s[..., 0]), s[..., 1], _rotr8(s[..., 1])), dim=2)   # [T, KT, j, g]
     scw = (sw & SCALE_MASK) | SCALE_HIGH

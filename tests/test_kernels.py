@@ -28,6 +28,7 @@ A layout or decode bug gives errors of order 1.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import re
@@ -205,6 +206,22 @@ def test_kernel_decode_exact_for_every_code_and_scale():
     pq, ps = pack.pack_codes(codes, sb)
     want = pack.dequant_codes(codes, sb) * 2.0 ** -pack.WEIGHT_SHIFT
     assert torch.equal(pack.emulate_decode(pq, ps).float(), want)
+
+
+def test_code_layout_is_a_cover_and_no_cheaper_one_exists():
+    """decode_words reads each of the word's 32 bits exactly once (CODE_SOURCE is a permutation), and the
+    claim behind its 9 operations: no 4 shifts or rotations of the one mask cover the word (a cover would
+    be 7 operations), while three of them plus one two-part register do."""
+    src = [b for reg in pack.CODE_SOURCE for half in reg for b in half]
+    assert sorted(src) == list(range(32))
+    mask = [b for b in range(32) if pack.CODE_MASK >> b & 1]
+
+    def rotated(r):                         # source bits of `rotr(w, r) & mask`
+        return frozenset((b + r) % 32 for b in mask)
+    covers = [rs for rs in itertools.combinations(range(32), 4)
+              if len(frozenset().union(*(rotated(r) for r in rs))) == 32]
+    assert covers == []
+    assert any(len(frozenset().union(*(rotated(r) for r in rs))) == 24 for rs in itertools.combinations(range(32), 3))
 
 
 def test_pack_experts_layout():

@@ -191,7 +191,8 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // a real row) instead: an mma column is its own dot product, so what a padding column holds never reaches
   // a real row, and no predicated loads or zero fills are needed (its outputs are not used: h_frag is read
   // the same way by the down kernel, out is not written). 17-32 rows: one pointer (the registers are spoken
-  // for), row tile rt at fr[0] + rt * 2 nk * 32, padding rows fed as zeros.
+  // for), row tile rt at fr[0] + rt * 2 nk * 32, padding rows fed as zeros; fr[0] sits at the lane's own row
+  // because a pass of 2+ tiles starts with a full one (only an expert's last tile has padding rows).
   constexpr int kPtrs = kPrefetch ? RT : 1;
   const uint4* fr[kPtrs];
   bool valid[RT];

@@ -42,6 +42,13 @@ __device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
 }
 
+// Programmatic dependent launch (sm_90). launch_dependents: the next kernel in the stream, if launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization, may start once every block of this grid has passed
+// here or exited. grid_dependency_wait: wait until the grid this one depends on has completed and its
+// memory is visible; returns at once when this kernel was launched without the attribute.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Wait until at most N of this thread's committed groups are still in flight.

@@ -4,6 +4,12 @@
 //   prep     rows (gathered through row_index) -> x_frag, padded per expert to tiles of 8 rows
 //   gate_up  h = SwiGLU(x Wg^T * s2g, x Wu^T * s2u) -> h_frag, rounded to bf16 as the torch reference
 //   down     out = h Wd^T (no weight_scale_2: the scatter applies s2_down) -> out rows, bf16
+// down is launched as a programmatic dependent (PDL) of gate_up: its blocks take the SM slots gate_up's last
+// wave leaves free and start their weight copies there, then wait for h_frag (griddepcontrol). H200, session 15
+// (results/README.md), off -> on, two rounds each: decode-shaped launches M=1 57.2-57.9 -> 55.4-55.6 us, M=8
+// 170.9-171.8 -> 168.0-168.4 us; 64 experts at 1 / 16 rows +0.4-0.6 / +0.6-0.9 points of copy bandwidth; the
+// graphed air8 step at M=8 2.64-2.65 -> 2.62 ms, M=1 unchanged. gate_up as a dependent of prep as well
+// (ROCKET_EXPERTS_PDL=1) made the graphed step at M=1 slower (1.83-1.93 -> 2.02-2.05 ms), so it is not the default.
 //
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
 // launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
@@ -27,6 +33,8 @@
 // tile and stage, 3 stages in flight; 24 warps per SM); every lane copies only what it reads itself, so
 // no barrier is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
 // the same expert).
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace rocket {
@@ -186,6 +194,11 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     dev::cp_async_commit();
   }
   advance(L < nk ? L : nk);
+  // Programmatic dependent launch: above, only the pass (groups: the plan, complete before prep, which is
+  // launched normally, began) and weight copies (static data); the rows (x_frag from prep, h_frag from
+  // gate/up) and every store only after this wait. (So prep must not become a programmatic dependent of the
+  // plan kernel: `groups` would be read while it may still be written.)
+  dev::grid_dependency_wait();
   // The lane's rows. Up to 16 rows (kPrefetch): row tile tile0 + rt at fr[rt], k-tile kt at + kt * 64; a
   // padding row (-1 in pad_rows; prep writes nothing there) reads the fragments of row 0 of its tile (always
   // a real row) instead: an mma column is its own dot product, so what a padding column holds never reaches
@@ -394,6 +407,9 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
 __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
+  // gate/up: the down kernel (launched as its programmatic dependent) may take SM slots this grid's last
+  // wave leaves free, and start its weight copies there, once every block of this grid has started.
+  if constexpr (kSwiglu) dev::launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int fg = blockIdx.x * W + warp;
   if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
@@ -412,6 +428,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
 __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows, int64_t x_ld_words,
                                  const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
                                  int n_tiles, int hidden, int pairs, uint4* __restrict__ frag) {
+  dev::launch_dependents();  // ROCKET_EXPERTS_PDL=1: gate/up may start its weight copies now (it waits for these rows)
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(n_tiles) * pairs * 32) return;
   const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
@@ -469,21 +486,47 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
   }
 }
 
+// pdl: launched as the programmatic dependent of the kernel before it in the stream (prep, gate/up), so its
+// blocks can start while that kernel's last wave runs (the wait is in mainloop).
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
-void launch_gemm_cfg(const GemmParams& p, cudaStream_t stream) {
+void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
   constexpr int bytes = W * warp_smem<S, kBf16>();
-  set_smem_attr(experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W>, bytes, done);
-  dim3 grid((p.n_fgroups + W - 1) / W, p.n_groups);
-  experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W><<<grid, W * 32, bytes, stream>>>(p);
-  ROCKET_LAUNCH_CHECK();
+  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W>;
+  set_smem_attr(kernel, bytes, done);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3((p.n_fgroups + W - 1) / W, p.n_groups);
+  cfg.blockDim = dim3(W * 32);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  ROCKET_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 template <bool kSwiglu>
-void launch_gemm(const GemmParams& p, bool bf16, cudaStream_t stream) {
-  if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, stream);
-  else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, stream);
+void launch_gemm(const GemmParams& p, bool bf16, bool pdl, cudaStream_t stream) {
+  if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, pdl, stream);
+  else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, pdl, stream);
 }
+
+// A tuning switch, read from the environment at each launch (A/B runs without rebuilding; a CUDA graph keeps
+// what it was at capture): ROCKET_EXPERTS_PDL=0|1, programmatic dependent launch of gate/up and down. It does
+// not change what any row computes, only when the weight copies start (tests/test_kernels.py checks the bits).
+int env_knob(const char* name, int dflt, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  ROCKET_CHECK(*end == '\0' && x >= lo && x <= hi, name << "=" << v << ": expected an integer in [" << lo << ", "
+               << hi << "]");
+  return static_cast<int>(x);
+}
+
+int pdl_mode() { return env_knob("ROCKET_EXPERTS_PDL", 2, 0, 2); }  // 0 off, 1 gate/up and down, 2 down only
 
 }  // namespace
 
@@ -494,6 +537,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
                a.inter_pad >= a.inter, "padded sizes " << a.hidden_pad << ", " << a.inter_pad);
   ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && a.n_groups <= 65535, "groups " << a.n_groups);
   if (a.n_tiles == 0 || a.n_groups == 0) return;
+  const int pdl = pdl_mode();
 
   {  // rows -> fragments
     const int pairs = a.hidden_pad / 32;
@@ -523,7 +567,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.h_pairs = a.inter_pad / 32;
     p.pad_rows = a.pad_rows;
     p.n_groups = a.n_groups;
-    launch_gemm<true>(p, a.bf16 != 0, stream);
+    launch_gemm<true>(p, a.bf16 != 0, pdl == 1, stream);
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
@@ -541,7 +585,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.hidden = a.hidden;
     p.pad_rows = a.pad_rows;
     p.n_groups = a.n_groups;
-    launch_gemm<false>(p, a.bf16 != 0, stream);
+    launch_gemm<false>(p, a.bf16 != 0, pdl != 0, stream);
   }
 }
 

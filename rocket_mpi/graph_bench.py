@@ -5,13 +5,14 @@
 Per message size, medians over --reps replays of one graph holding --iters exchanges back to back:
   exchange us    one symmetric exchange (both ranks send the size, each waits for the other's rows):
                  cuda-ipc = ipc_exchange_flags, one kernel, a flag word per block (the decode step's, graph.py),
-                 nccl = all_gather_into_tensor;
+                 one block per 4 KiB up to 32 (the step's count), nccl = all_gather_into_tensor;
   doorbell us    cuda-ipc only: ipc_exchange, one kernel, one doorbell per rank rung by the last block to
                  finish (an atomic counter; the second version);
   2 kernels us   cuda-ipc only: ipc_push + ipc_wait, doorbells, two kernels (the first version);
   GB/s           size / exchange time: what one rank's rows move at;
   peer copy GB/s a plain peer copy (cudaMemcpyAsync to the peer's mapped buffer) of the same size, timed
-                 with events: the bandwidth bar; and the exchange's share of it.
+                 with events, every rank copying at once; and the exchange's share of it;
+and above the table the bandwidth bar: a 256 MiB plain peer copy, one rank copying alone and every rank at once.
 Every size is checked first: the rows that arrive are the bytes the peer sent.
 """
 from __future__ import annotations
@@ -28,9 +29,9 @@ ROW_BYTES = ROW_HIDDEN * 2
 
 
 def push_blocks(nbytes: int) -> int:
-    """Blocks of the push kernel: one per 4 KiB, 32 at most (what the decode step launches, graph.py)."""
-    from rocket_mpi.graph import PUSH_BLOCKS
-    return max(1, min(PUSH_BLOCKS, nbytes // 4096))
+    """Blocks of the push kernel: one per 4 KiB, one per flag word at most (fabric/cuda_ipc.py IPC_MAX_BLOCKS)."""
+    from rocket_mpi.fabric.cuda_ipc import IPC_MAX_BLOCKS
+    return max(1, min(IPC_MAX_BLOCKS, nbytes // 4096))
 
 
 class GraphExchange:
@@ -38,6 +39,7 @@ class GraphExchange:
 
     def __init__(self, fab, comm, nbytes: int, iters: int, device, mode: str = "flags"):
         self.fab, self.comm, self.device, self.mode = fab, comm, device, mode
+        self.blocks = push_blocks(nbytes)
         self.rank, self.size = comm.rank, comm.size
         self.rows = nbytes // ROW_BYTES
         self.nbytes, self.iters = nbytes, iters
@@ -73,13 +75,13 @@ class GraphExchange:
             for i in range(self.iters):
                 if self.mode == "flags":
                     C.ipc_exchange_flags(self.src, self.metas[i], self.dst, self.peer_flags, self.rows, 0, self.rank,
-                                         push_blocks(self.nbytes), self.fab.flags, self.err, self.fab.timeout, -1)
+                                         self.blocks, self.fab.flags, self.err, self.fab.timeout, -1)
                 elif self.mode == "bells":
                     C.ipc_exchange(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0,
-                                   self.rank, push_blocks(self.nbytes), self.fab.bells, self.err, self.fab.timeout, -1)
+                                   self.rank, self.blocks, self.fab.bells, self.err, self.fab.timeout, -1)
                 else:
                     C.ipc_push(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0,
-                               self.rank, push_blocks(self.nbytes))
+                               self.rank, self.blocks)
                     C.ipc_wait(self.fab.bells, self.metas[i], self.err, self.fab.timeout, self.rank, -1)
             self.metas[:, 4] += self.iters  # the next replay's seqs
         else:
@@ -155,6 +157,39 @@ def peer_copy_gbps(fab, comm, nbytes: int, device, reps: int = 20) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def peer_copy_bar(fab, comm, device, nbytes: int = 256 << 20, reps: int = 10) -> tuple[float, float]:
+    """GB/s of a large plain peer copy (cudaMemcpyAsync into a 256 MiB buffer of the next rank, opened through
+    its IPC handle), rank 0 copying alone and every rank at once: the bar for the exchange's bandwidth."""
+    if fab.name != "cuda-ipc":
+        return float("nan"), float("nan")
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    handles = comm.allgather(buf.untyped_storage()._share_cuda_())
+    peer = (comm.rank + 1) % comm.size
+    st = torch.UntypedStorage._new_shared_cuda(device.index, *handles[peer][1:])
+    dst = torch.empty(0, dtype=torch.uint8, device=device).set_(st)[:nbytes]
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for alone in (True, False):
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            comm.Barrier()
+            if comm.rank == 0 or not alone:
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e-3)
+        comm.Barrier()
+        gbs = nbytes / statistics.median(times) / 1e9 if times else float("nan")
+        out.append(comm.bcast(gbs, root=0))
+    torch.cuda.synchronize(device)
+    comm.Barrier()  # every rank done with the peer's buffer before the mappings go
+    del dst, st
+    return out[0], out[1]
+
+
 def _time_one(fab, comm, n: int, k: int, reps: int, device, mode: str) -> tuple[float, str]:
     """(us per exchange, why capture failed or "") of one captured exchange variant. Built only now: its
     seqs start past every doorbell and flag value the variants before it left."""
@@ -172,6 +207,7 @@ def _time_one(fab, comm, n: int, k: int, reps: int, device, mode: str) -> tuple[
 
 def run(fab, comm, sizes: list[int], iters: int | None, reps: int, device) -> list[dict]:
     out = []
+    bar_alone, bar_all = peer_copy_bar(fab, comm, device)
     for n in sizes:
         k = iters or max(10, min(200, (64 << 20) // max(n, 1)))
         us, why = _time_one(fab, comm, n, k, reps, device, "flags")
@@ -180,21 +216,27 @@ def run(fab, comm, sizes: list[int], iters: int | None, reps: int, device) -> li
         split = _time_one(fab, comm, n, k, reps, device, "split")[0] if ipc else float("nan")
         copy = peer_copy_gbps(fab, comm, n, device)
         out.append({"bytes": n, "exchange_us": us, "gbs": float("nan") if math.isnan(us) else n / (us * 1e-6) / 1e9,
-                    "copy_gbs": copy, "note": why, "bells_us": bells, "split_us": split})
+                    "copy_gbs": copy, "note": why, "bells_us": bells, "split_us": split,
+                    "blocks": push_blocks(n) if ipc else 0, "bar_alone": bar_alone,
+                    "bar_all": bar_all})
     return out
 
 
 def format_table(results: list[dict], header: str) -> str:
     from rocket_mpi.fabric_bench import human, num
-    lines = [f"fabric-bench --graph: {header}",
-             f"{'message':>9}  {'exchange us':>12}  {'doorbell us':>12}  {'2 kernels us':>12}  {'GB/s':>8}  "
-             f"{'peer copy GB/s':>14}  "
-             f"{'% of copy':>9}"]
+    def pct(a, b):
+        return "-" if math.isnan(a) or math.isnan(b) else f"{100 * a / b:.0f}"
+
+    lines = [f"fabric-bench --graph: {header}"]
+    if results and not math.isnan(results[0].get("bar_alone", math.nan)):
+        lines.append(f"bandwidth bar, a 256 MiB plain peer copy: {results[0]['bar_alone']:.0f} GB/s one rank copying, "
+                     f"{results[0]['bar_all']:.0f} GB/s each with every rank copying")
+    lines.append(f"{'message':>9}  {'blocks':>6}  {'exchange us':>12}  {'doorbell us':>12}  "
+                 f"{'2 kernels us':>12}  {'GB/s':>8}  {'peer copy GB/s':>14}  {'% of copy':>9}  {'% of bar':>8}")
     for r in results:
-        pct = None if math.isnan(r["gbs"]) or math.isnan(r["copy_gbs"]) else 100 * r["gbs"] / r["copy_gbs"]
-        lines.append(f"{human(r['bytes']):>9}  {num(r['exchange_us']):>12}  {num(r.get('bells_us', math.nan)):>12}  "
-                     f"{num(r.get('split_us', math.nan)):>12}  "
-                     f"{num(r['gbs']):>8}  "
-                     f"{num(r['copy_gbs']):>14}  {(f'{pct:.0f}' if pct is not None else '-'):>9}"
+        lines.append(f"{human(r['bytes']):>9}  {r.get('blocks', 0) or '-':>6}  {num(r['exchange_us']):>12}  "
+                     f"{num(r.get('bells_us', math.nan)):>12}  "
+                     f"{num(r.get('split_us', math.nan)):>12}  {num(r['gbs']):>8}  {num(r['copy_gbs']):>14}  "
+                     f"{pct(r['gbs'], r['copy_gbs']):>9}  {pct(r['gbs'], r.get('bar_alone', math.nan)):>8}"
                      + (f"  capture failed: {r['note']}" if r["note"] else ""))
     return "\n".join(lines)

@@ -21,6 +21,11 @@ from rocket_mpi.placement import Placement  # noqa: E402
 from rocket_mpi.prompts import default_prompts  # noqa: E402
 from rocket_mpi.run import _pick_device  # noqa: E402
 
+# A programmatic dependent launch (the expert kernels' down GEMM, csrc/nvfp4_experts.cu) starts before the kernel
+# ahead of it ends and waits; its duration would then count that wait too. Off here unless asked for, so that the
+# per-kernel times add up to the step's device time.
+os.environ.setdefault("ROCKET_EXPERTS_PDL", "0")
+
 ckpt = sys.argv[1]
 m = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 fabric = sys.argv[3] if len(sys.argv) > 3 else "cuda-ipc"
@@ -50,7 +55,8 @@ rows = sorted(((getattr(e, "self_device_time_total", 0), e.count, e.key) for e i
 total = sum(r[0] for r in rows)
 lines = [f"rank {rank} of {size}, M={m}: device kernel time {total / steps / 1e3:.3f} ms per step "
          f"{sum(r[1] for r in rows) / steps:.0f} kernels per step",
-         "(decode steps only, launched eagerly: the graph replays the same kernels without the launch gaps)",
+         "(decode steps only, launched eagerly: the graph replays the same kernels without the launch gaps; "
+         f"ROCKET_EXPERTS_PDL={os.environ['ROCKET_EXPERTS_PDL']})",
          f"{'us/step':>9} {'calls/step':>10}  kernel"]
 lines += [f"{t / steps:>9.1f} {c / steps:>10.1f}  {k[:110]}" for t, c, k in rows[:int(os.environ.get("ROCKET_PROFILE_ROWS", "30"))]]
 out = comm.gather("\n".join(lines), root=0) if comm else ["\n".join(lines)]

@@ -656,6 +656,44 @@ def _check_batch_invariance(p, seed):
     print(f"\n[batch invariance] {checked} rows in {launches} launches bitwise equal to {len(alone)} single-row runs")
 
 
+@gpu
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gpu_scheduling_switches_keep_bits(bf16):
+    """Programmatic dependent launch (ROCKET_EXPERTS_PDL, csrc/nvfp4_experts.cu) only moves when the weight
+    copies start: on and off give the same bits, on every row-tile path (1-4 tiles, a second weight pass), and
+    a bad setting is one clear error."""
+    h, i = 4096, 2048
+    counts = {0: 1, 1: 5, 2: 8, 3: 13, 4: 24, 5: 32, 6: 40}
+    ids = sorted(counts)
+    if bf16:
+        p = pack.pack_experts_bf16(make_bf16_experts(ids, h, i, seed=5), h, i).to("cuda")
+    else:
+        p = pack.pack_experts(make_experts(ids, h, i, seed=5), h, i).to("cuda")
+    segs = segments_for(counts, base=0)
+    x = (torch.randn(sum(counts.values()), h, generator=torch.Generator().manual_seed(3)) * 2).to(
+        torch.bfloat16).cuda()
+    name = "ROCKET_EXPERTS_PDL"
+    saved = os.environ.get(name)
+    outs = {}
+    try:
+        for v in ("0", "1", "2", "0", "1"):
+            os.environ[name] = v
+            outs[(len(outs), v)] = kernels.nvfp4_experts(x, segs, p)
+        torch.cuda.synchronize()
+        os.environ[name] = "3"
+        with pytest.raises(RuntimeError, match="ROCKET_EXPERTS_PDL=3"):
+            kernels.nvfp4_experts(x, segs, p)
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+    first = next(iter(outs))
+    for k, v in outs.items():
+        assert torch.equal(v.view(torch.int16), outs[first].view(torch.int16)), f"knobs {k} differ from {first}"
+    print(f"\n[scheduling switches] {'BF16' if bf16 else 'NVFP4'}: {len(outs)} settings, identical bits")
+
+
 def make_bf16_experts(ids, hidden, inter, seed=0):
     """{e: (gate [I, H], up [I, H], down [H, I]) bf16} as a BF16 checkpoint holds them."""
     gen = torch.Generator().manual_seed(seed)

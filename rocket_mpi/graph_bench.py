@@ -143,18 +143,25 @@ def peer_copy_gbps(fab, comm, nbytes: int, device, reps: int = 20) -> float:
     peer = (comm.rank + 1) % comm.size
     st = fab.peer_storages[peer]
     dst = torch.empty(0, dtype=torch.uint8, device=device).set_(st)[BELL_BYTES + fab.slot_bytes:][:nbytes]
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    times = _timed_copies(comm, dst, torch.ones(nbytes, dtype=torch.uint8, device=device), reps, True)
+    comm.Barrier()
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _timed_copies(comm, dst, src, reps: int, copying: bool) -> list[float]:
+    """Seconds of each of `reps` dst.copy_(src), the ranks starting together; [] where not `copying`."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
+        torch.cuda.synchronize(src.device)
         comm.Barrier()
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    comm.Barrier()
-    return nbytes / statistics.median(times) / 1e9
+        if copying:
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+    return times
 
 
 def peer_copy_bar(fab, comm, device, nbytes: int = 256 << 20, reps: int = 10) -> tuple[float, float]:
@@ -168,19 +175,9 @@ def peer_copy_bar(fab, comm, device, nbytes: int = 256 << 20, reps: int = 10) ->
     st = torch.UntypedStorage._new_shared_cuda(device.index, *handles[peer][1:])
     dst = torch.empty(0, dtype=torch.uint8, device=device).set_(st)[:nbytes]
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     out = []
     for alone in (True, False):
-        times = []
-        for _ in range(reps):
-            torch.cuda.synchronize(device)
-            comm.Barrier()
-            if comm.rank == 0 or not alone:
-                start.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e-3)
+        times = _timed_copies(comm, dst, src, reps, comm.rank == 0 or not alone)
         comm.Barrier()
         gbs = nbytes / statistics.median(times) / 1e9 if times else float("nan")
         out.append(comm.bcast(gbs, root=0))

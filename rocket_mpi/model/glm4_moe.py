@@ -123,8 +123,8 @@ class Glm4MoeModel:
         if all(n == 1 for n in seqlens):  # one new token per stream: where it goes and what it sees, once
             span = max(starts) + 1                                    # from the host list: no device sync
             pos = torch.tensor(starts, device=dev)
-            mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [M,1,1,span]
-            decode = (torch.arange(len(seqlens), device=dev), pos, span, mask)
+            hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # [M,1,1,span]
+            decode = (torch.arange(len(seqlens), device=dev), pos, span, hide)
         x = self._layers(x, cos, sin, cache, starts, seqlens, decode, moe)
         cache.lengths += torch.tensor(seqlens)
         last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
@@ -143,8 +143,8 @@ class Glm4MoeModel:
         cos, sin = self.rope.cos_sin(pos)
         x = self.embed[tokens]
         span = cache.capacity
-        mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
-        decode = (torch.arange(tokens.numel(), device=dev), pos, span, mask)
+        hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # once per step
+        decode = (torch.arange(tokens.numel(), device=dev), pos, span, hide)
         x = self._layers(x, cos, sin, cache, None, None, decode, moe, fused)
         norm = kernels.rms_norm if fused else rms_norm
         return F.linear(norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
@@ -180,13 +180,13 @@ class Glm4MoeModel:
         kc, vc = cache.k[i], cache.v[i]
         if decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
-            idx, pos, span, mask = decode
+            idx, pos, span, hide = decode
             if fused:
                 kernels.kv_append(kc, vc, k, v, pos)
             else:
                 kc[idx, :, pos] = k
                 vc[idx, :, pos] = v
-            out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], mask, self.scale).reshape(t, -1)
+            out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], hide, self.scale).reshape(t, -1)
         else:
             outs, off = [], 0
             for s, (p0, n) in enumerate(zip(starts, seqlens)):
@@ -196,23 +196,24 @@ class Glm4MoeModel:
                 vc[s, :, p0:p0 + n] = v[off:off + n].transpose(0, 1)
                 qs = q[off:off + n].transpose(0, 1)[None]                 # [1, heads, n, d]
                 ks, vs = kc[s:s + 1, :, :p0 + n], vc[s:s + 1, :, :p0 + n]
-                mask = (torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None]).to(h.device)
-                o = _attend(qs, ks, vs, mask, self.scale)
+                hide = (torch.arange(p0 + n)[None, :] > torch.arange(p0, p0 + n)[:, None]).to(h.device)
+                o = _attend(qs, ks, vs, hide, self.scale)
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
                 off += n
             out = torch.cat(outs)
         return F.linear(out, a.o)
 
 
-def _attend(q, k, v, mask, scale):
+def _attend(q, k, v, hide, scale):
     """Eager GQA attention, transformers' eager order: bf16 scores, fp32 softmax, bf16 weights @ v.
-    q [B, Hq, Tq, D], k/v [B, Hkv, S, D], mask bool broadcastable to [B, Hq, Tq, S]. Plain matmuls:
-    deterministic on every backend (SDPA's fused kernels are slow under deterministic settings)."""
+    q [B, Hq, Tq, D], k/v [B, Hkv, S, D], hide bool broadcastable to [B, Hq, Tq, S], True where a key is not
+    seen (the decode step builds it once, not an inverted mask per layer: one kernel fewer per layer). Plain
+    matmuls: deterministic on every backend (SDPA's fused kernels are slow under deterministic settings)."""
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, (hq // hkv) * tq, d)                       # heads of one kv group share k/v
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hq, tq, -1) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(hide, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs.view(b, hkv, (hq // hkv) * tq, -1), v)
     return out.view(b, hq, tq, d)

@@ -514,8 +514,9 @@ void launch_gemm(const GemmParams& p, bool bf16, bool pdl, cudaStream_t stream) 
 }
 
 // A tuning switch, read from the environment at each launch (A/B runs without rebuilding; a CUDA graph keeps
-// what it was at capture): ROCKET_EXPERTS_PDL=0|1, programmatic dependent launch of gate/up and down. It does
-// not change what any row computes, only when the weight copies start (tests/test_kernels.py checks the bits).
+// what it was at capture): ROCKET_EXPERTS_PDL = 0 (off), 1 (gate/up a dependent of prep, down of gate/up) or 2
+// (down only, the default; see the top of this file). It does not change what any row computes, only when the
+// weight copies start (tests/test_kernels.py checks the bits); a bad value is one error naming it.
 int env_knob(const char* name, int dflt, int lo, int hi) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return dflt;

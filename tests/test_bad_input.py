@@ -186,3 +186,9 @@ def test_bad_bf16_experts_switch(capsys, ckpt, monkeypatch):
     """ROCKET_BF16_EXPERTS (kernel | grouped) with another value: one line naming it, on any device."""
     monkeypatch.setenv("ROCKET_BF16_EXPERTS", "fast")
     assert_one_line(*decode(capsys, ckpt), "ROCKET_BF16_EXPERTS", "'fast'")
+
+
+def test_bad_pdl_switch(capsys, ckpt, monkeypatch):
+    """ROCKET_EXPERTS_PDL (0 | 1 | 2) with another value: one line naming it at set-up, on any device."""
+    monkeypatch.setenv("ROCKET_EXPERTS_PDL", "on")
+    assert_one_line(*decode(capsys, ckpt), "ROCKET_EXPERTS_PDL", "'on'")

@@ -152,10 +152,22 @@ def bf16_kernel_enabled() -> bool:
     return v == "kernel"
 
 
+def check_pdl_switch() -> None:
+    """ROCKET_EXPERTS_PDL (csrc/nvfp4_experts.cu reads it at each launch) checked at set-up, so a bad value is
+    one error line from the command instead of a failed kernel launch mid-step."""
+    import os
+    v = os.environ.get("ROCKET_EXPERTS_PDL", "")
+    if v not in ("", "0", "1", "2"):
+        from rocket_mpi.errors import RocketError
+        raise RocketError(f"ROCKET_EXPERTS_PDL={v!r}: expected 0 (off), 1 (gate/up and down) or 2 (down only, "
+                          f"the default)")
+
+
 def kernels_enabled(device) -> bool:
     """The CUDA kernels (NVFP4 experts, scatter) run on a GPU where the extension is built; ROCKET_KERNELS=0
     forces the torch reference everywhere."""
     import os
+    check_pdl_switch()
     if device is None or torch.device(device).type != "cuda" or os.environ.get("ROCKET_KERNELS") == "0":
         return False
     from rocket_mpi import kernels

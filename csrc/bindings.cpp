@@ -75,8 +75,9 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     int64_t n_tiles, int64_t n_groups, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
-                    torch::Tensor& out, int64_t out_rows) {
+                    torch::Tensor& out, int64_t out_rows, int64_t dense_rows = 0) {
   rocket::ExpertsLaunch a{};
+  a.dense_rows = static_cast<int>(dense_rows);
   a.x = x.data_ptr();
   a.x_rows = x.size(0);
   a.row_index = row_index;
@@ -252,6 +253,79 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
   if (cap == 0) return;
   launch_experts(x, row_index.data_ptr<int64_t>(), pad_rows.data_ptr<int>(), groups.data_ptr<int>(), cap, cap, q_gu,
                  s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
+}
+
+// A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: pack_experts_bf16) over the
+// rows of x in order: the expert kernels without a plan.
+torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s2_gu,
+                           const torch::Tensor& q_dn, int64_t hidden, int64_t inter) {
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 2, dev, 4);
+  ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, the MLP has hidden " << hidden);
+  auto none = torch::empty({1, 0}, x.options().dtype(torch::kByte));
+  ROCKET_CHECK(check_packed(dev, q_gu, none, s2_gu, q_dn, none, hidden, inter) && q_gu.size(0) == 1,
+               "swiglu_dense takes one BF16 expert, got q_gu " << q_gu.sizes() << " " << q_gu.scalar_type());
+  const int64_t rows = x.size(0);
+  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
+  const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
+  const int64_t passes = (tiles + rocket::kMaxRowTiles - 1) / rocket::kMaxRowTiles;
+  const c10::cuda::CUDAGuard guard(dev);
+  const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
+  auto out = torch::empty({rows, hidden}, x.options());
+  auto i32 = x.options().dtype(torch::kInt);
+  auto x_frag = torch::empty({tiles, hp / 32, 32, 4}, i32);
+  auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
+  if (rows == 0) return out;
+  launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, none, s2_gu, q_dn, none, hidden, inter,
+                 std::nullopt, x_frag, h_frag, out, rows, rows);
+  return out;
+}
+
+// y = x W^T (+ bias) for W in BF16 tiles [n_pad / 16, k_pad / 64, 4, 256] (pack.py pack_bf16): one output [rows, n],
+// or, with `ends` (features where each part ends, the last n), one tensor per part.
+std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, int64_t k,
+                                       const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends) {
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 2, dev, 4);
+  expect(w, "w", torch::kBFloat16, 4, dev);
+  ROCKET_CHECK(x.size(1) == k, "x has " << x.size(1) << " columns, the weight " << k);
+  const int64_t n_pad = w.size(0) * rocket::kTileN, k_pad = w.size(1) * rocket::kTileK;
+  ROCKET_CHECK(w.size(2) == 4 && w.size(3) == 256 && n_pad >= n && n_pad % 32 == 0 && n_pad - n < 32 && k_pad >= k &&
+               k_pad - k < rocket::kTileK, "w " << w.sizes() << " does not hold [" << n << ", " << k << "] in tiles");
+  if (bias.has_value()) {
+    expect(*bias, "bias", torch::kBFloat16, 1, dev, 2);
+    ROCKET_CHECK(bias->numel() == n, "bias has " << bias->numel() << " values for " << n << " features");
+  }
+  const std::vector<int64_t> parts = ends.empty() ? std::vector<int64_t>{n} : ends;
+  ROCKET_CHECK(parts.size() <= rocket::kMaxSegs && parts.back() == n, parts.size() << " output parts ending at "
+               << parts.back() << " for " << n << " features");
+  const int64_t rows = x.size(0);
+  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::LinearLaunch a{};
+  std::vector<torch::Tensor> outs;
+  int64_t start = 0;
+  for (size_t s = 0; s < parts.size(); ++s) {
+    ROCKET_CHECK(parts[s] > start, "output part " << s << " ends at " << parts[s] << ", after " << start);
+    outs.push_back(torch::empty({rows, parts[s] - start}, x.options()));
+    a.seg_end[s] = static_cast<int>(parts[s]);
+    a.seg_out[s] = outs.back().data_ptr();
+    start = parts[s];
+  }
+  const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
+  auto x_frag = torch::empty({tiles, k_pad / 32, 32, 4}, x.options().dtype(torch::kInt));
+  a.x = x.data_ptr();
+  a.rows = rows;
+  a.w = w.data_ptr();
+  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  a.n = static_cast<int>(n);
+  a.k = static_cast<int>(k);
+  a.n_pad = static_cast<int>(n_pad);
+  a.k_pad = static_cast<int>(k_pad);
+  a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
+  a.n_segs = static_cast<int>(parts.size());
+  rocket::launch_bf16_linear(a, c10::cuda::getCurrentCUDAStream().stream());
+  return outs;
 }
 
 // Device row plan of one MoE layer; returns {by_token, coef, row_index, pad_rows, groups, canon_slot, meta,
@@ -469,6 +543,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
         py::arg("inter"), py::arg("swiglu_limit"));
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)");
+  m.def("swiglu_dense", &swiglu_dense, "a SwiGLU MLP (one BF16 expert) over dense rows in the expert kernels");
+  m.def("bf16_linear", &bf16_linear, "x W^T (+ bias), W in BF16 tiles, optionally split into parts by feature");
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
   m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe)");
   m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe)");

@@ -11,6 +11,10 @@
 // graphed air8 step at M=8 2.64-2.65 -> 2.62 ms, M=1 unchanged. gate_up as a dependent of prep as well
 // (ROCKET_EXPERTS_PDL=1) made the graphed step at M=1 slower (1.83-1.93 -> 2.02-2.05 ms), so it is not the default.
 //
+// Dense launches (kernels/stack.py: the replicated stack's linears and SwiGLU MLPs, BF16 tiles): one weight slot,
+// rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
+// the block's warps (run_group_split), since one matrix alone has too few feature groups to fill the GPU.
+//
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
 // launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
 // expert and walks the whole K itself: k-steps of 16 in ascending order, one mma per step into the
@@ -96,9 +100,25 @@ struct GemmParams {
   // down epilogue
   __nv_bfloat16* out;
   int hidden;
-  const int* pad_rows;
-  int n_groups;              // entries of `groups`
+  const int* pad_rows;       // null: dense rows (below)
+  int split_k;               // the block's warps split K of one feature group (run_group_split): dense launches
+  int n_groups;              // entries of `groups`, or weight passes of dense rows
+  // Dense rows (the replicated stack's linears and SwiGLU MLPs, kernels.linear / swiglu_dense): one weight slot,
+  // rows 0..dense_rows-1 in order, so no pad_rows and no groups; pass y covers row tiles 4y..4y+3.
+  int dense_rows;
+  int n_tiles;
+  int pass_major;            // blockIdx.x is the pass: a feature group's passes run side by side and read its
+                             // weights once from DRAM, the rest from L2
+  const __nv_bfloat16* bias; // down epilogue: + bias[feature] in fp32 before the one rounding (nullable)
+  int n_segs;                // > 1: features [seg_end[s-1], seg_end[s]) go to seg_out[s] (row stride its width)
+  int seg_end[kMaxSegs];
+  __nv_bfloat16* seg_out[kMaxSegs];
 };
+
+// Block row i of the launch: its row, or -1 for a padding row.
+__device__ __forceinline__ int pad_row(const GemmParams& p, int i) {
+  return p.pad_rows != nullptr ? p.pad_rows[i] : (i < p.dense_rows ? i : -1);
+}
 
 // The lane's A fragment for one k-step: 8 codes in `w`, scales of rows g and g+8 in the low and
 // high bf16 of `sc`. Returns exact bf16 pairs E2M1 * scale * 2^-8.
@@ -147,18 +167,21 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
 // (session 13).
 template <int RT, int S, int L, bool kBf16>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
-                                         float (&acc)[kFT][RT][4]) {
+                                         float (&acc)[kFT][RT][4], int kt0, int nk) {
+  // k-tiles kt0 .. kt0 + nk - 1 (all of K, or one warp's slice of a split launch)
+  if (nk <= 0) return;
   constexpr bool kPrefetch = RT <= 2;
   constexpr int kStage = kBf16 ? kBf16StageBytes : kStageBytes;
   constexpr int kTileBytes = kBf16 ? kBf16TileBytes : kTileCodeBytes;  // weight bytes of a tile per k-tile
-  const int nk = p.nk;
-  const int64_t q_tile = int64_t(nk) * kTileBytes, s_tile = int64_t(nk) * kTileScaleBytes;
+  const int nk_all = p.nk;
+  const int64_t q_tile = int64_t(nk_all) * kTileBytes, s_tile = int64_t(nk_all) * kTileScaleBytes;
   const uint8_t* qp[kFT];
   const uint8_t* sp[kFT];
 #pragma unroll
   for (int i = 0; i < kFT; ++i) {
-    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + lane * 16;
-    sp[i] = kBf16 ? nullptr : p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile + (lane >> 2) * 8;
+    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + int64_t(kt0) * kTileBytes + lane * 16;
+    sp[i] = kBf16 ? nullptr : p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile +
+                              int64_t(kt0) * kTileScaleBytes + (lane >> 2) * 8;
   }
   // No L2 evict-first hint: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an LDGSTS
   // whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
@@ -211,8 +234,9 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   bool valid[RT];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
-    valid[rt] = p.pad_rows[(tile0 + rt) * kRowTile + (lane >> 2)] >= 0;
-    if (rt < kPtrs) fr[rt] = p.frag + int64_t(tile0 + rt) * 2 * nk * 32 + (valid[rt] ? lane : (lane & 3));
+    valid[rt] = pad_row(p, (tile0 + rt) * kRowTile + (lane >> 2)) >= 0;
+    if (rt < kPtrs)
+      fr[rt] = p.frag + (int64_t(tile0 + rt) * nk_all + kt0) * 2 * 32 + (valid[rt] ? lane : (lane & 3));
   }
   // The mmas of one k-tile: weights from ring slot st, rows of k-steps 2 pp, 2 pp + 1 from rows_half(bh, pp).
   auto mma_ktile = [&](int st, auto&& rows_half) {
@@ -317,7 +341,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       mma_ktile(st_out, [&](uint4 (&bh)[RT], int pp) {
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
-          bh[rt] = valid[rt] ? __ldg(fr[0] + (rt * 2 * nk + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
+          bh[rt] = valid[rt] ? __ldg(fr[0] + (rt * 2 * nk_all + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
       });
       st_out = st_out + 1 == S ? 0 : st_out + 1;
       fr[0] += 2 * 32;
@@ -367,20 +391,42 @@ template <int RT>
 __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, int fg, int lane,
                                               const float (&acc)[kFT][RT][4]) {
   const int g = lane >> 2, t = lane & 3, odd = g & 1;
+  // The output of this warp's features: one segment (their ends are multiples of kFT * kTileN, checked).
+  __nv_bfloat16* out = p.out;
+  int f0 = 0, ld = p.hidden;
+  if (p.n_segs > 1) {
+    const int fbase = fg * kFT * kTileN;
+    int s = 0;
+    while (s + 1 < p.n_segs && fbase >= p.seg_end[s]) ++s;
+    f0 = s ? p.seg_end[s - 1] : 0;
+    ld = p.seg_end[s] - f0;
+    out = p.seg_out[s];
+  }
+  float bias[kFT][2];  // of feature (fg kFT + i) 16 + 8 half + g: c0, c1 (half 0) and c2, c3 (half 1)
+#pragma unroll
+  for (int i = 0; i < kFT; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int f = (fg * kFT + i) * kTileN + 8 * half + g;
+      bias[i][half] = (p.bias != nullptr && f < p.hidden) ? __bfloat162float(p.bias[f]) : 0.0f;
+    }
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
-    const int row = p.pad_rows[(tile0 + rt) * kRowTile + 2 * t + odd];
+    const int row = pad_row(p, (tile0 + rt) * kRowTile + 2 * t + odd);
 #pragma unroll
     for (int i = 0; i < kFT; ++i) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // features g (c0, c1) and g + 8 (c2, c3)
-        const uint32_t v0 = dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(acc[i][rt][2 * half], p.w_mul)));
-        const uint32_t v1 = dev::bf16_bits(__float2bfloat16_rn(__fmul_rn(acc[i][rt][2 * half + 1], p.w_mul)));
+        const float b = bias[i][half];
+        const uint32_t v0 =
+            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half], p.w_mul), b)));
+        const uint32_t v1 =
+            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half + 1], p.w_mul), b)));
         const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
         const uint32_t pair = odd ? (recv | (v1 << 16)) : (v0 | (recv << 16));
         const int feat = (fg * kFT + i) * kTileN + 8 * half + (g & ~1);
         if (row >= 0 && feat < p.hidden)
-          *reinterpret_cast<uint32_t*>(p.out + int64_t(row) * p.hidden + feat) = pair;
+          *reinterpret_cast<uint32_t*>(out + int64_t(row) * ld + (feat - f0)) = pair;
       }
     }
   }
@@ -395,7 +441,50 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-  mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc);
+  mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk);
+  if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
+  else epilogue_down<RT>(p, grp.y, fg, lane, acc);
+}
+
+// Split K (dense launches: one weight matrix has too few feature groups to fill the GPU, 16 for a 4096-wide
+// output): the block's W warps take one feature group, warp w the k-tiles [w nk / W, (w + 1) nk / W), each in
+// the ascending order of the mainloop from 0; then warp 0 adds the others' partial sums in warp order (fp32)
+// and runs the epilogue. The split depends on K alone, so a row's bits still do not depend on the other rows.
+template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W>
+__device__ __forceinline__ void run_group_split(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
+                                                int lane) {
+  float acc[kFT][RT][4];
+#pragma unroll
+  for (int i = 0; i < kFT; ++i)
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
+  const int kt0 = warp * p.nk / W, kt1 = (warp + 1) * p.nk / W;
+  mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem + warp * warp_smem<S, kBf16>(), lane, acc, kt0, kt1 - kt0);
+  constexpr int kVals = kFT * RT * 4;
+  static_assert(W * kVals * 32 * 4 <= W * warp_smem<S, kBf16>(), "partials fit in the rings' shared memory");
+  dev::cp_async_wait<0>();
+  __syncthreads();  // every ring drained: its shared memory now holds the partial sums
+  float* part = reinterpret_cast<float*>(smem);
+  if (warp > 0) {
+#pragma unroll
+    for (int i = 0; i < kFT; ++i)
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[((warp * kFT + i) * RT * 4 + rt * 4 + c) * 32 + lane] = acc[i][rt][c];
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  for (int w = 1; w < W; ++w)
+#pragma unroll
+    for (int i = 0; i < kFT; ++i)
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          acc[i][rt][c] = __fadd_rn(acc[i][rt][c], part[((w * kFT + i) * RT * 4 + rt * 4 + c) * 32 + lane]);
   if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
   else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
@@ -411,9 +500,28 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   // wave leaves free, and start its weight copies there, once every block of this grid has started.
   if constexpr (kSwiglu) dev::launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int fg = blockIdx.x * W + warp;
-  if (fg >= p.n_fgroups) return;  // whole warps only: the shuffles in the epilogues need all 32 lanes
-  const int4 grp = p.groups[blockIdx.y];
+  const int fblock = p.pass_major ? blockIdx.y : blockIdx.x, pass = p.pass_major ? blockIdx.x : blockIdx.y;
+  const int fg = p.split_k ? fblock : fblock * W + warp;  // split K: the block's warps share one feature group
+  if (fg >= p.n_fgroups) return;  // whole warps (blocks when split): the epilogues' shuffles need all 32 lanes
+  int4 grp;
+  if (p.groups != nullptr) {
+    grp = p.groups[pass];
+  } else {  // dense rows: slot 0, row tiles 4 pass .. 4 pass + 3
+    const int tile0 = pass * kMaxRowTiles;
+    grp = make_int4(0, tile0, min(kMaxRowTiles, p.n_tiles - tile0), 0);
+  }
+  if constexpr (kBf16) {  // dense launches (BF16 tiles only: the NVFP4 instances stay as they were)
+    if (p.split_k) {
+      switch (grp.z) {
+        case 1: run_group_split<1, kSwiglu, S, L, kBf16, W>(p, grp, fg, smem, warp, lane); break;
+        case 2: run_group_split<2, kSwiglu, S, L, kBf16, W>(p, grp, fg, smem, warp, lane); break;
+        case 3: run_group_split<3, kSwiglu, S, L, kBf16, W>(p, grp, fg, smem, warp, lane); break;
+        case 4: run_group_split<4, kSwiglu, S, L, kBf16, W>(p, grp, fg, smem, warp, lane); break;
+        default: break;
+      }
+      return;
+    }
+  }
   char* smem_warp = smem + warp * warp_smem<S, kBf16>();
   switch (grp.z) {
     case 1: run_group<1, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
@@ -427,14 +535,15 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
 // One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.
 __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows, int64_t x_ld_words,
                                  const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
-                                 int n_tiles, int hidden, int pairs, uint4* __restrict__ frag) {
+                                 int dense_rows, int n_tiles, int hidden, int pairs, uint4* __restrict__ frag) {
   dev::launch_dependents();  // ROCKET_EXPERTS_PDL=1: gate/up may start its weight copies now (it waits for these rows)
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(n_tiles) * pairs * 32) return;
   const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
   const int64_t rest = idx >> 5;
   const int pp = int(rest % pairs), tile = int(rest / pairs);
-  int64_t src = pad_rows[tile * kRowTile + g];
+  const int i = tile * kRowTile + g;
+  int64_t src = pad_rows != nullptr ? pad_rows[i] : (i < dense_rows ? i : -1);
   if (src < 0) return;  // a padding row: the GEMMs never load it (mainloop reads row 0's instead)
   if (row_index != nullptr) src = row_index[src];
   // row_index values live on the device and are not checked by the binding (that would sync): an
@@ -495,7 +604,10 @@ void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W>;
   set_smem_attr(kernel, bytes, done);
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3((p.n_fgroups + W - 1) / W, p.n_groups);
+  const unsigned fblocks = p.split_k ? p.n_fgroups : (p.n_fgroups + W - 1) / W;
+  ROCKET_CHECK((p.pass_major ? fblocks : unsigned(p.n_groups)) <= 65535u, "grid of " << fblocks << " x "
+               << p.n_groups << " blocks");
+  cfg.gridDim = p.pass_major ? dim3(p.n_groups, fblocks) : dim3(fblocks, p.n_groups);
   cfg.blockDim = dim3(W * 32);
   cfg.dynamicSmemBytes = bytes;
   cfg.stream = stream;
@@ -529,6 +641,19 @@ int env_knob(const char* name, int dflt, int lo, int hi) {
 
 int pdl_mode() { return env_knob("ROCKET_EXPERTS_PDL", 2, 0, 2); }  // 0 off, 1 gate/up and down, 2 down only
 
+
+// Rows and passes of an expert launch: its plan's, or dense rows (pass-major when there are several passes).
+void dense_params(GemmParams& p, const ExpertsLaunch& a) {
+  p.pad_rows = a.pad_rows;
+  p.groups = a.groups;
+  p.n_groups = a.pad_rows != nullptr ? a.n_groups : (a.n_tiles + kMaxRowTiles - 1) / kMaxRowTiles;
+  p.dense_rows = a.dense_rows;
+  p.n_tiles = a.n_tiles;
+  p.pass_major = a.pad_rows == nullptr && p.n_groups > 1;
+  p.split_k = a.pad_rows == nullptr;
+  p.n_segs = 1;
+}
+
 }  // namespace
 
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
@@ -536,7 +661,11 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
                << ": NVFP4 needs multiples of 16");
   ROCKET_CHECK(a.hidden_pad % kTileK == 0 && a.inter_pad % kTileK == 0 && a.hidden_pad >= a.hidden &&
                a.inter_pad >= a.inter, "padded sizes " << a.hidden_pad << ", " << a.inter_pad);
-  ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && a.n_groups <= 65535, "groups " << a.n_groups);
+  const bool dense = a.pad_rows == nullptr;
+  ROCKET_CHECK(!dense || a.bf16, "dense rows take BF16 tiles only");
+  ROCKET_CHECK(dense == (a.groups == nullptr) && (!dense || (a.dense_rows >= 0 && a.n_tiles ==
+               (a.dense_rows + kRowTile - 1) / kRowTile)), "dense rows " << a.dense_rows << ": tiles " << a.n_tiles);
+  ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && (dense || a.n_groups <= 65535), "groups " << a.n_groups);
   if (a.n_tiles == 0 || a.n_groups == 0) return;
   const int pdl = pdl_mode();
 
@@ -545,8 +674,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     const int64_t n = int64_t(a.n_tiles) * pairs * 32;
     const int threads = 256;
     prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
-        static_cast<const uint32_t*>(a.x), a.x_rows, a.hidden / 2, a.row_index, a.pad_rows, a.n_tiles, a.hidden,
-        pairs, a.x_frag);
+        static_cast<const uint32_t*>(a.x), a.x_rows, a.hidden / 2, a.row_index, a.pad_rows, a.dense_rows, a.n_tiles,
+        a.hidden, pairs, a.x_frag);
     ROCKET_LAUNCH_CHECK();
   }
   {  // gate/up + SwiGLU: N = 2 inter_pad (tiles of 8 gate + 8 up), K = hidden_pad
@@ -566,8 +695,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.has_limit = a.has_limit;
     p.h_frag = reinterpret_cast<uint32_t*>(a.h_frag);
     p.h_pairs = a.inter_pad / 32;
-    p.pad_rows = a.pad_rows;
-    p.n_groups = a.n_groups;
+    dense_params(p, a);
     launch_gemm<true>(p, a.bf16 != 0, pdl == 1, stream);
   }
   {  // down: N = hidden_pad, K = inter_pad
@@ -584,10 +712,50 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.n_fgroups = tiles / kFT;
     p.out = static_cast<__nv_bfloat16*>(a.out);
     p.hidden = a.hidden;
-    p.pad_rows = a.pad_rows;
-    p.n_groups = a.n_groups;
+    dense_params(p, a);
     launch_gemm<false>(p, a.bf16 != 0, pdl != 0, stream);
   }
+}
+
+void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
+  ROCKET_CHECK(a.k % 16 == 0 && a.k_pad % kTileK == 0 && a.k_pad >= a.k && a.n % 16 == 0 &&
+               a.n_pad % (kFT * kTileN) == 0 && a.n_pad >= a.n, "linear [" << a.n << ", " << a.k << "] padded to ["
+               << a.n_pad << ", " << a.k_pad << "]");
+  ROCKET_CHECK(a.n_segs >= 1 && a.n_segs <= kMaxSegs && a.seg_end[a.n_segs - 1] == a.n, a.n_segs << " output parts");
+  for (int s = 0; s + 1 < a.n_segs; ++s)
+    ROCKET_CHECK(a.seg_end[s] % (kFT * kTileN) == 0 && a.seg_end[s] < a.seg_end[s + 1], "output part " << s
+                 << " ends at feature " << a.seg_end[s] << ": parts end at multiples of " << kFT * kTileN);
+  if (a.rows == 0) return;
+  const int n_tiles = int((a.rows + kRowTile - 1) / kRowTile);
+  {  // rows -> fragments
+    const int pairs = a.k_pad / 32;
+    const int64_t n = int64_t(n_tiles) * pairs * 32;
+    const int threads = 256;
+    prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
+        static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs,
+        a.x_frag);
+    ROCKET_LAUNCH_CHECK();
+  }
+  GemmParams p{};
+  p.q = static_cast<const uint8_t*>(a.w);
+  p.nk = a.k_pad / kTileK;
+  p.w_mul = 1.0f;
+  p.frag = a.x_frag;
+  p.n_fgroups = a.n_pad / (kFT * kTileN);
+  p.out = static_cast<__nv_bfloat16*>(a.seg_out[0]);
+  p.hidden = a.n;
+  p.bias = static_cast<const __nv_bfloat16*>(a.bias);
+  p.dense_rows = int(a.rows);
+  p.n_tiles = n_tiles;
+  p.n_groups = (n_tiles + kMaxRowTiles - 1) / kMaxRowTiles;
+  p.pass_major = p.n_groups > 1;
+  p.split_k = 1;
+  p.n_segs = a.n_segs;
+  for (int s = 0; s < a.n_segs; ++s) {
+    p.seg_end[s] = a.seg_end[s];
+    p.seg_out[s] = static_cast<__nv_bfloat16*>(a.seg_out[s]);
+  }
+  launch_gemm<false>(p, true, false, stream);
 }
 
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,

@@ -81,9 +81,11 @@ struct ExpertsLaunch {
   const void* x;              // bf16 [*, hidden] row-major, `x_rows` rows
   int64_t x_rows;
   const int64_t* row_index;   // nullable: block row r reads x[row_index[r]]
-  const int* pad_rows;        // [tiles * 8] block row of each padded row, -1 = padding
-  const int4* groups;         // [n_groups] (slot, first tile, tiles 1..4, 0): one weight pass each
+  const int* pad_rows;        // [tiles * 8] block row of each padded row, -1 = padding; null: dense rows
+  const int4* groups;         // [n_groups] (slot, first tile, tiles 1..4, 0): one weight pass each; null: dense
   int n_groups, n_tiles;
+  int dense_rows;             // pad_rows and groups null: rows 0..dense_rows-1 of slot 0, in order (a SwiGLU
+                              // MLP of the replicated stack); n_tiles = ceil(rows / 8), n_groups = ceil(tiles / 4)
   // packed experts, `slot` indexes the leading dimension
   int bf16;                    // 0: NVFP4 codes + scales; 1: BF16 tiles in q_gu / q_dn (pack.py pack_bf16), no s_*
   const uint8_t *q_gu, *s_gu;  // gate/up tiles interleaved: tile T = gate rows 8T..8T+7, up rows 8T..8T+7
@@ -102,6 +104,23 @@ struct ExpertsLaunch {
 
 // x rows -> x_frag, gate/up + SwiGLU -> h_frag, down -> out. Batch-invariant: see nvfp4_experts.cu.
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream);
+
+// y = x W^T (+ bias) with W in BF16 tiles (pack.py pack_bf16): the expert kernel's down GEMM over dense rows, for
+// the replicated stack's linears. Output features [seg_end[s-1], seg_end[s]) go to seg_out[s] ([rows, width]
+// row-major), so a fused q/k/v projection writes three tensors; part ends are multiples of 32.
+constexpr int kMaxSegs = 3;
+struct LinearLaunch {
+  const void* x;               // bf16 [rows, k]
+  int64_t rows;
+  const void* w;               // bf16 [n_pad / 16][k_pad / 64][4][256]
+  const void* bias;            // nullable bf16 [n]
+  int n, k, n_pad, k_pad;      // n, k multiples of 16; n_pad of 32, k_pad of 64
+  uint4* x_frag;               // scratch [ceil(rows / 8)][k_pad / 32][32]
+  int n_segs;
+  int seg_end[kMaxSegs];
+  void* seg_out[kMaxSegs];
+};
+void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream);
 
 // Packed tiles -> W [n_pad, k_pad] bf16 as the kernel sees it (E2M1 x scale x 2^-8). A test hook.
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,

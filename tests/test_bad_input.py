@@ -188,6 +188,12 @@ def test_bad_bf16_experts_switch(capsys, ckpt, monkeypatch):
     assert_one_line(*decode(capsys, ckpt), "ROCKET_BF16_EXPERTS", "'fast'")
 
 
+def test_bad_stack_switch(capsys, ckpt, monkeypatch):
+    """ROCKET_STACK (kernel | torch) with another value: one line naming it at set-up, on any device."""
+    monkeypatch.setenv("ROCKET_STACK", "cublas")
+    assert_one_line(*decode(capsys, ckpt), "ROCKET_STACK", "'cublas'")
+
+
 def test_bad_pdl_switch(capsys, ckpt, monkeypatch):
     """ROCKET_EXPERTS_PDL (0 | 1 | 2) with another value: one line naming it at set-up, on any device."""
     monkeypatch.setenv("ROCKET_EXPERTS_PDL", "on")

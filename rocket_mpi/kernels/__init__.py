@@ -6,6 +6,7 @@
                                               (optionally summing the rows' checksum as it reads them)
     route(x, weight, bias, cfg)               the router in two kernels (moe/router.py route's result)
     rms_norm / rope_ / kv_append              fused ops of the fixed-shape decode step (graph.py), CUDA only
+    linear / swiglu_dense                     the replicated stack's linears and MLPs in BF16 tiles (stack.py)
 
 CPU tensors run the reference; CUDA tensors need the extension (csrc/, built by setup.py) and raise a
 RuntimeError saying why when it is missing. The package imports everywhere: the extension is looked
@@ -20,6 +21,8 @@ from rocket_mpi.kernels.pack import (ExpertPacker, PackedExperts, dequant_packed
                                      pack_bf16, pack_codes, pack_experts, pack_experts_bf16, padded_codes,
                                      split_fused_gate_up, unpack_bf16, unpack_codes)
 from rocket_mpi.kernels.refs import moe_scatter_add_ref, nvfp4_experts_ref  # noqa: F401
+from rocket_mpi.kernels.stack import (STACK_KERNEL_MAX_ROWS, PackedLinear, linear, pack_linear,  # noqa: F401
+                                      pack_mlp, stack_switch, swiglu_dense)
 from rocket_mpi.moe.router import route as route_ref
 
 MAX_GROUPS = 65535  # grid.y of the expert kernels: weight passes (<= 32 rows of one expert) per launch

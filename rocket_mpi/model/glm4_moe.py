@@ -15,8 +15,8 @@ from rocket_mpi import kernels
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, move_stack, rms_norm,
-                                     swiglu_mlp, unique_nbytes)
+from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, mlp_forward, move_stack,
+                                     pack_mlps, rms_norm, stack_kernel_enabled, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -26,6 +26,9 @@ class Attention:
     q: torch.Tensor; k: torch.Tensor; v: torch.Tensor; o: torch.Tensor         # noqa: E702
     q_bias: torch.Tensor | None; k_bias: torch.Tensor | None; v_bias: torch.Tensor | None  # noqa: E702
     q_norm: torch.Tensor | None; k_norm: torch.Tensor | None                   # noqa: E702
+    # pack_stack: q/k/v (with their biases, one fused launch) and o in the expert kernel's BF16 tiles too
+    qkv: list | None = None
+    o_packed: list | None = None
 
 
 @dataclass
@@ -37,6 +40,8 @@ class Layer:
     router_w: torch.Tensor | None = None                   # [E, H] fp32
     router_b: torch.Tensor | None = None                   # [E] fp32
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    mlp_packed: object = None                              # pack_stack: kernels.pack_mlp of mlp / shared
+    shared_packed: object = None
 
 
 class Glm4MoeModel:
@@ -93,9 +98,24 @@ class Glm4MoeModel:
                        self.embed.device)
 
     def to(self, device) -> "Glm4MoeModel":
-        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
+        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
+        the extension, the stack's linears then go into the expert kernel's BF16 tiles (pack_stack)."""
         move_stack(self, device)
+        if stack_kernel_enabled(device):
+            self.pack_stack()
         return self
+
+    def pack_stack(self) -> None:
+        """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs also in BF16 tiles (kernels/stack.py), which
+        steps of at most kernels.STACK_KERNEL_MAX_ROWS rows take; the dense weights stay for larger steps and
+        prefill, where cuBLAS is faster (results/README.md, session 16). On the CPU the packed forms run torch's
+        own ops on the unpacked weights, so the logits are the same bits (the tests' check of this glue)."""
+        for L in self.layers:
+            a = L.attn
+            if a.qkv is None:
+                a.qkv = kernels.pack_linear([a.q, a.k, a.v], [a.q_bias, a.k_bias, a.v_bias])
+                a.o_packed = kernels.pack_linear([a.o])
+            pack_mlps(L)
 
     def nbytes(self) -> int:
         ts = [self.embed, self.norm, self.lm_head]
@@ -103,7 +123,7 @@ class Glm4MoeModel:
             a = L.attn
             ts += [L.input_norm, L.post_norm, a.q, a.k, a.v, a.o]
             ts += [a.q_bias, a.k_bias, a.v_bias, a.q_norm, a.k_norm, L.router_w, L.router_b]  # None skipped
-            for pair in (L.mlp, L.shared):
+            for pair in (L.mlp, L.shared):  # bytes a step reads: the packed copies hold the same weights
                 if pair is not None:
                     ts += list(pair)
         return unique_nbytes(ts)
@@ -157,18 +177,22 @@ class Glm4MoeModel:
             x = x + self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, decode, fused)
             h = norm(x, L.post_norm, cfg.rms_norm_eps)
             if L.mlp is not None:
-                x = x + swiglu_mlp(h, *L.mlp)
+                x = x + mlp_forward(h, L.mlp, L.mlp_packed)
             else:
-                x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
+                x = x + (moe(i, h, L) + mlp_forward(h, L.shared, L.shared_packed))
         return x
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens, decode,
                    fused: bool = False) -> torch.Tensor:
         cfg = self.cfg
         t, d = h.shape[0], cfg.head_dim
-        q = F.linear(h, a.q, a.q_bias).view(t, -1, d)
-        k = F.linear(h, a.k, a.k_bias).view(t, -1, d)
-        v = F.linear(h, a.v, a.v_bias).view(t, -1, d)
+        packed = a.qkv is not None and t <= kernels.STACK_KERNEL_MAX_ROWS
+        if packed:
+            q, k, v = (y.view(t, -1, d) for y in kernels.linear(h, a.qkv))
+        else:
+            q = F.linear(h, a.q, a.q_bias).view(t, -1, d)
+            k = F.linear(h, a.k, a.k_bias).view(t, -1, d)
+            v = F.linear(h, a.v, a.v_bias).view(t, -1, d)
         norm = kernels.rms_norm if fused else rms_norm
         if a.q_norm is not None:
             q = norm(q, a.q_norm, cfg.rms_norm_eps)
@@ -201,6 +225,8 @@ class Glm4MoeModel:
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
                 off += n
             out = torch.cat(outs)
+        if packed:
+            return kernels.linear(out, a.o_packed)[0]
         return F.linear(out, a.o)
 
 

@@ -20,6 +20,32 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
     return F.linear(F.silu(gate) * up, down)
 
 
+def mlp_forward(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=None) -> torch.Tensor:
+    """A dense or shared-expert SwiGLU MLP (gate_up, down); with its `packed` copy (pack_mlps), steps of at most
+    kernels.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's BF16 tiles."""
+    from rocket_mpi import kernels
+    if packed is not None and x.shape[0] <= kernels.STACK_KERNEL_MAX_ROWS:
+        return kernels.swiglu_dense(x, packed)
+    return swiglu_mlp(x, *mlp)
+
+
+def pack_mlps(layer) -> None:
+    """A copy of a layer's dense MLP and shared expert (where it has them) in the expert kernel's BF16 tiles."""
+    from rocket_mpi import kernels
+    for name in ("mlp", "shared"):
+        m = getattr(layer, name, None)
+        if isinstance(m, tuple) and getattr(layer, name + "_packed", None) is None:
+            setattr(layer, name + "_packed", kernels.pack_mlp(*m))
+
+
+def stack_kernel_enabled(device) -> bool:
+    """The replicated stack's linears run in the expert kernel's BF16 tiles (kernels/stack.py): on a GPU with
+    the extension built, unless ROCKET_STACK=torch (or ROCKET_KERNELS=0)."""
+    from rocket_mpi import kernels
+    from rocket_mpi.moe.experts import kernels_enabled
+    return kernels.stack_switch() == "kernel" and kernels_enabled(device)
+
+
 class Rope:
     """Partial rotary embedding on the first `rotary_dim` channels of each head (rotate-half form)."""
 

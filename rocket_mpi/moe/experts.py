@@ -168,6 +168,8 @@ def kernels_enabled(device) -> bool:
     forces the torch reference everywhere."""
     import os
     check_pdl_switch()
+    from rocket_mpi.kernels.stack import stack_switch
+    stack_switch()  # a bad ROCKET_STACK fails at set-up everywhere
     if device is None or torch.device(device).type != "cuda" or os.environ.get("ROCKET_KERNELS") == "0":
         return False
     from rocket_mpi import kernels

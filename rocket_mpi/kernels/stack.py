@@ -1,0 +1,142 @@
+"""The replicated BF16 stack's linears and SwiGLU MLPs in the expert kernel's BF16 tiles.
+
+At decode sizes (a few rows) every linear of the stack reads its whole weight for a handful of dot products,
+so what counts is the fraction of copy bandwidth the weight stream reaches. The expert kernel's BF16 tiles
+(pack.py pack_bf16, csrc/nvfp4_experts.cu) reach 96-98 % of it on the H200 at 1-16 rows, where cuBLAS's GEMMs
+of the same shapes sit near 82-85 % and add split-K reduce kernels (results/README.md, sessions 13 and 16).
+So on a GPU the stack's q/k/v (fused: one launch writes three tensors), o, dense MLP and shared-expert MLP get a
+packed copy that steps of at most STACK_KERNEL_MAX_ROWS rows run (the dense weights stay for larger steps and
+prefill, where cuBLAS is faster; ROCKET_STACK=torch keeps only them, the A/B switch and the memory saver).
+
+    pack_linear([W0, W1, ...], [b0, b1, ...])   weights of one input -> PackedLinear list (fused where the part
+                                                ends are multiples of 32 features)
+    linear(x, packs)                            -> one output tensor per part
+    pack_mlp(gate_up, down)                     a SwiGLU MLP as one BF16 "expert" (pack_experts_bf16)
+    swiglu_dense(x, packed)                     its rows in order, no routing plan
+
+Each output row depends only on its own input row (the kernel's batch invariance), so every rank and every
+stream count computes the same bits for a row. CPU tensors take the torch references, which are exactly
+layers.py's F.linear / swiglu_mlp on the unpacked weights (bit for bit), so the glue is tested on any machine.
+More than 32 rows (prefill) run in passes of 32 that read each weight once from DRAM and again from L2.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rocket_mpi.kernels import _ext
+from rocket_mpi.kernels.pack import (TILE_K, TILE_N, PackedExperts, deinterleave_gate_up, pack_bf16,
+                                     pack_experts_bf16, round_up, unpack_bf16)
+
+FUSE_ALIGN = 2 * TILE_N  # features of one warp in the kernel: fused parts must end on these
+# Steps of at most this many rows take the packed copies; larger ones (and prefill) cuBLAS on the dense weights.
+# Graphed air8 step on one H200 (session 16, run 4), ms, packed vs cuBLAS: M=1 1.72 vs 1.83, M=8 2.49 vs 2.60,
+# M=16 3.09-3.11 vs 3.13 (run 3), M=32 3.69 vs 3.64, M=64 4.53 vs 4.32.
+STACK_KERNEL_MAX_ROWS = 16
+
+
+@dataclass
+class PackedLinear:
+    """W [n, k] (+ bias [n]) in BF16 tiles [n_pad / 16, k_pad / 64, 4, 256]; `ends`: where each output part
+    ends (features), the last being n."""
+    w: torch.Tensor
+    n: int
+    k: int
+    bias: torch.Tensor | None
+    ends: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        b = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.w.numel() * self.w.element_size() + b
+
+
+def stack_switch() -> str:
+    """ROCKET_STACK: 'kernel' (default: the stack's linears in the expert kernel's BF16 tiles on a GPU) or
+    'torch' (cuBLAS through F.linear). A bad value is one error line from the command."""
+    from rocket_mpi.errors import RocketError
+    v = os.environ.get("ROCKET_STACK", "kernel")
+    if v not in ("kernel", "torch"):
+        raise RocketError(f"ROCKET_STACK={v!r}: expected 'kernel' (default) or 'torch'")
+    return v
+
+
+def _pack_one(ws: list[torch.Tensor], bs: list[torch.Tensor | None]) -> PackedLinear:
+    w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
+    n, k = w.shape
+    if n % TILE_N or k % TILE_N:
+        raise ValueError(f"linear [{n}, {k}]: the kernel needs multiples of {TILE_N}")
+    bias = None
+    if any(b is not None for b in bs):
+        bias = torch.cat([torch.zeros(x.shape[0], dtype=torch.bfloat16, device=w.device) if b is None
+                          else b.to(torch.bfloat16) for x, b in zip(ws, bs)]).contiguous()
+    ends = tuple(int(e) for e in torch.tensor([x.shape[0] for x in ws]).cumsum(0).tolist())
+    return PackedLinear(pack_bf16(w.to(torch.bfloat16), round_up(n, FUSE_ALIGN), round_up(k, TILE_K)), n, k, bias,
+                        ends)
+
+
+def pack_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> list[PackedLinear]:
+    """Linears of one input ([n_i, k] each) as one fused PackedLinear when every part but the last ends on a
+    multiple of 32 features (the kernel writes each part to its own tensor), else one per part."""
+    biases = biases if biases is not None else [None] * len(weights)
+    if len(weights) != len(biases) or len({w.shape[1] for w in weights}) != 1:
+        raise ValueError(f"pack_linear: weights {[tuple(w.shape) for w in weights]}, {len(biases)} biases")
+    ends = torch.tensor([w.shape[0] for w in weights]).cumsum(0).tolist()
+    if len(weights) <= 3 and all(e % FUSE_ALIGN == 0 for e in ends[:-1]):
+        return [_pack_one(list(weights), list(biases))]
+    return [_pack_one([w], [b]) for w, b in zip(weights, biases)]
+
+
+def linear_ref(x: torch.Tensor, p: PackedLinear) -> list[torch.Tensor]:
+    """F.linear of each part on the unpacked weight: bit for bit the unfused torch path."""
+    w = unpack_bf16(p.w)[:p.n, :p.k]
+    outs, start = [], 0
+    for e in p.ends:
+        b = None if p.bias is None else p.bias[start:e]
+        outs.append(F.linear(x, w[start:e], b))
+        start = e
+    return outs
+
+
+def linear(x: torch.Tensor, packs: list[PackedLinear]) -> list[torch.Tensor]:
+    """x [rows, k] bf16 through every PackedLinear of `packs` (pack_linear's list): one tensor per part."""
+    outs: list[torch.Tensor] = []
+    for p in packs:
+        if x.dim() != 2 or x.shape[1] != p.k:
+            raise ValueError(f"linear: x {tuple(x.shape)} for a weight of {p.k} inputs")
+        if not x.is_cuda:
+            outs += linear_ref(x, p)
+            continue
+        ends = list(p.ends) if len(p.ends) > 1 else []
+        outs += _ext.require().bf16_linear(x.contiguous(), p.w, p.n, p.k, p.bias, ends)
+    return outs
+
+
+def pack_mlp(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
+    """A SwiGLU MLP (layers.swiglu_mlp's gate_up [2I, H], down [H, I]) as one BF16 expert."""
+    i2, h = gate_up.shape
+    i = i2 // 2
+    if down.shape != (h, i):
+        raise ValueError(f"pack_mlp: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+    return pack_experts_bf16({0: (gate_up[:i], gate_up[i:], down)}, h, i, device=gate_up.device)
+
+
+def swiglu_dense_ref(x: torch.Tensor, p: PackedExperts) -> torch.Tensor:
+    """layers.swiglu_mlp on the unpacked weights: bit for bit the torch path."""
+    gate, up = deinterleave_gate_up(unpack_bf16(p.q_gu[0]))
+    gate_up = torch.cat((gate[:p.inter, :p.hidden], up[:p.inter, :p.hidden]), 0)
+    down = unpack_bf16(p.q_dn[0])[:p.hidden, :p.inter]
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, down)
+
+
+def swiglu_dense(x: torch.Tensor, p: PackedExperts) -> torch.Tensor:
+    """x [rows, H] bf16 through the SwiGLU MLP packed by pack_mlp -> [rows, H] bf16."""
+    if x.dim() != 2 or x.shape[1] != p.hidden:
+        raise ValueError(f"swiglu_dense: x {tuple(x.shape)}, the MLP has hidden {p.hidden}")
+    if not x.is_cuda:
+        return swiglu_dense_ref(x, p)
+    return _ext.require().swiglu_dense(x.contiguous(), p.q_gu, p.s2_gu, p.q_dn, p.hidden, p.inter)

@@ -432,27 +432,14 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
   }
 }
 
-template <int RT, bool kSwiglu, int S, int L, bool kBf16>
-__device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem_warp, int lane) {
-  float acc[kFT][RT][4];
-#pragma unroll
-  for (int i = 0; i < kFT; ++i)
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-  mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk);
-  if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
-  else epilogue_down<RT>(p, grp.y, fg, lane, acc);
-}
-
-// Split K (dense launches: one weight matrix has too few feature groups to fill the GPU, 16 for a 4096-wide
+// One weight pass of one feature group: the mainloop, then the epilogue.
+// kSplit (dense launches: one weight matrix has too few feature groups to fill the GPU, 16 for a 4096-wide
 // output): the block's W warps take one feature group, warp w the k-tiles [w nk / W, (w + 1) nk / W), each in
 // the ascending order of the mainloop from 0; then warp 0 adds the others' partial sums in warp order (fp32)
 // and runs the epilogue. The split depends on K alone, so a row's bits still do not depend on the other rows.
-template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W>
-__device__ __forceinline__ void run_group_split(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
-                                                int lane) {
+template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
+__device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
+                                          int lane) {
   float acc[kFT][RT][4];
 #pragma unroll
   for (int i = 0; i < kFT; ++i)
@@ -460,37 +447,54 @@ __device__ __forceinline__ void run_group_split(const GemmParams& p, const int4&
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
-  const int kt0 = warp * p.nk / W, kt1 = (warp + 1) * p.nk / W;
-  mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem + warp * warp_smem<S, kBf16>(), lane, acc, kt0, kt1 - kt0);
-  constexpr int kVals = kFT * RT * 4;
-  static_assert(W * kVals * 32 * 4 <= W * warp_smem<S, kBf16>(), "partials fit in the rings' shared memory");
-  dev::cp_async_wait<0>();
-  __syncthreads();  // every ring drained: its shared memory now holds the partial sums
-  float* part = reinterpret_cast<float*>(smem);
-  if (warp > 0) {
+  char* smem_warp = smem + warp * warp_smem<S, kBf16>();
+  if constexpr (!kSplit) {
+    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk);
+  } else {
+    const int kt0 = warp * p.nk / W, kt1 = (warp + 1) * p.nk / W;
+    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, kt1 - kt0);
+    constexpr int kVals = kFT * RT * 4;
+    static_assert(W * kVals * 32 * 4 <= W * warp_smem<S, kBf16>(), "partials fit in the rings' shared memory");
+    dev::cp_async_wait<0>();
+    __syncthreads();  // every ring drained: its shared memory now holds the partial sums
+    float* part = reinterpret_cast<float*>(smem) + lane;
+    if (warp > 0) {
 #pragma unroll
-    for (int i = 0; i < kFT; ++i)
+      for (int i = 0; i < kFT; ++i)
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
+        for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) part[((warp * kFT + i) * RT * 4 + rt * 4 + c) * 32 + lane] = acc[i][rt][c];
+          for (int c = 0; c < 4; ++c) part[((warp * kFT + i) * RT * 4 + rt * 4 + c) * 32] = acc[i][rt][c];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    for (int w = 1; w < W; ++w)
+#pragma unroll
+      for (int i = 0; i < kFT; ++i)
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            acc[i][rt][c] = __fadd_rn(acc[i][rt][c], part[((w * kFT + i) * RT * 4 + rt * 4 + c) * 32]);
   }
-  __syncthreads();
-  if (warp != 0) return;
-  for (int w = 1; w < W; ++w)
-#pragma unroll
-    for (int i = 0; i < kFT; ++i)
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          acc[i][rt][c] = __fadd_rn(acc[i][rt][c], part[((w * kFT + i) * RT * 4 + rt * 4 + c) * 32 + lane]);
   if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
   else epilogue_down<RT>(p, grp.y, fg, lane, acc);
 }
 
+template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
+__device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg, char* smem, int warp, int lane) {
+  switch (grp.z) {
+    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane); break;
+    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane); break;
+    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane); break;
+    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane); break;
+    default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
+  }
+}
+
 // grid (feature groups / W, passes): warp w of block x takes feature group x * W + w of pass
-// y, so a block's warps share the pass's rows in L1. Which warp or block does the work never changes
+// y, so a block's warps share the pass's rows in L1 (dense launches: block x takes feature group x, its warps
+// split K; with several passes the grid is pass-major). Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
 // slower on the H200, results/README.md, session 9.)
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
@@ -512,24 +516,11 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   }
   if constexpr (kBf16) {  // dense launches (BF16 tiles only: the NVFP4 instances stay as they were)
     if (p.split_k) {
-      switch (grp.z) {
-        case 1: run_group_split<1, kSwiglu, S, L, kBf16, W>(p, grp, fg, smem, warp, lane); break;
-        case 2: run_group_split<2, kSwiglu, S, L, kBf16, W>(p, grp, fg, smem, warp, lane); break;
-        case 3: run_group_split<3, kSwiglu, S, L, kBf16, W>(p, grp, fg, smem, warp, lane); break;
-        case 4: run_group_split<4, kSwiglu, S, L, kBf16, W>(p, grp, fg, smem, warp, lane); break;
-        default: break;
-      }
+      run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane);
       return;
     }
   }
-  char* smem_warp = smem + warp * warp_smem<S, kBf16>();
-  switch (grp.z) {
-    case 1: run_group<1, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
-    case 2: run_group<2, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
-    case 3: run_group<3, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
-    case 4: run_group<4, kSwiglu, S, L, kBf16>(p, grp, fg, smem_warp, lane); break;
-    default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
-  }
+  run_pass<kSwiglu, S, L, kBf16, W, false>(p, grp, fg, smem, warp, lane);
 }
 
 // One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.

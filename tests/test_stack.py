@@ -107,21 +107,8 @@ def test_bad_stack_switch(monkeypatch):
         kernels.stack_switch()
 
 
-# ---- GPU
-
-
-def _gpu_skip_reason():
-    if not torch.cuda.is_available():
-        return f"no CUDA device (torch {torch.__version__})"
-    if not kernels.available():
-        return kernels.unavailable_reason()
-    return None
-
-
-_SKIP = _gpu_skip_reason()
-if _SKIP:
-    print(f"\n[test_stack] GPU tests skipped: {_SKIP}")
-gpu = pytest.mark.skipif(_SKIP is not None, reason=f"GPU tests need a CUDA device and the extension: {_SKIP}")
+# ---- GPU (skipped, with the reason printed, where there is no CUDA device or no extension)
+from test_kernels import gpu  # noqa: E402
 
 
 @gpu

@@ -634,10 +634,10 @@ int pdl_mode() { return env_knob("ROCKET_EXPERTS_PDL", 2, 0, 2); }  // 0 off, 1 
 
 
 // Rows and passes of an expert launch: its plan's, or dense rows (pass-major when there are several passes).
-void dense_params(GemmParams& p, const ExpertsLaunch& a) {
+void pass_params(GemmParams& p, const ExpertsLaunch& a) {
   p.pad_rows = a.pad_rows;
   p.groups = a.groups;
-  p.n_groups = a.pad_rows != nullptr ? a.n_groups : (a.n_tiles + kMaxRowTiles - 1) / kMaxRowTiles;
+  p.n_groups = a.n_groups;
   p.dense_rows = a.dense_rows;
   p.n_tiles = a.n_tiles;
   p.pass_major = a.pad_rows == nullptr && p.n_groups > 1;
@@ -655,7 +655,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   const bool dense = a.pad_rows == nullptr;
   ROCKET_CHECK(!dense || a.bf16, "dense rows take BF16 tiles only");
   ROCKET_CHECK(dense == (a.groups == nullptr) && (!dense || (a.dense_rows >= 0 && a.n_tiles ==
-               (a.dense_rows + kRowTile - 1) / kRowTile)), "dense rows " << a.dense_rows << ": tiles " << a.n_tiles);
+               (a.dense_rows + kRowTile - 1) / kRowTile && a.n_groups == (a.n_tiles + kMaxRowTiles - 1) /
+               kMaxRowTiles)), "dense rows " << a.dense_rows << ": tiles " << a.n_tiles << ", passes " << a.n_groups);
   ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && (dense || a.n_groups <= 65535), "groups " << a.n_groups);
   if (a.n_tiles == 0 || a.n_groups == 0) return;
   const int pdl = pdl_mode();
@@ -686,7 +687,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.has_limit = a.has_limit;
     p.h_frag = reinterpret_cast<uint32_t*>(a.h_frag);
     p.h_pairs = a.inter_pad / 32;
-    dense_params(p, a);
+    pass_params(p, a);
     launch_gemm<true>(p, a.bf16 != 0, pdl == 1, stream);
   }
   {  // down: N = hidden_pad, K = inter_pad
@@ -703,7 +704,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.n_fgroups = tiles / kFT;
     p.out = static_cast<__nv_bfloat16*>(a.out);
     p.hidden = a.hidden;
-    dense_params(p, a);
+    pass_params(p, a);
     launch_gemm<false>(p, a.bf16 != 0, pdl != 0, stream);
   }
 }

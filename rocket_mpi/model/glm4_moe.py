@@ -99,7 +99,7 @@ class Glm4MoeModel:
 
     def to(self, device) -> "Glm4MoeModel":
         """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
-        the extension, the stack's linears then go into the expert kernel's BF16 tiles (pack_stack)."""
+        the extension, the stack's linears also get a copy in the expert kernel's BF16 tiles (pack_stack)."""
         move_stack(self, device)
         if stack_kernel_enabled(device):
             self.pack_stack()

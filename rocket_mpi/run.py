@@ -11,6 +11,7 @@ from rocket_mpi import __version__
 from rocket_mpi.dist import collective as _collective
 from rocket_mpi.dist import handshake, run_guarded, wait_all, watchdog, world
 from rocket_mpi.errors import RocketError
+from rocket_mpi.moe.experts import bit_switches
 
 
 def decode(args) -> int:
@@ -64,7 +65,8 @@ def _decode(args, comm) -> int:
              "checkpoint fingerprint": _collective(comm, args.startup_timeout, "fingerprint", reader.fingerprint),
              "streams": sweep, "tokens": args.tokens, "threads": args.threads, "device": args.device,
              "fabric": fabric_name, "placement": placement.digest(), "decode path": args.decode_path,
-             "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16]}
+             "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
+             "kernel switches": bit_switches()}
     handshake(comm, facts, args.startup_timeout)
 
     engine = _collective(comm, args.startup_timeout, "checkpoint loading",

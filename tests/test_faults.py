@@ -41,12 +41,14 @@ def test_killed_peer_ends_the_job(tiny_ckpt, fabric, path):
     assert time.monotonic() - t0 < 60
 
 
-def _mpmd(parts, timeout=90):
+def _mpmd(parts, timeout=90, envs=None):
+    """One rank per part; envs[i]: extra environment of rank i (through env(1), whatever the launcher)."""
     cmd = launch.launcher()
     for i, args in enumerate(parts):
         if i:
             cmd.append(":")
-        cmd += ["-n", "1", sys.executable, "-m", "rocket_mpi", *args]
+        extra = [f"{k}={v}" for k, v in ((envs or {}).get(i) or {}).items()]
+        cmd += ["-n", "1", *(["env", *extra] if extra else []), sys.executable, "-m", "rocket_mpi", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch.clean_env(), cwd=ROOT,
                           start_new_session=True)
 
@@ -73,6 +75,17 @@ def test_mismatched_flags_refuse_to_start(tiny_ckpt):
     r = _mpmd([a, b])
     assert r.returncode != 0
     assert "rank 1 differs from rank 0 in tokens: 7 vs 6" in r.stderr, r.stderr
+
+
+def test_mismatched_kernel_switch_refuses_to_start(tiny_ckpt):
+    """A switch that changes what a rank computes (ROCKET_STACK: cuBLAS or the packed stack on a GPU) set on one
+    rank only would break parity silently: the start-up handshake names it, on any device."""
+    a = decode_args(tiny_ckpt, "shm")
+    r = _mpmd([a, a], envs={1: {"ROCKET_STACK": "torch"}})
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1, r.stderr
+    assert "rank 1 differs from rank 0 in kernel switches" in lines[0] and "ROCKET_STACK" in lines[0], lines
 
 
 def test_error_on_one_rank_is_reported_once_with_its_rank(tiny_ckpt, tmp_path):

@@ -163,6 +163,16 @@ def check_pdl_switch() -> None:
                           f"the default)")
 
 
+# Environment switches that change what a rank computes (its bits): every rank must see the same values, so the
+# start-up handshake (run.py) compares them.
+BIT_SWITCHES = ("ROCKET_KERNELS", "ROCKET_STACK", "ROCKET_BF16_EXPERTS")
+
+
+def bit_switches() -> dict[str, str]:
+    import os
+    return {k: os.environ.get(k, "") for k in BIT_SWITCHES}
+
+
 def kernels_enabled(device) -> bool:
     """The CUDA kernels (NVFP4 experts, scatter) run on a GPU where the extension is built; ROCKET_KERNELS=0
     forces the torch reference everywhere."""

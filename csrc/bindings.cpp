@@ -75,8 +75,11 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     int64_t n_tiles, int64_t n_groups, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
-                    torch::Tensor& out, int64_t out_rows, int64_t dense_rows = 0) {
+                    torch::Tensor& out, int64_t out_rows, int64_t dense_rows = 0,
+                    const std::vector<torch::Tensor>& residuals = {}) {
   rocket::ExpertsLaunch a{};
+  a.n_res = static_cast<int>(residuals.size());
+  for (size_t r = 0; r < residuals.size(); ++r) a.res[r] = residuals[r].data_ptr();
   a.dense_rows = static_cast<int>(dense_rows);
   a.x = x.data_ptr();
   a.x_rows = x.size(0);
@@ -257,10 +260,23 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
 
 // A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: pack_experts_bf16) over the
 // rows of x in order: the expert kernels without a plan.
+// Residuals of a dense launch: bf16 [rows, n], contiguous, on the device; at most kMaxResiduals.
+void check_residuals(const std::vector<torch::Tensor>& res, int64_t rows, int64_t n, c10::Device dev) {
+  ROCKET_CHECK(res.size() <= size_t(rocket::kMaxResiduals), res.size() << " residuals (at most "
+               << rocket::kMaxResiduals << ")");
+  for (const auto& r : res) {
+    expect(r, "residual", torch::kBFloat16, 2, dev, 4);
+    ROCKET_CHECK(r.size(0) == rows && r.size(1) == n && r.is_contiguous(), "residual " << r.sizes() << " for an output ["
+                 << rows << ", " << n << "] (contiguous)");
+  }
+}
+
 torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s2_gu,
-                           const torch::Tensor& q_dn, int64_t hidden, int64_t inter) {
+                           const torch::Tensor& q_dn, int64_t hidden, int64_t inter,
+                           const std::vector<torch::Tensor>& residuals) {
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
+  check_residuals(residuals, x.size(0), hidden, dev);
   ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, the MLP has hidden " << hidden);
   auto none = torch::empty({1, 0}, x.options().dtype(torch::kByte));
   ROCKET_CHECK(check_packed(dev, q_gu, none, s2_gu, q_dn, none, hidden, inter) && q_gu.size(0) == 1,
@@ -277,16 +293,19 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
   auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
   if (rows == 0) return out;
   launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, none, s2_gu, q_dn, none, hidden, inter,
-                 std::nullopt, x_frag, h_frag, out, rows, rows);
+                 std::nullopt, x_frag, h_frag, out, rows, rows, residuals);
   return out;
 }
 
 // y = x W^T (+ bias) for W in BF16 tiles [n_pad / 16, k_pad / 64, 4, 256] (pack.py pack_bf16): one output [rows, n],
 // or, with `ends` (features where each part ends, the last n), one tensor per part.
 std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, int64_t k,
-                                       const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends) {
+                                       const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends,
+                                       const std::vector<torch::Tensor>& residuals) {
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
+  check_residuals(residuals, x.size(0), n, dev);
+  ROCKET_CHECK(residuals.empty() || ends.size() <= 1, "residuals need one output part, not " << ends.size());
   expect(w, "w", torch::kBFloat16, 4, dev);
   ROCKET_CHECK(x.size(1) == k, "x has " << x.size(1) << " columns, the weight " << k);
   const int64_t n_pad = w.size(0) * rocket::kTileN, k_pad = w.size(1) * rocket::kTileK;
@@ -324,6 +343,8 @@ std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tens
   a.k_pad = static_cast<int>(k_pad);
   a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
   a.n_segs = static_cast<int>(parts.size());
+  a.n_res = static_cast<int>(residuals.size());
+  for (size_t r = 0; r < residuals.size(); ++r) a.res[r] = residuals[r].data_ptr();
   rocket::launch_bf16_linear(a, c10::cuda::getCurrentCUDAStream().stream());
   return outs;
 }
@@ -534,6 +555,48 @@ void kv_append(torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& k, con
                            c10::cuda::getCurrentCUDAStream().stream());
 }
 
+// rope_ then kv_append in one launch: q [M, hq, d] and k [M, hk, d] rotated in place, k and v [M, hk, d] into the
+// caches [M, hk, cap, d] at pos [M].
+void rope_kv_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
+              const torch::Tensor& sin, int64_t rot, torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& pos) {
+  const c10::Device dev = q.device();
+  expect(q, "q", torch::kBFloat16, 3, dev, 4);
+  expect(k, "k", torch::kBFloat16, 3, dev, 4);
+  expect(v, "v", torch::kBFloat16, 3, dev, 4);
+  expect(cos, "cos", torch::kBFloat16, 2, dev, 2);
+  expect(sin, "sin", torch::kBFloat16, 2, dev, 2);
+  expect(kc, "kc", torch::kBFloat16, 4, dev, 4);
+  expect(vc, "vc", torch::kBFloat16, 4, dev, 4);
+  expect(pos, "pos", torch::kLong, 1, dev, 8);
+  const int64_t m = q.size(0), d = q.size(2), hk = k.size(1), cap = kc.size(2);
+  ROCKET_CHECK(k.size(0) == m && k.size(2) == d && v.sizes() == k.sizes() && d % 2 == 0 &&
+               kc.sizes() == torch::IntArrayRef({m, hk, cap, d}) && vc.sizes() == kc.sizes() && pos.numel() == m,
+               "rope_kv: q " << q.sizes() << ", k " << k.sizes() << ", v " << v.sizes() << ", caches " << kc.sizes()
+               << ", pos " << pos.sizes());
+  ROCKET_CHECK(cos.sizes() == torch::IntArrayRef({m, rot}) && sin.sizes() == cos.sizes(),
+               "rope_kv: cos " << cos.sizes() << ", sin " << sin.sizes() << " for " << m << " tokens, rotary " << rot);
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_rope_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
+                         vc.data_ptr(), pos.data_ptr<int64_t>(), static_cast<int>(m), static_cast<int>(q.size(1)),
+                         static_cast<int>(hk), static_cast<int>(d), static_cast<int>(rot), static_cast<int>(cap),
+                         c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// scores [M, heads, 1, span] bf16 (one query per stream) -> probabilities, keys past pos[m] hidden (decode_ops.cu).
+torch::Tensor decode_softmax(const torch::Tensor& scores, const torch::Tensor& pos, double scale) {
+  const c10::Device dev = scores.device();
+  expect(scores, "scores", torch::kBFloat16, 4, dev, 2);
+  expect(pos, "pos", torch::kLong, 1, dev, 8);
+  ROCKET_CHECK(scores.size(2) == 1 && pos.numel() == scores.size(0) && scores.size(3) > 0,
+               "decode_softmax: scores " << scores.sizes() << " (one query per stream), pos " << pos.sizes());
+  const c10::cuda::CUDAGuard guard(dev);
+  auto probs = torch::empty_like(scores);
+  rocket::launch_decode_softmax(scores.data_ptr(), pos.data_ptr<int64_t>(), static_cast<int>(scores.size(0)),
+                                static_cast<int>(scores.size(1)), static_cast<int>(scores.size(3)),
+                                static_cast<float>(scale), probs.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+  return probs;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -543,8 +606,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
         py::arg("inter"), py::arg("swiglu_limit"));
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)");
-  m.def("swiglu_dense", &swiglu_dense, "a SwiGLU MLP (one BF16 expert) over dense rows in the expert kernels");
-  m.def("bf16_linear", &bf16_linear, "x W^T (+ bias), W in BF16 tiles, optionally split into parts by feature");
+  m.def("swiglu_dense", &swiglu_dense, "a SwiGLU MLP (one BF16 expert) over dense rows in the expert kernels, "
+        "then + each residual in order", py::arg("x"), py::arg("q_gu"), py::arg("s2_gu"), py::arg("q_dn"),
+        py::arg("hidden"), py::arg("inter"), py::arg("residuals") = std::vector<torch::Tensor>{});
+  m.def("bf16_linear", &bf16_linear, "x W^T (+ bias), W in BF16 tiles, optionally split into parts by feature; one "
+        "part: then + each residual in order", py::arg("x"), py::arg("w"), py::arg("n"), py::arg("k"),
+        py::arg("bias"), py::arg("ends"), py::arg("residuals") = std::vector<torch::Tensor>{});
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
   m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe)");
   m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe)");
@@ -555,6 +622,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "counter (the graphed step's exchange)");
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step)");
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");
+  m.def("rope_kv_", &rope_kv_, "rope_ and kv_append in one launch (decode step)");
+  m.def("decode_softmax", &decode_softmax, "attention probabilities of one query per stream, keys past pos hidden");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "
         "with by_canon and sum, also sum += the rows' checksum", py::arg("rows"), py::arg("by_token"), py::arg("coef"),

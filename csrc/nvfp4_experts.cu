@@ -113,6 +113,8 @@ struct GemmParams {
   int n_segs;                // > 1: features [seg_end[s-1], seg_end[s]) go to seg_out[s] (row stride its width)
   int seg_end[kMaxSegs];
   __nv_bfloat16* seg_out[kMaxSegs];
+  const __nv_bfloat16* res[kMaxResiduals];  // down epilogue, dense rows: residuals added in order (see rocket.h)
+  int n_res;
 };
 
 // Block row i of the launch: its row, or -1 for a padding row.
@@ -387,6 +389,14 @@ __device__ __forceinline__ void epilogue_swiglu(const GemmParams& p, int slot, i
   }
 }
 
+// torch's a + b of two bf16 values, both halves: the fp32 sum rounded once (exact operands, so the order of the
+// operands does not matter).
+__device__ __forceinline__ uint32_t add_bf16x2(uint32_t a, uint32_t b) {
+  const __nv_bfloat162 x = dev::bits_bf16x2(a), y = dev::bits_bf16x2(b);
+  return dev::bf16x2_bits(__floats2bfloat162_rn(__fadd_rn(__low2float(x), __low2float(y)),
+                                                __fadd_rn(__high2float(x), __high2float(y))));
+}
+
 template <int RT>
 __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, int fg, int lane,
                                               const float (&acc)[kFT][RT][4]) {
@@ -425,8 +435,12 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
         const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
         const uint32_t pair = odd ? (recv | (v1 << 16)) : (v0 | (recv << 16));
         const int feat = (fg * kFT + i) * kTileN + 8 * half + (g & ~1);
-        if (row >= 0 && feat < p.hidden)
-          *reinterpret_cast<uint32_t*>(out + int64_t(row) * ld + (feat - f0)) = pair;
+        if (row >= 0 && feat < p.hidden) {
+          const int64_t at = int64_t(row) * ld + (feat - f0);
+          uint32_t v = pair;
+          for (int r = 0; r < p.n_res; ++r) v = add_bf16x2(__ldg(reinterpret_cast<const uint32_t*>(p.res[r] + at)), v);
+          *reinterpret_cast<uint32_t*>(out + at) = v;
+        }
       }
     }
   }
@@ -654,6 +668,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
                a.inter_pad >= a.inter, "padded sizes " << a.hidden_pad << ", " << a.inter_pad);
   const bool dense = a.pad_rows == nullptr;
   ROCKET_CHECK(!dense || a.bf16, "dense rows take BF16 tiles only");
+  ROCKET_CHECK(a.n_res >= 0 && a.n_res <= kMaxResiduals && (a.n_res == 0 || dense), a.n_res
+               << " residuals (at most " << kMaxResiduals << ", dense rows only)");
   ROCKET_CHECK(dense == (a.groups == nullptr) && (!dense || (a.dense_rows >= 0 && a.n_tiles ==
                (a.dense_rows + kRowTile - 1) / kRowTile && a.n_groups == (a.n_tiles + kMaxRowTiles - 1) /
                kMaxRowTiles)), "dense rows " << a.dense_rows << ": tiles " << a.n_tiles << ", passes " << a.n_groups);
@@ -705,6 +721,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.out = static_cast<__nv_bfloat16*>(a.out);
     p.hidden = a.hidden;
     pass_params(p, a);
+    p.n_res = a.n_res;
+    for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
     launch_gemm<false>(p, a.bf16 != 0, pdl != 0, stream);
   }
 }
@@ -714,6 +732,8 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
                a.n_pad % (kFT * kTileN) == 0 && a.n_pad >= a.n, "linear [" << a.n << ", " << a.k << "] padded to ["
                << a.n_pad << ", " << a.k_pad << "]");
   ROCKET_CHECK(a.n_segs >= 1 && a.n_segs <= kMaxSegs && a.seg_end[a.n_segs - 1] == a.n, a.n_segs << " output parts");
+  ROCKET_CHECK(a.n_res >= 0 && a.n_res <= kMaxResiduals && (a.n_res == 0 || a.n_segs == 1), a.n_res
+               << " residuals for " << a.n_segs << " output parts (at most " << kMaxResiduals << ", one part)");
   for (int s = 0; s + 1 < a.n_segs; ++s)
     ROCKET_CHECK(a.seg_end[s] % (kFT * kTileN) == 0 && a.seg_end[s] < a.seg_end[s + 1], "output part " << s
                  << " ends at feature " << a.seg_end[s] << ": parts end at multiples of " << kFT * kTileN);
@@ -747,6 +767,8 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
     p.seg_end[s] = a.seg_end[s];
     p.seg_out[s] = static_cast<__nv_bfloat16*>(a.seg_out[s]);
   }
+  p.n_res = a.n_res;
+  for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
   launch_gemm<false>(p, true, false, stream);
 }
 

@@ -76,6 +76,8 @@ constexpr int kMaxRowTiles = 4;       // rows per weight pass: 32
 // Rows in mma B-fragment order ("frag"): uint32 [tiles][K/32][32 lanes][4]; lane (g, t) of tile T,
 // k-pair P holds bf16 pairs (row 8T+g; k = 32P + 16s + 8r + 2t, +1) at word 2s + r.
 
+constexpr int kMaxResiduals = 2;
+
 struct ExpertsLaunch {
   // rows
   const void* x;              // bf16 [*, hidden] row-major, `x_rows` rows
@@ -100,6 +102,10 @@ struct ExpertsLaunch {
   uint4* h_frag;               // [tiles][inter_pad/32][32] uint4
   void* out;                   // bf16 [out_rows, hidden]
   int64_t out_rows;
+  // dense rows only: residuals bf16 [rows, hidden] added to the output in order, each add torch's `r + y` of two
+  // bf16 tensors (fp32 sum, one rounding): out = res[1] + (res[0] + y), the replicated stack's x + (moe + shared)
+  const void* res[kMaxResiduals];
+  int n_res;
 };
 
 // x rows -> x_frag, gate/up + SwiGLU -> h_frag, down -> out. Batch-invariant: see nvfp4_experts.cu.
@@ -119,6 +125,8 @@ struct LinearLaunch {
   int n_segs;
   int seg_end[kMaxSegs];
   void* seg_out[kMaxSegs];
+  const void* res[kMaxResiduals];  // one output part only: as ExpertsLaunch's residuals (x + o in the stack)
+  int n_res;
 };
 void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream);
 
@@ -209,6 +217,10 @@ void launch_ipc_exchange_flags(const IpcPush& a, const IpcWait& w, int blocks, c
 void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream);
 void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens, int hq, int hk, int d, int rot,
                  cudaStream_t stream);
+void launch_rope_kv(void* q, void* k, const void* v, const void* cos, const void* sin, void* kc, void* vc,
+                    const int64_t* pos, int tokens, int hq, int hk, int d, int rot, int cap, cudaStream_t stream);
+void launch_decode_softmax(const void* scores, const int64_t* pos, int streams, int heads, int span, float scale,
+                           void* probs, cudaStream_t stream);
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,
                       int cap, int d, cudaStream_t stream);
 

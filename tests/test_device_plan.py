@@ -427,6 +427,48 @@ def test_gpu_fused_rope_bitwise(tokens, hq, hk, d, rot):
     assert torch.equal(k.view(torch.int16), want_k.view(torch.int16))
 
 
+@gpu
+@pytest.mark.parametrize("m,hq,hk,d,rot,cap", [(8, 12, 2, 128, 64, 40), (1, 4, 4, 64, 64, 3), (3, 6, 1, 80, 40, 9)])
+def test_gpu_rope_kv_bitwise(m, hq, hk, d, rot, cap):
+    """rope_kv_ (one launch) gives the bits of rope_ then kv_append: q and k rotated, k and v in the caches at
+    pos, nothing written for a position past the cache."""
+    from rocket_mpi.model.layers import Rope
+    rope = Rope(rot, 10000.0, torch.bfloat16)
+    rope.inv_freq = rope.inv_freq.cuda()
+    gen = torch.Generator().manual_seed(m + d)
+    q, k, v = (torch.randn(m, h, d, generator=gen).to(torch.bfloat16).cuda() for h in (hq, hk, hk))
+    kc, vc = (torch.randn(m, hk, cap, d, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+    pos = torch.tensor([0, cap - 1, cap, 2, 5, 1, 7, 3][:m], device="cuda").clamp(max=cap)   # cap: past the end
+    cos, sin = rope.cos_sin(pos)
+    want = [t.clone() for t in (q, k, kc, vc)]
+    kernels.rope_(want[0], want[1], cos, sin, rot)
+    kernels.kv_append(want[2], want[3], want[1], v, pos)
+    kernels.rope_kv_(q, k, v, cos, sin, rot, kc, vc, pos)
+    for name, got, w in zip(("q", "k", "k cache", "v cache"), (q, k, kc, vc), want):
+        assert torch.equal(got.view(torch.int16), w.view(torch.int16)), name
+
+
+@gpu
+@pytest.mark.parametrize("m,heads,span", [(1, 96, 16), (8, 12, 40), (3, 4, 300), (2, 2, 1000), (1, 1, 1)])
+def test_gpu_decode_softmax(m, heads, span):
+    """decode_softmax against glm4_moe's torch ops (scale, mask past pos, fp32 softmax, bf16): hidden keys exactly
+    0; the rest within one bf16 rounding of torch's (only the fp32 sums' order differs)."""
+    gen = torch.Generator().manual_seed(span)
+    scores = (torch.randn(m, heads, 1, span, generator=gen) * 8).to(torch.bfloat16).cuda()
+    pos = torch.randint(0, span, (m,), generator=gen).cuda()
+    pos[0] = span - 1
+    scale = 128 ** -0.5
+    hide = (torch.arange(span, device="cuda")[None, :] > pos[:, None])[:, None, None, :]
+    want = torch.softmax((scores * scale).masked_fill(hide, float("-inf")), dim=-1, dtype=torch.float32)
+    want = want.to(torch.bfloat16).float()
+    got = kernels.decode_softmax(scores, pos, scale).float()
+    assert (got[hide.expand_as(got)] == 0).all(), "a hidden key got a non-zero probability"
+    err = (got - want).abs()
+    assert (err <= want.abs() * 2.0 ** -7 + 1e-30).all(), f"max |diff| {float(err.max()):.3e}"
+    sums = got.sum(-1)
+    assert ((sums - 1).abs() < 2e-2).all(), sums
+
+
 def _router_cfg(e, k, n_group=1, topk_group=1, norm=True, scale=2.5):
     from types import SimpleNamespace
     return SimpleNamespace(n_routed_experts=e, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,

@@ -50,6 +50,23 @@ def test_pack_mlp_cpu_is_swiglu_mlp():
     assert torch.equal(kernels.swiglu_dense(x, kernels.pack_mlp(gate_up, down)), swiglu_mlp(x, gate_up, down))
 
 
+def test_residuals_cpu_are_the_torch_adds():
+    """linear / swiglu_dense with residuals: the unfused `r + y` adds in order, bit for bit; misuse is an error."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 48, generator=g).bfloat16()
+    x, r = torch.randn(5, 48, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
+    packs = kernels.pack_linear([w])
+    assert torch.equal(kernels.linear(x, packs, residual=(r,))[0], r + F.linear(x, w))
+    gate_up, down = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(64, 48, generator=g).bfloat16()
+    xm, a, b = (torch.randn(5, 64, generator=g).bfloat16() for _ in range(3))
+    got = kernels.swiglu_dense(xm, kernels.pack_mlp(gate_up, down), residual=(a, b))
+    assert torch.equal(got, b + (a + swiglu_mlp(xm, gate_up, down)))
+    with pytest.raises(ValueError, match="one output part"):
+        kernels.linear(x, kernels.pack_linear([w, w]), residual=(r,))
+    with pytest.raises(ValueError, match="residuals"):
+        kernels.linear(x, packs, residual=(r[:4],))
+
+
 def _logits(model, tokens, device="cpu"):
     """Two streams: a prefill of 3 and 1 tokens, then two decode steps; last-position logits of each."""
     cache = model.new_cache(2, 16)
@@ -151,6 +168,24 @@ def test_gpu_swiglu_dense_matches_reference_and_rows_are_independent(h, i):
         for r, a in alone.items():
             if r < rows:
                 assert torch.equal(out[r], a), f"rows {rows}: row {r} differs from it alone"
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_gpu_residuals_in_the_epilogue_are_the_torch_adds(rows):
+    """The adds in the kernel's epilogue give exactly the bits of torch's adds after the launch (x + o; x + (moe +
+    shared)): one fp32 sum of two bf16 values, one rounding, in the same order."""
+    g = torch.Generator().manual_seed(rows)
+    h, i = 4096, 1408
+    w = (torch.randn(h, h, generator=g) / h ** 0.5).bfloat16().cuda()
+    gate_up = (torch.randn(2 * i, h, generator=g) / h ** 0.5).bfloat16().cuda()
+    down = (torch.randn(h, i, generator=g) / i ** 0.5).bfloat16().cuda()
+    x, a, b = ((torch.randn(rows, h, generator=g) * s).bfloat16().cuda() for s in (1.0, 0.1, 30.0))
+    packs, mlp = kernels.pack_linear([w]), kernels.pack_mlp(gate_up, down)
+    got = kernels.linear(x, packs, residual=(b,))[0]
+    assert torch.equal(got.view(torch.int16), (b + kernels.linear(x, packs)[0]).view(torch.int16))
+    got = kernels.swiglu_dense(x, mlp, residual=(a, b))
+    assert torch.equal(got.view(torch.int16), (b + (a + kernels.swiglu_dense(x, mlp))).view(torch.int16))
 
 
 @gpu

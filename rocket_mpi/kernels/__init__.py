@@ -21,8 +21,8 @@ from rocket_mpi.kernels.pack import (ExpertPacker, PackedExperts, dequant_packed
                                      pack_bf16, pack_codes, pack_experts, pack_experts_bf16, padded_codes,
                                      split_fused_gate_up, unpack_bf16, unpack_codes)
 from rocket_mpi.kernels.refs import moe_scatter_add_ref, nvfp4_experts_ref  # noqa: F401
-from rocket_mpi.kernels.stack import (STACK_KERNEL_MAX_ROWS, PackedLinear, linear, pack_linear,  # noqa: F401
-                                      pack_mlp, stack_switch, swiglu_dense)
+from rocket_mpi.kernels.stack import (STACK_KERNEL_MAX_ROWS, PackedLinear, add_residuals, linear,  # noqa: F401
+                                      pack_linear, pack_mlp, stack_switch, swiglu_dense)
 from rocket_mpi.moe.router import route as route_ref
 
 MAX_GROUPS = 65535  # grid.y of the expert kernels: weight passes (<= 32 rows of one expert) per launch
@@ -156,6 +156,19 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def kv_append(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
     """kc[s, :, pos[s]] = k[s] (and v) for every stream s."""
     _ext.require().kv_append(kc, vc, k.contiguous(), v.contiguous(), pos)
+
+
+def rope_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int,
+             kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor) -> None:
+    """rope_(q, k, ...) then kv_append(kc, vc, k, v, pos) in one launch: the same bits."""
+    _ext.require().rope_kv_(q, k, v.contiguous(), cos.contiguous(), sin.contiguous(), rot, kc, vc, pos)
+
+
+def decode_softmax(scores: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """scores [M, heads, 1, span] bf16 (one query per stream) -> probabilities bf16: softmax in fp32 of
+    bf16(scores * scale) with the keys past pos[m] hidden (exactly 0), rounded to bf16; as glm4_moe's _attend
+    does it with torch ops (mul, masked_fill, softmax, cast: four kernels), but for the order of the fp32 sums."""
+    return _ext.require().decode_softmax(scores.contiguous(), pos, scale)
 
 
 def dequant_packed_cuda(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,11 @@ prefill, where cuBLAS is faster; ROCKET_STACK=torch keeps only them, the A/B swi
 
     pack_linear([W0, W1, ...], [b0, b1, ...])   weights of one input -> PackedLinear list (fused where the part
                                                 ends are multiples of 32 features)
-    linear(x, packs)                            -> one output tensor per part
+    linear(x, packs, residual=(r0, r1))         -> one output tensor per part; one part: then + r0, + r1 (as
+                                                torch's r0 + y, each rounded: the stack's x + o in the epilogue)
     pack_mlp(gate_up, down)                     a SwiGLU MLP as one BF16 "expert" (pack_experts_bf16)
-    swiglu_dense(x, packed)                     its rows in order, no routing plan
+    swiglu_dense(x, packed, residual=())        its rows in order, no routing plan (residuals as linear's:
+                                                x + (moe + shared) without two add kernels)
 
 Each output row depends only on its own input row (the kernel's batch invariance), so every rank and every
 stream count computes the same bits for a row. CPU tensors take the torch references, which are exactly
@@ -101,17 +103,36 @@ def linear_ref(x: torch.Tensor, p: PackedLinear) -> list[torch.Tensor]:
     return outs
 
 
-def linear(x: torch.Tensor, packs: list[PackedLinear]) -> list[torch.Tensor]:
-    """x [rows, k] bf16 through every PackedLinear of `packs` (pack_linear's list): one tensor per part."""
+def add_residuals(y: torch.Tensor, residual) -> torch.Tensor:
+    """y + each residual in order, as the unfused torch path writes it (r + y: one bf16 rounding per add)."""
+    for r in residual:
+        y = r + y
+    return y
+
+
+def _residuals(residual, rows: int, n: int, what: str) -> list[torch.Tensor]:
+    res = list(residual)
+    if len(res) > 2 or any(r.shape != (rows, n) or r.dtype != torch.bfloat16 for r in res):
+        raise ValueError(f"{what}: residuals {[(tuple(r.shape), r.dtype) for r in res]} for an output [{rows}, {n}] "
+                         f"(at most 2, bf16)")
+    return [r.contiguous() for r in res]
+
+
+def linear(x: torch.Tensor, packs: list[PackedLinear], residual=()) -> list[torch.Tensor]:
+    """x [rows, k] bf16 through every PackedLinear of `packs` (pack_linear's list): one tensor per part. With
+    `residual` (one part only), that part + each residual in order, added in the kernel's epilogue."""
     outs: list[torch.Tensor] = []
+    if residual and (len(packs) != 1 or len(packs[0].ends) != 1):
+        raise ValueError(f"linear: residuals need one output part, not {sum(len(p.ends) for p in packs)}")
     for p in packs:
         if x.dim() != 2 or x.shape[1] != p.k:
             raise ValueError(f"linear: x {tuple(x.shape)} for a weight of {p.k} inputs")
+        res = _residuals(residual, x.shape[0], p.n, "linear")
         if not x.is_cuda:
-            outs += linear_ref(x, p)
+            outs += [add_residuals(y, res) for y in linear_ref(x, p)]
             continue
         ends = list(p.ends) if len(p.ends) > 1 else []
-        outs += _ext.require().bf16_linear(x.contiguous(), p.w, p.n, p.k, p.bias, ends)
+        outs += _ext.require().bf16_linear(x.contiguous(), p.w, p.n, p.k, p.bias, ends, res)
     return outs
 
 
@@ -133,10 +154,11 @@ def swiglu_dense_ref(x: torch.Tensor, p: PackedExperts) -> torch.Tensor:
     return F.linear(F.silu(g) * u, down)
 
 
-def swiglu_dense(x: torch.Tensor, p: PackedExperts) -> torch.Tensor:
-    """x [rows, H] bf16 through the SwiGLU MLP packed by pack_mlp -> [rows, H] bf16."""
+def swiglu_dense(x: torch.Tensor, p: PackedExperts, residual=()) -> torch.Tensor:
+    """x [rows, H] bf16 through the SwiGLU MLP packed by pack_mlp -> [rows, H] bf16, + each residual in order."""
     if x.dim() != 2 or x.shape[1] != p.hidden:
         raise ValueError(f"swiglu_dense: x {tuple(x.shape)}, the MLP has hidden {p.hidden}")
+    res = _residuals(residual, x.shape[0], p.hidden, "swiglu_dense")
     if not x.is_cuda:
-        return swiglu_dense_ref(x, p)
-    return _ext.require().swiglu_dense(x.contiguous(), p.q_gu, p.s2_gu, p.q_dn, p.hidden, p.inter)
+        return add_residuals(swiglu_dense_ref(x, p), res)
+    return _ext.require().swiglu_dense(x.contiguous(), p.q_gu, p.s2_gu, p.q_dn, p.hidden, p.inter, res)

@@ -155,16 +155,21 @@ class Glm4MoeModel:
         """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
         over the cache's whole capacity under a length mask. The caller advances pos and cache.lengths.
-        On a GPU with the extension, RMSNorm, RoPE and the cache write run as fused kernels
-        (kernels.rms_norm / rope_ / kv_append): fewer launches in the graph, the same math."""
+        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the scaled, masked softmax run as
+        fused kernels (kernels.rms_norm / rope_kv_ / decode_softmax), the residual adds in the packed linears'
+        epilogues: fewer launches in the graph, the same math (the softmax's and the norm's sums in their own
+        order)."""
         cfg = self.cfg
         dev = self.embed.device
         fused = dev.type == "cuda" and kernels.available()
         cos, sin = self.rope.cos_sin(pos)
         x = self.embed[tokens]
         span = cache.capacity
-        hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # once per step
-        decode = (torch.arange(tokens.numel(), device=dev), pos, span, hide)
+        if fused:  # rope_kv_ writes the caches at pos, decode_softmax hides the keys past it
+            decode = (None, pos, span, None)
+        else:
+            hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # once per step
+            decode = (torch.arange(tokens.numel(), device=dev), pos, span, hide)
         x = self._layers(x, cos, sin, cache, None, None, decode, moe, fused)
         norm = kernels.rms_norm if fused else rms_norm
         return F.linear(norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
@@ -174,16 +179,19 @@ class Glm4MoeModel:
         norm = kernels.rms_norm if fused else rms_norm
         for i, L in enumerate(self.layers):
             h = norm(x, L.input_norm, cfg.rms_norm_eps)
-            x = x + self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, decode, fused)
+            x = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, decode, fused, x)  # x + attention
             h = norm(x, L.post_norm, cfg.rms_norm_eps)
             if L.mlp is not None:
-                x = x + mlp_forward(h, L.mlp, L.mlp_packed)
+                x = mlp_forward(h, L.mlp, L.mlp_packed, residual=(x,))                        # x + mlp
             else:
-                x = x + (moe(i, h, L) + mlp_forward(h, L.shared, L.shared_packed))
+                routed = moe(i, h, L)
+                x = mlp_forward(h, L.shared, L.shared_packed, residual=(routed, x))          # x + (routed + shared)
         return x
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens, decode,
-                   fused: bool = False) -> torch.Tensor:
+                   fused: bool, x: torch.Tensor) -> torch.Tensor:
+        """x + the attention block of layer i over h = its normed x (the add in the o projection's epilogue where
+        the packed stack runs)."""
         cfg = self.cfg
         t, d = h.shape[0], cfg.head_dim
         packed = a.qkv is not None and t <= kernels.STACK_KERNEL_MAX_ROWS
@@ -197,21 +205,20 @@ class Glm4MoeModel:
         if a.q_norm is not None:
             q = norm(q, a.q_norm, cfg.rms_norm_eps)
             k = norm(k, a.k_norm, cfg.rms_norm_eps)
-        if fused:
-            kernels.rope_(q, k, cos, sin, self.rope.dim)
-        else:
-            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         kc, vc = cache.k[i], cache.v[i]
-        if decode is not None:
+        if fused:  # the fixed-shape decode step on a GPU: RoPE and the cache write in one kernel, the softmax in one
+            _, pos, span, _ = decode
+            kernels.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos)
+            out = _attend_decode(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], pos, self.scale).reshape(t, -1)
+        elif decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
             idx, pos, span, hide = decode
-            if fused:
-                kernels.kv_append(kc, vc, k, v, pos)
-            else:
-                kc[idx, :, pos] = k
-                vc[idx, :, pos] = v
+            kc[idx, :, pos] = k
+            vc[idx, :, pos] = v
             out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], hide, self.scale).reshape(t, -1)
         else:
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
             outs, off = [], 0
             for s, (p0, n) in enumerate(zip(starts, seqlens)):
                 if n == 0:
@@ -226,8 +233,20 @@ class Glm4MoeModel:
                 off += n
             out = torch.cat(outs)
         if packed:
-            return kernels.linear(out, a.o_packed)[0]
-        return F.linear(out, a.o)
+            return kernels.linear(out, a.o_packed, residual=(x,))[0]
+        return x + F.linear(out, a.o)
+
+
+def _attend_decode(q, k, v, pos, scale):
+    """_attend for one query per stream on a GPU: the two matmuls as there, the scale, the mask (keys past pos[b])
+    and the fp32 softmax with its cast in one kernel (kernels.decode_softmax) instead of four."""
+    b, hq, tq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, (hq // hkv) * tq, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hq, tq, -1)
+    probs = kernels.decode_softmax(scores, pos, scale)
+    out = torch.matmul(probs.view(b, hkv, (hq // hkv) * tq, -1), v)
+    return out.view(b, hq, tq, d)
 
 
 def _attend(q, k, v, hide, scale):

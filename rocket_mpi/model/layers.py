@@ -20,13 +20,14 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
     return F.linear(F.silu(gate) * up, down)
 
 
-def mlp_forward(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=None) -> torch.Tensor:
-    """A dense or shared-expert SwiGLU MLP (gate_up, down); with its `packed` copy (pack_mlps), steps of at most
-    kernels.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's BF16 tiles."""
+def mlp_forward(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=None, residual=()) -> torch.Tensor:
+    """A dense or shared-expert SwiGLU MLP (gate_up, down), then + each of `residual` in order (r + y, one bf16
+    rounding each, as the stack writes x + mlp); with its `packed` copy (pack_mlps), steps of at most
+    kernels.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's BF16 tiles, the adds in its epilogue."""
     from rocket_mpi import kernels
     if packed is not None and x.shape[0] <= kernels.STACK_KERNEL_MAX_ROWS:
-        return kernels.swiglu_dense(x, packed)
-    return swiglu_mlp(x, *mlp)
+        return kernels.swiglu_dense(x, packed, residual)
+    return kernels.add_residuals(swiglu_mlp(x, *mlp), residual)
 
 
 def pack_mlps(layer) -> None:

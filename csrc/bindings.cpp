@@ -76,8 +76,9 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
                     torch::Tensor& out, int64_t out_rows, int64_t dense_rows = 0,
-                    const std::vector<torch::Tensor>& residuals = {}) {
+                    const std::vector<torch::Tensor>& residuals = {}, bool direct_k = false) {
   rocket::ExpertsLaunch a{};
+  a.direct_k = direct_k ? 1 : 0;
   a.n_res = static_cast<int>(residuals.size());
   for (size_t r = 0; r < residuals.size(); ++r) a.res[r] = residuals[r].data_ptr();
   a.dense_rows = static_cast<int>(dense_rows);
@@ -293,7 +294,7 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
   auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
   if (rows == 0) return out;
   launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, none, s2_gu, q_dn, none, hidden, inter,
-                 std::nullopt, x_frag, h_frag, out, rows, rows, residuals);
+                 std::nullopt, x_frag, h_frag, out, rows, rows, residuals, /*direct_k=*/true);
   return out;
 }
 

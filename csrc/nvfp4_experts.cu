@@ -115,6 +115,11 @@ struct GemmParams {
   __nv_bfloat16* seg_out[kMaxSegs];
   const __nv_bfloat16* res[kMaxResiduals];  // down epilogue, dense rows: residuals added in order (see rocket.h)
   int n_res;
+  // Dense rows read straight from x (BF16 tiles with K in direct_k_order, pack.py; at most 2 row tiles): lane
+  // (g, t) of row tile T reads row 8T + g at k-tile kt from x_rows + row * x_ld4 + 8 kt + 2 t (uint4 units), the
+  // same two uint4 per k-tile that x_frag holds after a prep launch. Null: x_frag.
+  const uint4* x_rows;
+  int64_t x_ld4;
 };
 
 // Block row i of the launch: its row, or -1 for a padding row.
@@ -151,11 +156,11 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
 
 // Rows of each row tile of one k-tile for this lane (B fragments, 2 x uint4 per tile), from fr[rt] + off.
 template <int RT>
-__device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&fr)[RT], int off) {
+__device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&fr)[RT], int off, int pp_stride) {
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
 #pragma unroll
-    for (int pp = 0; pp < 2; ++pp) b[rt][pp] = __ldg(fr[rt] + off + pp * 32);
+    for (int pp = 0; pp < 2; ++pp) b[rt][pp] = __ldg(fr[rt] + off + pp * pp_stride);
   }
 }
 
@@ -234,11 +239,24 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   constexpr int kPtrs = kPrefetch ? RT : 1;
   const uint4* fr[kPtrs];
   bool valid[RT];
+  // the rows' uint4 of one k-tile: pp_stride apart, the next k-tile kt_stride on (x_frag: 32, 64; x itself: 1, 8)
+  int pp_stride = 32, kt_stride = 64;
+  bool direct = false;
+  if constexpr (kBf16 && kPrefetch) direct = p.x_rows != nullptr;
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
-    valid[rt] = pad_row(p, (tile0 + rt) * kRowTile + (lane >> 2)) >= 0;
-    if (rt < kPtrs)
-      fr[rt] = p.frag + (int64_t(tile0 + rt) * nk_all + kt0) * 2 * 32 + (valid[rt] ? lane : (lane & 3));
+    const int tile_row = (tile0 + rt) * kRowTile;
+    valid[rt] = pad_row(p, tile_row + (lane >> 2)) >= 0;
+    if (rt < kPtrs) {
+      if (direct)  // a padding row reads its tile's row 0, as below
+        fr[rt] = p.x_rows + int64_t(valid[rt] ? tile_row + (lane >> 2) : tile_row) * p.x_ld4 + kt0 * 8 + 2 * (lane & 3);
+      else
+        fr[rt] = p.frag + (int64_t(tile0 + rt) * nk_all + kt0) * 2 * 32 + (valid[rt] ? lane : (lane & 3));
+    }
+  }
+  if (direct) {
+    pp_stride = 1;
+    kt_stride = 8;
   }
   // The mmas of one k-tile: weights from ring slot st, rows of k-steps 2 pp, 2 pp + 1 from rows_half(bh, pp).
   auto mma_ktile = [&](int st, auto&& rows_half) {
@@ -295,7 +313,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     // (209 -> 146 instructions per k-tile at one row tile, with the decode below). The last S + L - 1
     // k-tiles or fewer run one by one; the same mma sequence either way.
     uint4 bn[RT][2];
-    load_b<RT>(bn, fr, 0);
+    load_b<RT>(bn, fr, 0, pp_stride);
     auto step = [&](int u, int st, int st_next, bool more, bool next) {
       uint4 b[RT][2];
 #pragma unroll
@@ -303,7 +321,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
         b[rt][0] = bn[rt][0];
         b[rt][1] = bn[rt][1];
       }
-      if (next) load_b<RT>(bn, fr, (u + 1) * 2 * 32);
+      if (next) load_b<RT>(bn, fr, (u + 1) * kt_stride, pp_stride);
       dev::cp_async_wait<L - 1>();  // this k-tile has landed (one group per k-tile)
       if (more) issue(st_next, u);
       dev::cp_async_commit();
@@ -318,14 +336,14 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       for (int u = 0; u < S; ++u) step(u, u, (u + L) % S, true, true);
       advance(S);
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt) fr[rt] += S * 2 * 32;
+      for (int rt = 0; rt < RT; ++rt) fr[rt] += S * kt_stride;
     }
     for (; kt < nk; ++kt) {
       const bool more = kt + L < nk;
       step(0, kt % S, (kt + L) % S, more, kt + 1 < nk);
       if (more) advance(1);
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt) fr[rt] += 2 * 32;
+      for (int rt = 0; rt < RT; ++rt) fr[rt] += kt_stride;
     }
   } else {
     // 17-32 rows: the rows are loaded half a k-tile at a time, which keeps the 3- and 4-tile paths within
@@ -540,7 +558,8 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
 // One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.
 __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows, int64_t x_ld_words,
                                  const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
-                                 int dense_rows, int n_tiles, int hidden, int pairs, uint4* __restrict__ frag) {
+                                 int dense_rows, int n_tiles, int hidden, int pairs, int direct_k,
+                                 uint4* __restrict__ frag) {
   dev::launch_dependents();  // ROCKET_EXPERTS_PDL=1: gate/up may start its weight copies now (it waits for these rows)
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(n_tiles) * pairs * 32) return;
@@ -557,7 +576,10 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
   uint32_t v[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const int k = 32 * pp + 16 * (e >> 1) + 8 * (e & 1) + 2 * t;
+    // word e of pair pp: k-step j = 2 (pp % 2) + e / 2, register kh = e % 2 of k-tile pp / 2; its input column
+    // in the logical order, or in direct_k_order (weights packed by pack_bf16_direct)
+    const int k = direct_k ? 64 * (pp >> 1) + 16 * t + 4 * (2 * (pp & 1) + (e >> 1)) + 2 * (e & 1)
+                           : 32 * pp + 16 * (e >> 1) + 8 * (e & 1) + 2 * t;
     v[e] = (valid && k < hidden) ? __ldg(x + src * x_ld_words + k / 2) : 0u;
   }
   frag[idx] = make_uint4(v[0], v[1], v[2], v[3]);
@@ -659,6 +681,13 @@ void pass_params(GemmParams& p, const ExpertsLaunch& a) {
   p.n_segs = 1;
 }
 
+// Dense rows in direct_k_order of at most 2 row tiles (decode steps), K a multiple of 64, x 16-byte aligned: the
+// GEMM reads x itself (GemmParams::x_rows), no prep launch. Otherwise prep writes x_frag in that same order; a
+// row's bits are the same either way.
+bool rows_direct(const void* x, int64_t rows, int k) {
+  return rows <= 2 * kRowTile && k % kTileK == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+}
+
 }  // namespace
 
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
@@ -677,13 +706,15 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   if (a.n_tiles == 0 || a.n_groups == 0) return;
   const int pdl = pdl_mode();
 
-  {  // rows -> fragments
+  ROCKET_CHECK(!a.direct_k || (dense && a.row_index == nullptr), "direct_k_order: dense rows of x only");
+  const bool direct = a.direct_k && rows_direct(a.x, a.dense_rows, a.hidden);
+  if (!direct) {  // rows -> fragments
     const int pairs = a.hidden_pad / 32;
     const int64_t n = int64_t(a.n_tiles) * pairs * 32;
     const int threads = 256;
     prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
         static_cast<const uint32_t*>(a.x), a.x_rows, a.hidden / 2, a.row_index, a.pad_rows, a.dense_rows, a.n_tiles,
-        a.hidden, pairs, a.x_frag);
+        a.hidden, pairs, a.direct_k, a.x_frag);
     ROCKET_LAUNCH_CHECK();
   }
   {  // gate/up + SwiGLU: N = 2 inter_pad (tiles of 8 gate + 8 up), K = hidden_pad
@@ -696,6 +727,10 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.s_slot_stride = a.bf16 ? 0 : int64_t(tiles) * p.nk * kTileScaleBytes;
     p.w_mul = a.bf16 ? 1.0f : 256.0f;
     p.frag = a.x_frag;
+    if (direct) {
+      p.x_rows = static_cast<const uint4*>(a.x);
+      p.x_ld4 = a.hidden / 8;
+    }
     p.groups = a.groups;
     p.n_fgroups = tiles / kFT;
     p.s2 = a.s2_gu;
@@ -739,12 +774,13 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
                  << " ends at feature " << a.seg_end[s] << ": parts end at multiples of " << kFT * kTileN);
   if (a.rows == 0) return;
   const int n_tiles = int((a.rows + kRowTile - 1) / kRowTile);
-  {  // rows -> fragments
+  const bool direct = rows_direct(a.x, a.rows, a.k);  // the weights are in direct_k_order (stack.py pack_linear)
+  if (!direct) {  // rows -> fragments
     const int pairs = a.k_pad / 32;
     const int64_t n = int64_t(n_tiles) * pairs * 32;
     const int threads = 256;
     prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
-        static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs,
+        static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs, 1,
         a.x_frag);
     ROCKET_LAUNCH_CHECK();
   }
@@ -753,6 +789,10 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
   p.nk = a.k_pad / kTileK;
   p.w_mul = 1.0f;
   p.frag = a.x_frag;
+  if (direct) {
+    p.x_rows = static_cast<const uint4*>(a.x);
+    p.x_ld4 = a.k / 8;
+  }
   p.n_fgroups = a.n_pad / (kFT * kTileN);
   p.out = static_cast<__nv_bfloat16*>(a.seg_out[0]);
   p.hidden = a.n;

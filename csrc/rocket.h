@@ -106,12 +106,15 @@ struct ExpertsLaunch {
   // bf16 tensors (fp32 sum, one rounding): out = res[1] + (res[0] + y), the replicated stack's x + (moe + shared)
   const void* res[kMaxResiduals];
   int n_res;
+  int direct_k;                // dense rows: gate/up's K in direct_k_order (pack.py pack_bf16_direct), so up to 16
+                               // rows are read from x itself, more through a prep launch in that order
 };
 
 // x rows -> x_frag, gate/up + SwiGLU -> h_frag, down -> out. Batch-invariant: see nvfp4_experts.cu.
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream);
 
-// y = x W^T (+ bias) with W in BF16 tiles (pack.py pack_bf16): the expert kernel's down GEMM over dense rows, for
+// y = x W^T (+ bias) with W in BF16 tiles, K in direct_k_order (pack.py pack_bf16_direct): the expert kernel's
+// down GEMM over dense rows (up to 16 read from x itself, more through a prep launch), for
 // the replicated stack's linears. Output features [seg_end[s-1], seg_end[s]) go to seg_out[s] ([rows, width]
 // row-major), so a fused q/k/v projection writes three tensors; part ends are multiples of 32.
 constexpr int kMaxSegs = 3;

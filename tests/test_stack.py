@@ -3,8 +3,9 @@
 CPU: the packed forms run torch's own ops on the unpacked weights, so a packed model gives the torch path's
 logits bit for bit (the glue: fusing q/k/v, the output parts, the biases, the MLP's gate/up interleave).
 GPU: the kernel against an fp32 reference within a stated tolerance, each output row bitwise independent of
-the other rows in the launch (1 row alone vs inside 8, 33, 70-row launches: one and several weight passes),
-and a packed model's logits beside the cuBLAS path's.
+the other rows in the launch (1 row alone vs inside 8, 33, 70-row launches: one and several weight passes; up to
+16 rows the kernel reads x itself, more go through a prep launch: the same bits), and a packed model's logits
+beside the cuBLAS path's.
 """
 import pytest
 import torch
@@ -41,6 +42,20 @@ def test_pack_linear_fuses_parts_on_32_features():
         assert torch.equal(got, F.linear(x, w, b))
     with pytest.raises(ValueError, match="multiples of 16"):
         kernels.pack_linear([torch.randn(40, 48).bfloat16()])
+
+
+def test_direct_k_order_puts_each_lanes_inputs_together():
+    """direct_k_order: a permutation of each 64-wide k-tile in which mma lane t's B-fragment inputs (k-step j,
+    register kh, half h: logical 16 j + 8 kh + 2 t + h) are columns 16 t .. 16 t + 15 of the row, in (j, kh, h)
+    order; pack_bf16_direct / unpack_bf16_direct round-trip exactly."""
+    from rocket_mpi.kernels.pack import direct_k_order, pack_bf16_direct, unpack_bf16_direct
+    order = direct_k_order(128)
+    assert sorted(order.tolist()) == list(range(128)) and (order[64:] >= 64).all()
+    for t in range(4):
+        cols = [int(order[16 * j + 8 * kh + 2 * t + h]) for j in range(4) for kh in range(2) for h in range(2)]
+        assert cols == list(range(16 * t, 16 * t + 16)), (t, cols)
+    w = torch.randn(48, 80).bfloat16()
+    assert torch.equal(unpack_bf16_direct(pack_bf16_direct(w, 64, 128))[:48, :80], w)
 
 
 def test_pack_mlp_cpu_is_swiglu_mlp():

@@ -279,6 +279,33 @@ def unpack_bf16(q: torch.Tensor) -> torch.Tensor:
     return v.permute(0, 6, 3, 1, 2, 5, 4, 7).reshape(nt * TILE_N, kt * TILE_K)
 
 
+def direct_k_order(k_pad: int) -> torch.Tensor:
+    """The K order of the dense launches' weights (the replicated stack's linears, the first GEMM of its SwiGLU
+    MLPs): logical k = 64 KT + 16 j + 8 kh + 2 t + h (k-step j, lane t, register kh, half h of the mma B fragment)
+    takes input column 64 KT + 16 t + 4 j + 2 kh + h, so lane t's 16 inputs of a k-tile are 32 contiguous bytes of
+    the row and the kernel reads x itself (two 16-byte loads, no prep launch). A dot product over all of K either
+    way; only which 16 products share an mma k-step changes. Returns order [k_pad]: W' = W[:, order]."""
+    if k_pad % TILE_K:
+        raise ValueError(f"direct_k_order: K {k_pad} is not a multiple of {TILE_K}")
+    kt = torch.arange(k_pad // TILE_K).view(-1, 1, 1, 1, 1)
+    j, kh, t, h = (torch.arange(n).view(*([1] * i), n, *([1] * (3 - i))) for i, n in enumerate((4, 2, 4, 2)))
+    return (TILE_K * kt + 16 * t + 4 * j + 2 * kh + h).reshape(-1)
+
+
+def pack_bf16_direct(w: torch.Tensor, n_pad: int, k_pad: int) -> torch.Tensor:
+    """pack_bf16 of W with its K in direct_k_order (zero padding first)."""
+    full = torch.nn.functional.pad(w, (0, k_pad - w.shape[1]))
+    return pack_bf16(full[:, direct_k_order(k_pad).to(w.device)], n_pad, k_pad)
+
+
+def unpack_bf16_direct(q: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_bf16_direct: W [n_pad, k_pad] in the input's column order."""
+    wp = unpack_bf16(q)
+    w = torch.empty_like(wp)
+    w[:, direct_k_order(wp.shape[1]).to(wp.device)] = wp
+    return w
+
+
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """[I_pad, ...] each -> [2 I_pad, ...]: tile T = gate rows 8T..8T+7, then up rows 8T..8T+7."""
     i = gate.shape[0]

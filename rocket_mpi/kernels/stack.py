@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from rocket_mpi.kernels import _ext
-from rocket_mpi.kernels.pack import (TILE_K, TILE_N, PackedExperts, deinterleave_gate_up, pack_bf16,
-                                     pack_experts_bf16, round_up, unpack_bf16)
+from rocket_mpi.kernels.pack import (TILE_K, TILE_N, PackedExperts, deinterleave_gate_up, pack_bf16_direct,
+                                     pack_experts_bf16, round_up, unpack_bf16, unpack_bf16_direct)
 
 FUSE_ALIGN = 2 * TILE_N  # features of one warp in the kernel: fused parts must end on these
 # Steps of at most this many rows take the packed copies; larger ones (and prefill) cuBLAS on the dense weights.
@@ -76,8 +76,8 @@ def _pack_one(ws: list[torch.Tensor], bs: list[torch.Tensor | None]) -> PackedLi
         bias = torch.cat([torch.zeros(x.shape[0], dtype=torch.bfloat16, device=w.device) if b is None
                           else b.to(torch.bfloat16) for x, b in zip(ws, bs)]).contiguous()
     ends = tuple(int(e) for e in torch.tensor([x.shape[0] for x in ws]).cumsum(0).tolist())
-    return PackedLinear(pack_bf16(w.to(torch.bfloat16), round_up(n, FUSE_ALIGN), round_up(k, TILE_K)), n, k, bias,
-                        ends)
+    return PackedLinear(pack_bf16_direct(w.to(torch.bfloat16), round_up(n, FUSE_ALIGN), round_up(k, TILE_K)), n, k,
+                        bias, ends)
 
 
 def pack_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> list[PackedLinear]:
@@ -94,7 +94,7 @@ def pack_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] |
 
 def linear_ref(x: torch.Tensor, p: PackedLinear) -> list[torch.Tensor]:
     """F.linear of each part on the unpacked weight: bit for bit the unfused torch path."""
-    w = unpack_bf16(p.w)[:p.n, :p.k]
+    w = unpack_bf16_direct(p.w)[:p.n, :p.k]
     outs, start = [], 0
     for e in p.ends:
         b = None if p.bias is None else p.bias[start:e]
@@ -142,12 +142,15 @@ def pack_mlp(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
     i = i2 // 2
     if down.shape != (h, i):
         raise ValueError(f"pack_mlp: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
-    return pack_experts_bf16({0: (gate_up[:i], gate_up[i:], down)}, h, i, device=gate_up.device)
+    p = pack_experts_bf16({0: (gate_up[:i], gate_up[i:], down)}, h, i, device=gate_up.device)
+    # gate/up reads the rows itself (direct_k_order); down reads h in the fragments gate/up's epilogue writes
+    p.q_gu[0] = pack_bf16_direct(unpack_bf16(p.q_gu[0]), 2 * p.inter_pad, p.hidden_pad)
+    return p
 
 
 def swiglu_dense_ref(x: torch.Tensor, p: PackedExperts) -> torch.Tensor:
     """layers.swiglu_mlp on the unpacked weights: bit for bit the torch path."""
-    gate, up = deinterleave_gate_up(unpack_bf16(p.q_gu[0]))
+    gate, up = deinterleave_gate_up(unpack_bf16_direct(p.q_gu[0]))
     gate_up = torch.cat((gate[:p.inter, :p.hidden], up[:p.inter, :p.hidden]), 0)
     down = unpack_bf16(p.q_dn[0])[:p.hidden, :p.inter]
     g, u = F.linear(x, gate_up).chunk(2, dim=-1)

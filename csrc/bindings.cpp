@@ -259,8 +259,6 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
                  s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
 }
 
-// A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: pack_experts_bf16) over the
-// rows of x in order: the expert kernels without a plan.
 // Residuals of a dense launch: bf16 [rows, n], contiguous, on the device; at most kMaxResiduals.
 void check_residuals(const std::vector<torch::Tensor>& res, int64_t rows, int64_t n, c10::Device dev) {
   ROCKET_CHECK(res.size() <= size_t(rocket::kMaxResiduals), res.size() << " residuals (at most "
@@ -272,6 +270,8 @@ void check_residuals(const std::vector<torch::Tensor>& res, int64_t rows, int64_
   }
 }
 
+// A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: stack.py pack_mlp, gate/up's K
+// in direct_k_order) over the rows of x in order: the expert kernels without a plan; then + each residual in order.
 torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s2_gu,
                            const torch::Tensor& q_dn, int64_t hidden, int64_t inter,
                            const std::vector<torch::Tensor>& residuals) {
@@ -298,8 +298,9 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
   return out;
 }
 
-// y = x W^T (+ bias) for W in BF16 tiles [n_pad / 16, k_pad / 64, 4, 256] (pack.py pack_bf16): one output [rows, n],
-// or, with `ends` (features where each part ends, the last n), one tensor per part.
+// y = x W^T (+ bias) for W in BF16 tiles [n_pad / 16, k_pad / 64, 4, 256] with K in direct_k_order (pack.py
+// pack_bf16_direct): one output [rows, n] (+ each residual in order), or, with `ends` (features where each part
+// ends, the last n), one tensor per part.
 std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, int64_t k,
                                        const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends,
                                        const std::vector<torch::Tensor>& residuals) {

@@ -20,6 +20,8 @@ Each output row depends only on its own input row (the kernel's batch invariance
 stream count computes the same bits for a row. CPU tensors take the torch references, which are exactly
 layers.py's F.linear / swiglu_mlp on the unpacked weights (bit for bit), so the glue is tested on any machine.
 More than 32 rows (prefill) run in passes of 32 that read each weight once from DRAM and again from L2.
+The weights (and gate/up of an MLP) are packed with K in pack.direct_k_order, so up to 16 rows the kernel reads x
+itself instead of a prep launch writing fragments (results/README.md, session 17); the unpacked references undo it.
 """
 from __future__ import annotations
 

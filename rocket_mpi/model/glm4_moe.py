@@ -209,7 +209,7 @@ class Glm4MoeModel:
         if fused:  # the fixed-shape decode step on a GPU: RoPE and the cache write in one kernel, the softmax in one
             _, pos, span, _ = decode
             kernels.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos)
-            out = _attend_decode(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], pos, self.scale).reshape(t, -1)
+            out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], None, self.scale, pos).reshape(t, -1)
         elif decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
@@ -237,29 +237,22 @@ class Glm4MoeModel:
         return x + F.linear(out, a.o)
 
 
-def _attend_decode(q, k, v, pos, scale):
-    """_attend for one query per stream on a GPU: the two matmuls as there, the scale, the mask (keys past pos[b])
-    and the fp32 softmax with its cast in one kernel (kernels.decode_softmax) instead of four."""
-    b, hq, tq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, (hq // hkv) * tq, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hq, tq, -1)
-    probs = kernels.decode_softmax(scores, pos, scale)
-    out = torch.matmul(probs.view(b, hkv, (hq // hkv) * tq, -1), v)
-    return out.view(b, hq, tq, d)
-
-
-def _attend(q, k, v, hide, scale):
+def _attend(q, k, v, hide, scale, pos=None):
     """Eager GQA attention, transformers' eager order: bf16 scores, fp32 softmax, bf16 weights @ v.
     q [B, Hq, Tq, D], k/v [B, Hkv, S, D], hide bool broadcastable to [B, Hq, Tq, S], True where a key is not
     seen (the decode step builds it once, not an inverted mask per layer: one kernel fewer per layer). Plain
-    matmuls: deterministic on every backend (SDPA's fused kernels are slow under deterministic settings)."""
+    matmuls: deterministic on every backend (SDPA's fused kernels are slow under deterministic settings).
+    With `pos` instead of `hide` (one query per stream, on a GPU): the scale, the mask (keys past pos[b]) and the
+    softmax with its cast in one kernel (kernels.decode_softmax) instead of four."""
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, (hq // hkv) * tq, d)                       # heads of one kv group share k/v
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hq, tq, -1) * scale
-    scores = scores.masked_fill(hide, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hq, tq, -1)
+    if pos is not None:
+        probs = kernels.decode_softmax(scores, pos, scale)
+    else:
+        scores = (scores * scale).masked_fill(hide, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs.view(b, hkv, (hq // hkv) * tq, -1), v)
     return out.view(b, hq, tq, d)
 

@@ -168,8 +168,20 @@ torch::Tensor dequant_packed(const torch::Tensor& q, const torch::Tensor& s) {
   return out;
 }
 
+// Residuals of a dense launch or the scatter: bf16 [rows, n], contiguous, on the device; at most kMaxResiduals.
+void check_residuals(const std::vector<torch::Tensor>& res, int64_t rows, int64_t n, c10::Device dev) {
+  ROCKET_CHECK(res.size() <= size_t(rocket::kMaxResiduals), res.size() << " residuals (at most "
+               << rocket::kMaxResiduals << ")");
+  for (const auto& r : res) {
+    expect(r, "residual", torch::kBFloat16, 2, dev, 4);
+    ROCKET_CHECK(r.size(0) == rows && r.size(1) == n && r.is_contiguous(), "residual " << r.sizes() << " for an output ["
+                 << rows << ", " << n << "] (contiguous)");
+  }
+}
+
 torch::Tensor moe_scatter_add(const torch::Tensor& rows, const torch::Tensor& by_token, const torch::Tensor& coef,
-                              const std::optional<torch::Tensor>& by_canon, std::optional<torch::Tensor> sum) {
+                              const std::optional<torch::Tensor>& by_canon, std::optional<torch::Tensor> sum,
+                              const std::vector<torch::Tensor>& residuals) {
   const c10::Device dev = rows.device();
   expect(rows, "rows", torch::kBFloat16, 2, dev, 2);
   expect(by_token, "by_token", torch::kLong, 2, dev, 8);
@@ -184,12 +196,16 @@ torch::Tensor moe_scatter_add(const torch::Tensor& rows, const torch::Tensor& by
                  "moe_scatter_add: sum must be one int64 on " << dev);
   }
   const int64_t tokens = by_token.size(0), topk = by_token.size(1), hidden = rows.size(1);
+  check_residuals(residuals, tokens, hidden, dev);
+  const void* res[rocket::kMaxResiduals] = {};
+  for (size_t r = 0; r < residuals.size(); ++r) res[r] = residuals[r].data_ptr();
   const c10::cuda::CUDAGuard guard(dev);
   auto out = torch::empty({tokens, hidden}, rows.options());
   rocket::launch_moe_scatter_add(rows.data_ptr(), rows.size(0), by_token.data_ptr<int64_t>(), coef.data_ptr<float>(),
                                  out.data_ptr(), static_cast<int>(tokens), static_cast<int>(topk),
                                  static_cast<int>(hidden), by_canon ? by_canon->data_ptr<int>() : nullptr,
-                                 sum ? sum->data_ptr<int64_t>() : nullptr, c10::cuda::getCurrentCUDAStream().stream());
+                                 sum ? sum->data_ptr<int64_t>() : nullptr, res, static_cast<int>(residuals.size()),
+                                 c10::cuda::getCurrentCUDAStream().stream());
   return out;
 }
 
@@ -259,16 +275,6 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
                  s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
 }
 
-// Residuals of a dense launch: bf16 [rows, n], contiguous, on the device; at most kMaxResiduals.
-void check_residuals(const std::vector<torch::Tensor>& res, int64_t rows, int64_t n, c10::Device dev) {
-  ROCKET_CHECK(res.size() <= size_t(rocket::kMaxResiduals), res.size() << " residuals (at most "
-               << rocket::kMaxResiduals << ")");
-  for (const auto& r : res) {
-    expect(r, "residual", torch::kBFloat16, 2, dev, 4);
-    ROCKET_CHECK(r.size(0) == rows && r.size(1) == n && r.is_contiguous(), "residual " << r.sizes() << " for an output ["
-                 << rows << ", " << n << "] (contiguous)");
-  }
-}
 
 // A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: stack.py pack_mlp, gate/up's K
 // in direct_k_order) over the rows of x in order: the expert kernels without a plan; then + each residual in order.
@@ -628,8 +634,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_softmax", &decode_softmax, "attention probabilities of one query per stream, keys past pos hidden");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "
-        "with by_canon and sum, also sum += the rows' checksum", py::arg("rows"), py::arg("by_token"), py::arg("coef"),
-        py::arg("by_canon") = py::none(), py::arg("sum") = py::none());
+        "with by_canon and sum, also sum += the rows' checksum; then + each residual in order", py::arg("rows"), py::arg("by_token"), py::arg("coef"),
+        py::arg("by_canon") = py::none(), py::arg("sum") = py::none(),
+        py::arg("residuals") = std::vector<torch::Tensor>{});
   m.def("router_logits", &router_logits, "router logits as partial sums over slices of hidden [S, T, E], fp32");
   m.def("moe_route", &moe_route, "sigmoid router: group-limited top-k and normalised weights, one warp per token");
 }

@@ -138,10 +138,11 @@ void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, 
                                  cudaStream_t stream);
 
 // out[t] = bf16(sum_j coef[t,j] * rows[by_token[t,j]]), fp32 in j order from 0.0f, one rounding. With
-// by_canon ([tokens, topk] canonical row of each by_token entry) and sum, *sum += the rows' checksum.
+// by_canon ([tokens, topk] canonical row of each by_token entry) and sum, *sum += the rows' checksum. Then
+// + res[0], + res[1] ([tokens, hidden] bf16, up to kMaxResiduals), each add rounded (torch's r + out).
 void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_token, const float* coef,
                             void* out, int tokens, int topk, int hidden, const int* by_canon, int64_t* sum,
-                            cudaStream_t stream);
+                            const void* const* res, int n_res, cudaStream_t stream);
 
 // ---- the router on the device (router.cu; reference rocket_mpi/moe/router.py route) ----
 constexpr int kRouteMaxExperts = 1024;

@@ -9,6 +9,10 @@
 // of canonical row i, column c, times ((i * n + c + 1) % 65521 + 1)) into *sum: every canonical row is
 // read once by exactly one token, and integer adds give the same total in any order. That saves the
 // step a separate kernel reading every row again (row_sums, 6 us per MoE layer on the H200).
+//
+// With residuals r0 (, r1) [T, H] bf16: out = r1 + (r0 + moe), each add torch's (the fp32 sum of two bf16, one
+// rounding), so the graphed step's x + (routed + shared) needs no add kernels once the shared expert ran beside
+// the routing (graph.py).
 #include "common.cuh"
 
 namespace rocket {
@@ -22,7 +26,8 @@ template <int VEC>
 __global__ void __launch_bounds__(kScatterThreads) scatter_add_kernel(
     const __nv_bfloat16* __restrict__ rows, const int64_t* __restrict__ by_token, const float* __restrict__ coef,
     __nv_bfloat16* __restrict__ out, int tokens, int topk, int hidden, const int* __restrict__ by_canon,
-    unsigned long long* __restrict__ sum) {
+    unsigned long long* __restrict__ sum, const __nv_bfloat16* __restrict__ res0,
+    const __nv_bfloat16* __restrict__ res1) {
   const int chunks = hidden / VEC;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = idx < int64_t(tokens) * chunks;
@@ -74,7 +79,20 @@ __global__ void __launch_bounds__(kScatterThreads) scatter_add_kernel(
     __nv_bfloat16 o[VEC];
 #pragma unroll
     for (int v = 0; v < VEC; ++v) o[v] = __float2bfloat16_rn(acc[v]);
-    __nv_bfloat16* dst = out + tok * hidden + int64_t(c) * VEC;
+    const int64_t at = tok * hidden + int64_t(c) * VEC;
+    for (const __nv_bfloat16* res : {res0, res1}) {
+      if (res == nullptr) break;
+      __nv_bfloat16 r[VEC];
+      if constexpr (VEC == 8) {
+        *reinterpret_cast<uint4*>(r) = __ldg(reinterpret_cast<const uint4*>(res + at));
+      } else {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) r[v] = res[at + v];
+      }
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) o[v] = __float2bfloat16_rn(__fadd_rn(__bfloat162float(r[v]), __bfloat162float(o[v])));
+    }
+    __nv_bfloat16* dst = out + at;
     if constexpr (VEC == 8) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(o);
     } else {
@@ -99,7 +117,7 @@ __global__ void __launch_bounds__(kScatterThreads) scatter_add_kernel(
 
 void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_token, const float* coef,
                             void* out, int tokens, int topk, int hidden, const int* by_canon, int64_t* sum,
-                            cudaStream_t stream) {
+                            const void* const* res, int n_res, cudaStream_t stream) {
   ROCKET_CHECK(tokens >= 0 && topk >= 0 && hidden > 0, "tokens " << tokens << ", topk " << topk << ", hidden "
                << hidden);
   ROCKET_CHECK((by_canon == nullptr) == (sum == nullptr), "moe_scatter_add: by_canon and sum go together");
@@ -107,23 +125,28 @@ void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_
                "moe_scatter_add: " << tokens << " x " << topk << " rows of " << hidden << " exceed the checksum's "
                "32-bit index");
   (void)n_rows;  // indices are checked by the caller; kept for the interface
+  ROCKET_CHECK(n_res >= 0 && n_res <= kMaxResiduals, "moe_scatter_add: " << n_res << " residuals (at most "
+               << kMaxResiduals << ")");
+  const auto* r0 = static_cast<const __nv_bfloat16*>(n_res > 0 ? res[0] : nullptr);
+  const auto* r1 = static_cast<const __nv_bfloat16*>(n_res > 1 ? res[1] : nullptr);
   if (tokens == 0) return;
   const int threads = kScatterThreads;
   auto* s = reinterpret_cast<unsigned long long*>(sum);
   const auto* r = static_cast<const __nv_bfloat16*>(rows);
   auto* o = static_cast<__nv_bfloat16*>(out);
-  const bool vec = hidden % 8 == 0 && reinterpret_cast<uintptr_t>(rows) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  bool vec = hidden % 8 == 0 && reinterpret_cast<uintptr_t>(rows) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  for (int i = 0; i < n_res; ++i) vec = vec && reinterpret_cast<uintptr_t>(res[i]) % 16 == 0;
   if (vec) {
     const int64_t n = int64_t(tokens) * (hidden / 8);
     scatter_add_kernel<8><<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(r, by_token, coef, o,
                                                                                          tokens, topk, hidden,
-                                                                                         by_canon, s);
+                                                                                         by_canon, s, r0, r1);
   } else {
     const int64_t n = int64_t(tokens) * hidden;
     scatter_add_kernel<1><<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(r, by_token, coef, o,
                                                                                          tokens, topk, hidden,
-                                                                                         by_canon, s);
+                                                                                         by_canon, s, r0, r1);
   }
   ROCKET_LAUNCH_CHECK();
 }

@@ -206,7 +206,16 @@ class Engine:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     # -- the MoE layer ---------------------------------------------------------------
-    def moe(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
+    def moe(self, layer: int, x: torch.Tensor, L, shared=None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts of `layer` over x (normed) -> [T, H]; with `shared` (a callable: the shared expert
+        over x) and `residual`, residual + (routed + shared) (graph.DeviceMoE's contract)."""
+        routed = self._routed(layer, x, L)
+        if shared is None:
+            return routed
+        from rocket_mpi.kernels import add_residuals
+        return add_residuals(routed, (shared(), residual))
+
+    def _routed(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
         weights, experts = route(x, L.router_w, L.router_b, self.cfg)
         store = self.experts[layer]
         # the plan is host bookkeeping over T x k integers: one small device-to-host copy per layer

@@ -92,6 +92,7 @@ class DeviceMoE:
             self.tables[layer] = (owner.to(dev, torch.int32), kplan.slot_table(owner.numel(), slot).to(dev),
                                   kplan.canonical_experts(owner).to(dev), store.s2_down.to(dev, torch.float32))
         self.router = {}  # the router kernels' operands, contiguous fp32 once (not per step)
+        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the shared expert's (__call__)
         self.seq = torch.tensor([e.seq], dtype=torch.long, device=dev)  # continues the host's seq
         self.err = torch.zeros(4, dtype=torch.long, device=dev)
         fab = e.fabric
@@ -132,10 +133,25 @@ class DeviceMoE:
             return self.cap * row * (self.size - 1)
         return rows_mine * row * (self.size - 1)
 
-    def __call__(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, L, shared=None, residual: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The routed experts of `layer` over x (the normed hidden state) -> [T, H]. With `shared` (a callable:
+        the layer's shared expert over x) and `residual`: residual + (routed + shared), both adds in the scatter
+        kernel, and on a GPU the shared expert runs on a side stream beside the router, plan, routed experts
+        and exchange (a captured fork and join: at M=1 the routed experts fill 88 of 132 SMs and the router and
+        plan are single-block kernels). The same kernels and adds as shared-then-add: the same bits."""
         from rocket_mpi import kernels
         cfg = self.engine.cfg
         store = self.engine.experts[layer]
+        res, side = (), None
+        if shared is not None:
+            if self.mode == "host":
+                res = (shared(), residual)
+            else:
+                side = self.side
+                side.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(side):
+                    res = (shared(), residual)
         if self.mode == "host":
             weights, experts = route(x, L.router_w, L.router_b, cfg)
         else:
@@ -146,7 +162,7 @@ class DeviceMoE:
         p = kplan.moe_plan(experts, weights, owner, slot, canon, s2, self.rank, self.size, self.n_sets,
                            self.set_stride, self.seq)
         if self.mode == "host":
-            return self._host_rest(layer, x, store, p)
+            return self._host_rest(layer, x, store, p, res)
         if store.packed is not None:
             pk = store.packed
             kernels._ext.require().nvfp4_experts_into(x.contiguous(), p["row_index"], p["pad_rows"], p["groups"],
@@ -162,11 +178,14 @@ class DeviceMoE:
         elif self.mode == "cuda-ipc":
             C.ipc_exchange_flags(self.out, p["meta"], self.dst, self.peer_flags, self.cap, self.set_stride,
                                  self.rank, PUSH_BLOCKS, self.flags, self.err, self.timeout, layer)
-        out = kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)])
+        if side is not None:  # join: the scatter adds the shared expert's output
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        out = kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)],
+                                      res)
         self.metas.append(p["meta"])
         return out
 
-    def _host_rest(self, layer: int, x: torch.Tensor, store, p) -> torch.Tensor:
+    def _host_rest(self, layer: int, x: torch.Tensor, store, p, res=()) -> torch.Tensor:
         """CPU: this rank's block by the torch reference over the plan's rows (segments rebuilt from the
         padded rows and weight passes, as the kernel reads them), every rank's cap rows through the
         fabric at fixed offsets, then the same slot-space checksum and scatter."""
@@ -186,7 +205,7 @@ class DeviceMoE:
         seq, fab = meta[kplan.META_SEQ], self.engine.fabric
         self.rows = fab.exchange(seq, [r * self.cap for r in range(self.size + 1)], self.out, layer,
                                  self.engine.step)
-        out = moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)])
+        out = moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)], res)
         self.metas.append(p["meta"])
         return out
 

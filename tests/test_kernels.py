@@ -762,6 +762,13 @@ def test_gpu_scatter_bitwise(tokens, topk, hidden, rows):
     assert got.shape == want.shape
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
         f"scatter differs in {(got.view(torch.int16) != want.view(torch.int16)).sum().item()} elements"
+    # + residuals (the graphed step's x + (routed + shared)): torch's adds, bit for bit
+    shared, x = ((torch.randn(tokens, hidden, generator=gen) * s).to(torch.bfloat16) for s in (2, 8))
+    for res in ((shared, x), (shared,)):
+        got = kernels.moe_scatter_add(r.cuda(), by_token.cuda(), coef.cuda(), residual=[t.cuda() for t in res]).cpu()
+        ref = x + (shared + want) if len(res) == 2 else shared + want
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), \
+            f"scatter + {len(res)} residuals differs in {(got.view(torch.int16) != ref.view(torch.int16)).sum().item()}"
 
 
 def _run_without_pytest() -> int:

@@ -115,20 +115,23 @@ def nvfp4_experts_stages(x: torch.Tensor, segments: list[tuple[int, int, int]], 
 
 
 def moe_scatter_add(rows: torch.Tensor, by_token: torch.Tensor, coef: torch.Tensor,
-                    by_canon: torch.Tensor | None = None, check: torch.Tensor | None = None) -> torch.Tensor:
+                    by_canon: torch.Tensor | None = None, check: torch.Tensor | None = None,
+                    residual=()) -> torch.Tensor:
     """rows [R, H] bf16; by_token [T, k] row indices (ascending expert); coef [T, k] fp32 -> [T, H] bf16,
     bitwise equal to rocket_mpi.moe.scatter.moe_scatter_add. With by_canon [T, k] (each entry's canonical
-    row) and check (one int64), also check += engine.row_sum of the rows in canonical order."""
+    row) and check (one int64), also check += engine.row_sum of the rows in canonical order. Then + each of
+    `residual` ([T, H] bf16, at most 2) in order, as torch's r + y (the graphed step's x + (routed + shared))."""
     if not rows.is_cuda:
         if check is not None:
             order = torch.empty(by_canon.numel(), dtype=torch.long)
             order[by_canon.reshape(-1).long()] = by_token.reshape(-1).cpu()
             from rocket_mpi.engine import row_sum
             check += row_sum(rows[order])
-        return moe_scatter_add_ref(rows, by_token, coef)
+        return add_residuals(moe_scatter_add_ref(rows, by_token, coef), residual)
     C = _ext.require()
     return C.moe_scatter_add(rows.contiguous(), by_token.to(device=rows.device, dtype=torch.int64).contiguous(),
-                             coef.to(device=rows.device, dtype=torch.float32).contiguous(), by_canon, check)
+                             coef.to(device=rows.device, dtype=torch.float32).contiguous(), by_canon, check,
+                             [r.contiguous() for r in residual])
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 Every rank runs all of this for all M streams with the same weights, so the normalised hidden state
 entering each MoE layer is bit-identical on every rank. The routed experts are reached only through
-`moe(layer, x)`, which the engine binds to the expert split.
+`moe(layer, x, L)`, which the engine binds to the expert split; the fixed-shape step also hands it the shared
+expert and the residual (`moe(layer, x, L, shared=f, residual=x0)` -> x0 + (routed + f())), so that the graphed
+step can run the shared expert beside the routing (graph.DeviceMoE).
 """
 from __future__ import annotations
 
@@ -132,7 +134,7 @@ class Glm4MoeModel:
     def forward(self, tokens: torch.Tensor, cache: KVCache, seqlens: list[int], moe) -> torch.Tensor:
         """Run `tokens` [T] (streams' new tokens packed, seqlens[s] of them for stream s, appended after
         what the cache holds) through the stack; returns last-position logits [M, V] fp32 per stream.
-        `moe(layer, x_normed [T, H]) -> [T, H]` computes the routed experts (the split lives there)."""
+        `moe(layer, x_normed [T, H], L) -> [T, H]` computes the routed experts (the split lives there)."""
         cfg = self.cfg
         starts = cache.lengths.tolist()
         dev = self.embed.device
@@ -170,11 +172,12 @@ class Glm4MoeModel:
         else:
             hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # once per step
             decode = (torch.arange(tokens.numel(), device=dev), pos, span, hide)
-        x = self._layers(x, cos, sin, cache, None, None, decode, moe, fused)
+        x = self._layers(x, cos, sin, cache, None, None, decode, moe, fused, static=True)
         norm = kernels.rms_norm if fused else rms_norm
         return F.linear(norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
 
-    def _layers(self, x, cos, sin, cache, starts, seqlens, decode, moe, fused: bool = False) -> torch.Tensor:
+    def _layers(self, x, cos, sin, cache, starts, seqlens, decode, moe, fused: bool = False,
+                static: bool = False) -> torch.Tensor:
         cfg = self.cfg
         norm = kernels.rms_norm if fused else rms_norm
         for i, L in enumerate(self.layers):
@@ -183,6 +186,8 @@ class Glm4MoeModel:
             h = norm(x, L.post_norm, cfg.rms_norm_eps)
             if L.mlp is not None:
                 x = mlp_forward(h, L.mlp, L.mlp_packed, residual=(x,))                        # x + mlp
+            elif static:  # the fixed-shape step's MoE (graph.DeviceMoE): the shared expert beside the routing
+                x = moe(i, h, L, shared=lambda: mlp_forward(h, L.shared, L.shared_packed), residual=x)
             else:
                 routed = moe(i, h, L)
                 x = mlp_forward(h, L.shared, L.shared_packed, residual=(routed, x))          # x + (routed + shared)

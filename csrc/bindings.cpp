@@ -275,7 +275,6 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
                  s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
 }
 
-
 // A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: stack.py pack_mlp, gate/up's K
 // in direct_k_order) over the rows of x in order: the expert kernels without a plan; then + each residual in order.
 torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s2_gu,
@@ -634,8 +633,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_softmax", &decode_softmax, "attention probabilities of one query per stream, keys past pos hidden");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "
-        "with by_canon and sum, also sum += the rows' checksum; then + each residual in order", py::arg("rows"), py::arg("by_token"), py::arg("coef"),
-        py::arg("by_canon") = py::none(), py::arg("sum") = py::none(),
+        "with by_canon and sum, also sum += the rows' checksum; then + each residual in order", py::arg("rows"),
+        py::arg("by_token"), py::arg("coef"), py::arg("by_canon") = py::none(), py::arg("sum") = py::none(),
         py::arg("residuals") = std::vector<torch::Tensor>{});
   m.def("router_logits", &router_logits, "router logits as partial sums over slices of hidden [S, T, E], fp32");
   m.def("moe_route", &moe_route, "sigmoid router: group-limited top-k and normalised weights, one warp per token");

@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(kScatterThreads) scatter_add_kernel(
         for (int v = 0; v < VEC; ++v) r[v] = res[at + v];
       }
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) o[v] = __float2bfloat16_rn(__fadd_rn(__bfloat162float(r[v]), __bfloat162float(o[v])));
+      for (int v = 0; v < VEC; ++v)
+        o[v] = __float2bfloat16_rn(__fadd_rn(__bfloat162float(r[v]), __bfloat162float(o[v])));
     }
     __nv_bfloat16* dst = out + at;
     if constexpr (VEC == 8) {

@@ -49,6 +49,15 @@ __device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) {
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
+// p, through an empty volatile asm: the compiler must treat the result as unknown until that point, so loads
+// through it stay after every volatile asm before the call (grid_dependency_wait), __ldg's too, which LLVM may
+// otherwise move above an asm's "memory" clobber (it marks them invariant).
+template <typename T>
+__device__ __forceinline__ T* opaque(T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Wait until at most N of this thread's committed groups are still in flight.

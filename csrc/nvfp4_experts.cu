@@ -56,7 +56,9 @@ constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 s
 // Again with the unrolled loop and the 9-step decode (session 14, h200_s14_run2/3, two rounds each, % at
 // 1 / 8 / 16 rows): S=4 L=3 80.3-83.0 / 79.0-80.5 / 65.2-65.7; S=5 L=4 81.2-81.4 / 77.3-78.8 / 63.0-63.2;
 // S=6 L=5 77.0-79.4 / 75.1-77.3 / 62.6-63.2; 4 warps per block (6 blocks per SM) 78.7-81.9 / 75.8-77.1 /
-// 63.4-63.6; 2 warps (12 blocks) 76.2-80.6 / 76.0-78.1 / 64.1-64.6.
+// 63.4-63.6; 2 warps (12 blocks) 76.2-80.6 / 76.0-78.1 / 64.1-64.6. Session 19 (h200_s19_run1): an instance of the
+// 1-row-tile path alone fits 64 registers, so 4 blocks of 8 warps (or 8 of 4) per SM, for launches of at most 8 rows
+// per expert: the same speed (1 / 8 rows 79.4-82.6 / 77.3-81.2 vs 81.4 / 78.7 %, decode M=1 and 8 unchanged).
 constexpr int kRing = 4, kRingLookahead = 3, kBlocksPerSm = 3, kWarps = 8;  // kWarps: per block (one expert;
                                                                                // they share its rows in L1)
 // BF16 weights (a BF16 checkpoint's experts): the same kernel without the decode. A tile's k-step j is 512 B,
@@ -229,6 +231,16 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // gate/up) and every store only after this wait. (So prep must not become a programmatic dependent of the
   // plan kernel: `groups` would be read while it may still be written.)
   dev::grid_dependency_wait();
+  // The rows (x_frag, h_frag) are read through __ldg, which the compiler may move above the wait unless the
+  // address depends on something after it: with a plan, fr depends on the pad_rows loads below; dense rows (BF16
+  // instances only) have none, so there the pointers are laundered after the wait. (Not in the NVFP4 instances:
+  // it added a few local loads/stores to their gate/up 2-row-tile loop.)
+  const uint4* frag = p.frag;
+  const uint4* x_rows = p.x_rows;
+  if constexpr (kBf16) {
+    frag = dev::opaque(frag);
+    x_rows = dev::opaque(x_rows);
+  }
   // The lane's rows. Up to 16 rows (kPrefetch): row tile tile0 + rt at fr[rt], k-tile kt at + kt * 64; a
   // padding row (-1 in pad_rows; prep writes nothing there) reads the fragments of row 0 of its tile (always
   // a real row) instead: an mma column is its own dot product, so what a padding column holds never reaches
@@ -242,16 +254,16 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // the rows' uint4 of one k-tile: pp_stride apart, the next k-tile kt_stride on (x_frag: 32, 64; x itself: 1, 8)
   int pp_stride = 32, kt_stride = 64;
   bool direct = false;
-  if constexpr (kBf16 && kPrefetch) direct = p.x_rows != nullptr;
+  if constexpr (kBf16 && kPrefetch) direct = x_rows != nullptr;
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
     const int tile_row = (tile0 + rt) * kRowTile;
     valid[rt] = pad_row(p, tile_row + (lane >> 2)) >= 0;
     if (rt < kPtrs) {
       if (direct)  // a padding row reads its tile's row 0, as below
-        fr[rt] = p.x_rows + int64_t(valid[rt] ? tile_row + (lane >> 2) : tile_row) * p.x_ld4 + kt0 * 8 + 2 * (lane & 3);
+        fr[rt] = x_rows + int64_t(valid[rt] ? tile_row + (lane >> 2) : tile_row) * p.x_ld4 + kt0 * 8 + 2 * (lane & 3);
       else
-        fr[rt] = p.frag + (int64_t(tile0 + rt) * nk_all + kt0) * 2 * 32 + (valid[rt] ? lane : (lane & 3));
+        fr[rt] = frag + (int64_t(tile0 + rt) * nk_all + kt0) * 2 * 32 + (valid[rt] ? lane : (lane & 3));
     }
   }
   if (direct) {

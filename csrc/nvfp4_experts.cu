@@ -35,8 +35,11 @@
 //
 // Memory: each warp streams its 2 tiles through a private 4-stage cp.async ring (16 B per lane per
 // tile and stage, 3 stages in flight; 24 warps per SM); every lane copies only what it reads itself, so
-// no barrier is needed. Row fragments come through L1 (x_frag / h_frag are small and shared by every warp on
-// the same expert).
+// no barrier is needed. The row fragments (x_frag / h_frag, shared by the block's warps, which work on the same
+// pass) come through one block-wide shared-memory ring in the NVFP4 instances, filled by bulk copies of one
+// thread (RowsRing, mbarriers: the block's one synchronisation), and through L1 in the BF16 instances. H200,
+// session 20, against every warp loading them through L1: 64 experts at 1 / 8 / 16 / 32 rows 80.8 / 81.2 / 67.1 /
+// 35.1 -> 84.9 / 85.1 / 76.2 / 41.3 % of copy bandwidth, the air8 decode step 2-7 % faster.
 #include <cstdlib>
 
 #include "common.cuh"
@@ -69,6 +72,23 @@ constexpr int kBf16StageBytes = kFT * kBf16TileBytes;
 constexpr int kBf16Ring = 3, kBf16RingLookahead = 2, kBf16BlocksPerSm = 2, kBf16Warps = 8;
 template <int S, bool kBf16>
 __host__ __device__ constexpr int warp_smem() { return S * (kBf16 ? kBf16StageBytes : kStageBytes); }
+// The rows of NVFP4 launches: one ring per block (its warps share the pass's rows), filled by bulk copies of one
+// thread a group of k-tiles ahead, so a warp reads its rows from shared memory instead of every warp loading them
+// through L1 (see mainloop). A stage: 8 KiB, kRowsGroup k-tiles of up to 2 row tiles or 2 of 3-4, 1 KiB per
+// k-tile and tile (x_frag / h_frag keep a tile's k-tiles contiguous), with a full and an empty mbarrier. 3 blocks
+// of 8 warps per SM stay resident (3 x 72 KiB of shared memory).
+constexpr int kRowsRing = 3, kRowsGroup = 4;
+constexpr int kRowsTileBytes = 2 * 32 * 16;
+constexpr int kRowsStage = 2 * kRowsGroup * kRowsTileBytes;
+constexpr int kRowsRingBytes = kRowsRing * kRowsStage + 2 * kRowsRing * 8;
+template <int S, bool kBf16, int W>
+__host__ __device__ constexpr int block_smem() { return W * warp_smem<S, kBf16>() + (kBf16 ? 0 : kRowsRingBytes); }
+
+struct RowsRing {
+  char* data;       // kRowsRing stages of kRowsStage bytes
+  uint64_t* full;   // stage filled (one arrival with its bytes)
+  uint64_t* empty;  // stage read by every warp of the block that has a feature group
+};
 
 // Decode masks: see rocket_mpi/kernels/pack.py (decode_words, CODE_SOURCE).
 // Instructions per k-tile at one row tile (scripts/sass_loops.py): 207 in session 13 (99 of them
@@ -168,15 +188,15 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
 
 // The batch-invariant core: acc[i][rt] = W tile (fg * kFT + i) x rows of tile (tile0 + rt) over all K,
 // k-steps of 16 in ascending order, one mma per step into the same fp32 accumulator starting from 0.
-// Weights stream through the warp's cp.async ring, one commit group per k-tile. B fragments come
-// through L1 (shared by the block's warps on the same pass), prefetched one k-tile ahead where the
-// registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from 63% to 70% of
-// copy bandwidth on the H200 (results/README.md, session 9). 17-32 rows load them half a k-tile at a time
-// (fewer live registers, less spilling under the 80-register bound): 32 rows per expert 817 -> 603 us
+// Weights stream through the warp's cp.async ring, one commit group per k-tile. B fragments: NVFP4 from the
+// block's rows ring (below); BF16 through L1 (shared by the block's warps on the same pass), prefetched one
+// k-tile ahead where the registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from
+// 63% to 70% of copy bandwidth on the H200 (results/README.md, session 9). 17-32 rows load them half a k-tile
+// at a time (fewer live registers, less spilling under the 80-register bound): 32 rows per expert 817 -> 603 us
 // (session 13).
 template <int RT, int S, int L, bool kBf16>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
-                                         float (&acc)[kFT][RT][4], int kt0, int nk) {
+                                         float (&acc)[kFT][RT][4], int kt0, int nk, const RowsRing& rr) {
   // k-tiles kt0 .. kt0 + nk - 1 (all of K, or one warp's slice of a split launch)
   if (nk <= 0) return;
   constexpr bool kPrefetch = RT <= 2;
@@ -231,10 +251,11 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // gate/up) and every store only after this wait. (So prep must not become a programmatic dependent of the
   // plan kernel: `groups` would be read while it may still be written.)
   dev::grid_dependency_wait();
-  // The rows (x_frag, h_frag) are read through __ldg, which the compiler may move above the wait unless the
-  // address depends on something after it: with a plan, fr depends on the pad_rows loads below; dense rows (BF16
-  // instances only) have none, so there the pointers are laundered after the wait. (Not in the NVFP4 instances:
-  // it added a few local loads/stores to their gate/up 2-row-tile loop.)
+  // The rows (x_frag, h_frag): the NVFP4 instances copy them with bulk copies (volatile asm, so they stay after
+  // the wait's volatile asm) and read them from shared memory after the ring's mbarrier; the BF16 instances read
+  // them through __ldg, which the compiler may move above the wait unless the address depends on something after
+  // it: with a plan, fr depends on the pad_rows loads below; dense rows have none, so the pointers are laundered
+  // after the wait.
   const uint4* frag = p.frag;
   const uint4* x_rows = p.x_rows;
   if constexpr (kBf16) {
@@ -247,7 +268,8 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // a real row, and no predicated loads or zero fills are needed (its outputs are not used: h_frag is read
   // the same way by the down kernel, out is not written). 17-32 rows: one pointer (the registers are spoken
   // for), row tile rt at fr[0] + rt * 2 nk * 32, padding rows fed as zeros; fr[0] sits at the lane's own row
-  // because a pass of 2+ tiles starts with a full one (only an expert's last tile has padding rows).
+  // because a pass of 2+ tiles starts with a full one (only an expert's last tile has padding rows). (NVFP4: the
+  // rows ring below; a padding row reads its tile's row 0 there, at any row count.)
   constexpr int kPtrs = kPrefetch ? RT : 1;
   const uint4* fr[kPtrs];
   bool valid[RT];
@@ -317,7 +339,80 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       }
     }
   };
-  if constexpr (kPrefetch) {
+  // NVFP4: the rows come through the block's ring (RowsRing), a group of G k-tiles per stage (4 up to 2 row tiles,
+  // 2 for 3-4). Thread 0 (warp 0's lane 0, which always has a feature group) fills group g + 1 at the start of
+  // group g, once every warp of the block has released group g + 1 - kRowsRing; a warp waits for its group's
+  // stage, reads its lane's uint4 of each k-tile and row tile there (a padding row: row 0's, as above), and
+  // releases the stage after the group's mmas. Before: every warp loaded the same rows through L1, and a
+  // speed-only probe with no row loads at all made the decode step 4-8 % faster (session 20, results/README.md);
+  // this ring got most of that, and at 17-32 rows it keeps the rows out of the smaller L1 its shared memory leaves.
+  constexpr int G = RT <= 2 ? kRowsGroup : 2;
+  constexpr int kRowTileStride = G * kRowsTileBytes;  // a stage: [row tile][k-tile of the group][lane's uint4]
+  static_assert(RT * kRowTileStride <= kRowsStage, "a group's rows fit a stage");
+  const bool producer = threadIdx.x == 0;
+  const int groups = (nk + G - 1) / G;
+  const uint4* src[RT];
+  int sel[RT];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    src[rt] = frag + (int64_t(tile0 + rt) * nk_all + kt0) * 2 * 32;
+    sel[rt] = valid[rt] ? lane : (lane & 3);
+  }
+  auto rows_issue = [&](int g) {  // producer only
+    const int st = g % kRowsRing, use = g / kRowsRing;
+    if (use > 0) dev::mbar_wait(&rr.empty[st], (use - 1) & 1);
+    const int n = min(G, nk - g * G);
+    dev::mbar_arrive_expect_tx(&rr.full[st], RT * n * kRowsTileBytes);
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+      dev::bulk_copy_g2s(rr.data + st * kRowsStage + rt * kRowTileStride, src[rt] + int64_t(g) * G * 2 * 32,
+                         n * kRowsTileBytes, &rr.full[st]);
+  };
+  const char* rows = rr.data;
+  auto rows_first = [&](int j) {  // k-tile j opens its group
+    const int g = j / G;
+    if (producer && g + 1 < groups) rows_issue(g + 1);
+    rows = rr.data + (g % kRowsRing) * kRowsStage;
+    dev::mbar_wait(&rr.full[g % kRowsRing], (g / kRowsRing) & 1);
+  };
+  auto rows_last = [&](int j) {  // k-tile j closes its group: this warp is done with the stage
+    __syncwarp();
+    if (lane == 0) dev::mbar_arrive(&rr.empty[(j / G) % kRowsRing]);
+  };
+  auto ring_rows = [&](int j) {  // mma_ktile's rows of k-tile j
+    return [&, j](uint4 (&bh)[RT], int pp) {
+      const char* kr = rows + (j % G) * kRowsTileBytes + pp * 32 * 16;
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) bh[rt] = *reinterpret_cast<const uint4*>(kr + rt * kRowTileStride + sel[rt] * 16);
+    };
+  };
+  if constexpr (!kBf16) {
+    if (producer) rows_issue(0);
+  }
+  if constexpr (kPrefetch && !kBf16) {
+    static_assert(S == kRowsGroup, "the unrolled loop walks one group per pass");
+    // k-tile j = u past where qp / sp point: weights in ring slot st, the k-tile L on (if `more`) into st_next;
+    // `first` / `last`: j opens / closes its group
+    auto step = [&](int u, int j, int st, int st_next, bool more, bool first, bool last) {
+      if (first) rows_first(j);
+      dev::cp_async_wait<L - 1>();  // this k-tile's weights have landed (one group per k-tile)
+      if (more) issue(st_next, u);
+      dev::cp_async_commit();
+      mma_ktile(st, ring_rows(j));
+      if (last) rows_last(j);
+    };
+    int kt = 0;
+    for (; kt + S + L <= nk; kt += S) {
+#pragma unroll
+      for (int u = 0; u < S; ++u) step(u, kt + u, u, (u + L) % S, true, u == 0, u == S - 1);
+      advance(S);
+    }
+    for (; kt < nk; ++kt) {
+      const bool more = kt + L < nk;
+      step(0, kt, kt % S, (kt + L) % S, more, kt % G == 0, kt % G == G - 1 || kt + 1 == nk);
+      if (more) advance(1);
+    }
+  } else if constexpr (kPrefetch) {
     // Up to 16 rows: the rows of each k-tile are loaded one k-tile ahead (bn). A step is k-tile `u` past
     // where qp / sp / fr point: its weights sit in ring slot st; the k-tile L further on (if `more`) is issued
     // into slot st_next; `next`: a k-tile follows. Unrolled by the ring size while every step issues: the
@@ -361,8 +456,12 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     // 17-32 rows: the rows are loaded half a k-tile at a time, which keeps the 3- and 4-tile paths within
     // the register bound (32 rows per expert 817 -> 603 us, session 13); not unrolled (measured: 603 -> 715 us
     // when it was, session 14: more spilling).
+    // NVFP4: the rows through the block's ring (above), BF16 tiles: through L1.
     int st_in = L % S, st_out = 0;
     for (int kt = 0; kt < nk; ++kt) {
+      if constexpr (!kBf16) {
+        if (kt % G == 0) rows_first(kt);
+      }
       dev::cp_async_wait<L - 1>();
       if (kt + L < nk) {
         issue(st_in, 0);
@@ -370,11 +469,16 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       }
       dev::cp_async_commit();
       st_in = st_in + 1 == S ? 0 : st_in + 1;
-      mma_ktile(st_out, [&](uint4 (&bh)[RT], int pp) {
+      if constexpr (kBf16) {
+        mma_ktile(st_out, [&](uint4 (&bh)[RT], int pp) {
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-          bh[rt] = valid[rt] ? __ldg(fr[0] + (rt * 2 * nk_all + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
-      });
+          for (int rt = 0; rt < RT; ++rt)
+            bh[rt] = valid[rt] ? __ldg(fr[0] + (rt * 2 * nk_all + pp) * 32) : make_uint4(0u, 0u, 0u, 0u);
+        });
+      } else {
+        mma_ktile(st_out, ring_rows(kt));
+        if (kt % G == G - 1 || kt + 1 == nk) rows_last(kt);
+      }
       st_out = st_out + 1 == S ? 0 : st_out + 1;
       fr[0] += 2 * 32;
     }
@@ -483,7 +587,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
 // and runs the epilogue. The split depends on K alone, so a row's bits still do not depend on the other rows.
 template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
-                                          int lane) {
+                                          int lane, const RowsRing& rr) {
   float acc[kFT][RT][4];
 #pragma unroll
   for (int i = 0; i < kFT; ++i)
@@ -493,10 +597,10 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
   char* smem_warp = smem + warp * warp_smem<S, kBf16>();
   if constexpr (!kSplit) {
-    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk);
+    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk, rr);
   } else {
     const int kt0 = warp * p.nk / W, kt1 = (warp + 1) * p.nk / W;
-    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, kt1 - kt0);
+    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, kt1 - kt0, rr);
     constexpr int kVals = kFT * RT * 4;
     static_assert(W * kVals * 32 * 4 <= W * warp_smem<S, kBf16>(), "partials fit in the rings' shared memory");
     dev::cp_async_wait<0>();
@@ -526,12 +630,13 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
 }
 
 template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
-__device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg, char* smem, int warp, int lane) {
+__device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg, char* smem, int warp, int lane,
+                                         const RowsRing& rr) {
   switch (grp.z) {
-    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane); break;
-    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane); break;
-    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane); break;
-    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane); break;
+    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr); break;
+    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr); break;
+    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr); break;
+    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -550,6 +655,22 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int fblock = p.pass_major ? blockIdx.y : blockIdx.x, pass = p.pass_major ? blockIdx.x : blockIdx.y;
   const int fg = p.split_k ? fblock : fblock * W + warp;  // split K: the block's warps share one feature group
+  RowsRing rr{};
+  if constexpr (!kBf16) {  // NVFP4: expert launches only (dense rows take BF16 tiles), so never split
+    char* ring = smem + W * warp_smem<S, kBf16>();
+    rr.data = ring;
+    rr.full = reinterpret_cast<uint64_t*>(ring + kRowsRing * kRowsStage);
+    rr.empty = rr.full + kRowsRing;
+    if (threadIdx.x == 0) {
+      const int active = min(W, p.n_fgroups - fblock * W);  // warps with a feature group: each releases a stage
+      for (int i = 0; i < kRowsRing; ++i) {
+        dev::mbar_init(&rr.full[i], 1);
+        dev::mbar_init(&rr.empty[i], active);
+      }
+      dev::fence_barrier_init();
+    }
+    __syncthreads();  // the barriers are initialised before any warp uses them (and before any warp leaves)
+  }
   if (fg >= p.n_fgroups) return;  // whole warps (blocks when split): the epilogues' shuffles need all 32 lanes
   int4 grp;
   if (p.groups != nullptr) {
@@ -560,11 +681,11 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   }
   if constexpr (kBf16) {  // dense launches (BF16 tiles only: the NVFP4 instances stay as they were)
     if (p.split_k) {
-      run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane);
+      run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane, rr);
       return;
     }
   }
-  run_pass<kSwiglu, S, L, kBf16, W, false>(p, grp, fg, smem, warp, lane);
+  run_pass<kSwiglu, S, L, kBf16, W, false>(p, grp, fg, smem, warp, lane, rr);
 }
 
 // One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.
@@ -639,7 +760,7 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
-  constexpr int bytes = W * warp_smem<S, kBf16>();
+  constexpr int bytes = block_smem<S, kBf16, W>();
   auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W>;
   set_smem_attr(kernel, bytes, done);
   cudaLaunchConfig_t cfg{};

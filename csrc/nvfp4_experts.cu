@@ -83,6 +83,10 @@ constexpr int kRowsStage = 2 * kRowsGroup * kRowsTileBytes;
 constexpr int kRowsRingBytes = kRowsRing * kRowsStage + 2 * kRowsRing * 8;
 template <int S, bool kBf16, int W>
 __host__ __device__ constexpr int block_smem() { return W * warp_smem<S, kBf16>() + (kBf16 ? 0 : kRowsRingBytes); }
+// The blocks per SM that the launch bounds ask for fit the H200's shared memory (228 KiB per SM, 1 KiB of it
+// reserved per block). (GB10, sm_121, has about 100 KiB per SM: one block of either instance there; not measured.)
+static_assert(kBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "NVFP4 blocks per SM");
+static_assert(kBf16BlocksPerSm * (block_smem<kBf16Ring, true, kBf16Warps>() + 1024) <= 228 * 1024, "BF16 blocks per SM");
 
 struct RowsRing {
   char* data;       // kRowsRing stages of kRowsStage bytes

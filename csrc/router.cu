@@ -110,6 +110,13 @@ __device__ __forceinline__ void warp_best(float& v, int& id) {
 
 constexpr int kNone = 0x7fffffff;
 
+// An order-preserving key of a float that is not NaN: a larger float has a larger key, equal floats equal keys
+// (-0 as +0), and every key is > 0 (-inf: 0x007fffff), so 0 can mean "none".
+__device__ __forceinline__ uint32_t order_key(float v) {
+  const uint32_t b = __float_as_uint(v == 0.0f ? 0.0f : v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
 // One warp per token; lane l holds experts l + 32 j (j < NPL) in registers: score (unbiased sigmoid) and
 // choice (score + bias; -inf where its group is dropped, NaN once taken). Shared memory only for the
 // group scores (n_group > 1).
@@ -189,12 +196,22 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
   }
   float picked = 0.0f;  // lane r holds the score of pick r
   for (int r = 0; r < topk; ++r) {
-    float v = -INFINITY, sv = 0.0f;
-    int id = kNone;
+    // the best choice, ties to the lower id: each lane's best (j ascending, so a tie keeps the lower id), then
+    // the warp's largest key and the lowest id holding it: two redux instructions instead of a butterfly of ten
+    // shuffles. Key 0: no candidate left (the id stays kNone).
+    uint32_t kl = 0;
+    int il = kNone;
 #pragma unroll
-    for (int j = 0; j < NPL; ++j)
-      if (!isnan(choice[j])) better(v, id, choice[j], lane + 32 * j);
-    warp_best(v, id);
+    for (int j = 0; j < NPL; ++j) {
+      const uint32_t k = isnan(choice[j]) ? 0u : order_key(choice[j]);
+      if (k > kl) {
+        kl = k;
+        il = lane + 32 * j;
+      }
+    }
+    const uint32_t km = __reduce_max_sync(0xffffffffu, kl);
+    const int id = static_cast<int>(__reduce_min_sync(0xffffffffu, kl == km ? static_cast<uint32_t>(il) : ~0u));
+    float sv = 0.0f;
 #pragma unroll
     for (int j = 0; j < NPL; ++j)
       if (lane + 32 * j == id) {

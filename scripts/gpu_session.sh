@@ -7,9 +7,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TOR
 steps=${*:-check build kernels fire decode hf}
 PRESET=${PRESET:-air8}
 run() { local name=$1 t0=$SECONDS rc; shift; echo "=== $name: $*"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; rc=$?; echo "rc=$rc ($((SECONDS - t0)) s)"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
-# x2: everything the two-GPU targets of issue 6 need, in one call on nvidia-h200-x2 (about 6 minutes with build)
-[ "$steps" = x2 ] && steps="check build fire_graph fire_bf16 paths paths2 fabgraph" && PATHS=${PATHS:-graph} \
-  && SWEEP=${SWEEP:-1,8,16,64}
+# x2: everything the two-GPU targets of issue 6 need, in one call on nvidia-h200-x2 (about 7-8 minutes with build):
+# NVFP4 and BF16 experts (our kernel's tiles) on 1 and 2 GPUs; BF16 at M=64 is where the split has the most bytes
+# to divide (results/README.md, session 16: 1.5x)
+[ "$steps" = x2 ] && steps="check build fire_graph fire_bf16 paths paths2 bf16 fabgraph" && PATHS=${PATHS:-graph} \
+  && SWEEP=${SWEEP:-1,8,16,64} && BF16_MODES=${BF16_MODES:-kernel}
 for s in $steps; do case $s in
 check)
   nvidia-smi -L; nvidia-smi topo -m | head -5

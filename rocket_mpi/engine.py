@@ -317,6 +317,6 @@ class Engine:
             for s, t in enumerate(chosen):
                 result.tokens[s].append(t)
             result.steps.append(log)
-            if on_step:
-                on_step(step, logits)
+            if on_step:  # fp32 logits (the graphed step keeps the lm_head's bf16 ones: an exact cast)
+                on_step(step, logits.float())
         return result

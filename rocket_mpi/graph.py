@@ -242,9 +242,8 @@ class GraphStep:
         m = self.moe
         m.metas = []
         m.sums.zero_()
-        logits = self.engine.model.forward_static(self.tokens, self.pos, self.cache, m)
-        nxt = torch.argmax(logits, dim=-1)
-        self.tokens.copy_(nxt)
+        logits = self.engine.model.forward_static(self.tokens, self.pos, self.cache, m)  # bf16
+        nxt = torch.argmax(logits, dim=-1, out=self.tokens)  # the next step's input, written in place
         self.pos.add_(1)
         meta = torch.stack(m.metas) if m.metas else torch.zeros(0, kplan.META_HEAD, dtype=torch.long,
                                                                    device=nxt.device)

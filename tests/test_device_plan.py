@@ -428,6 +428,28 @@ def test_gpu_fused_rope_bitwise(tokens, hq, hk, d, rot):
 
 
 @gpu
+@pytest.mark.parametrize("rot,theta", [(64, 10000.0), (40, 1e6), (128, 5e5)])
+def test_gpu_rope_table_rows_are_cos_sin_bitwise(rot, theta):
+    """Rope.table (the fixed-shape GPU step gathers its rows) holds, for every position, the bits cos_sin computes
+    for that position alone or in any batch."""
+    from rocket_mpi.model.layers import Rope
+    rope = Rope(rot, theta, torch.bfloat16)
+    rope.inv_freq = rope.inv_freq.cuda()
+    n = 4097
+    tab = rope.table(n, torch.device("cuda"))
+    assert tab.shape == (2, n, rot) and rope.table(n, torch.device("cuda")) is tab   # made once
+    gen = torch.Generator().manual_seed(rot)
+    for pos in (torch.arange(n), torch.randint(0, n, (1,), generator=gen), torch.randint(0, n, (37,), generator=gen),
+                torch.tensor([n - 1, 0, 5])):
+        pos = pos.cuda()
+        cos, sin = tab[:, pos]
+        want_cos, want_sin = rope.cos_sin(pos)
+        assert cos.is_contiguous() and sin.is_contiguous()
+        assert torch.equal(cos.view(torch.int16), want_cos.view(torch.int16))
+        assert torch.equal(sin.view(torch.int16), want_sin.view(torch.int16))
+
+
+@gpu
 @pytest.mark.parametrize("m,hq,hk,d,rot,cap", [(8, 12, 2, 128, 64, 40), (1, 4, 4, 64, 64, 3), (3, 6, 1, 80, 40, 9)])
 def test_gpu_rope_kv_bitwise(m, hq, hk, d, rot, cap):
     """rope_kv_ (one launch) gives the bits of rope_ then kv_append: q and k rotated, k and v in the caches at

@@ -154,7 +154,9 @@ class Glm4MoeModel:
         return F.linear(h, self.lm_head).float()
 
     def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, moe) -> torch.Tensor:
-        """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
+        """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe); returns
+        the logits [M, V] in the lm_head's bf16 (the step's argmax picks the same token as on their fp32 copy, an
+        exact cast, so the copy is left to whoever wants it: engine.generate's on_step):
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
         over the cache's whole capacity under a length mask. The caller advances pos and cache.lengths.
         On a GPU with the extension, RMSNorm, RoPE with the cache write, and the scaled, masked softmax run as
@@ -164,7 +166,10 @@ class Glm4MoeModel:
         cfg = self.cfg
         dev = self.embed.device
         fused = dev.type == "cuda" and kernels.available()
-        cos, sin = self.rope.cos_sin(pos)
+        if fused:  # rows of the capacity's cos/sin table (Rope.table): one gather instead of six kernels per step
+            cos, sin = self.rope.table(cache.capacity + 1, dev)[:, pos]  # + 1: pos = capacity writes nothing
+        else:
+            cos, sin = self.rope.cos_sin(pos)
         x = self.embed[tokens]
         span = cache.capacity
         if fused:  # rope_kv_ writes the caches at pos, decode_softmax hides the keys past it
@@ -174,7 +179,7 @@ class Glm4MoeModel:
             decode = (torch.arange(tokens.numel(), device=dev), pos, span, hide)
         x = self._layers(x, cos, sin, cache, None, None, decode, moe, fused, static=True)
         norm = kernels.rms_norm if fused else rms_norm
-        return F.linear(norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        return F.linear(norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)
 
     def _layers(self, x, cos, sin, cache, starts, seqlens, decode, moe, fused: bool = False,
                 static: bool = False) -> torch.Tensor:

@@ -364,7 +364,8 @@ class Glm5NextModel:
         """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
         tokens [M] and pos [M] (what each stream's cache holds) on the device. KDA layers step their
         states; MLA layers select over the cache's whole capacity (mla_decode: positions past a stream's
-        own are never chosen). The caller advances pos and cache.lengths."""
+        own are never chosen). The caller advances pos and cache.lengths. Returns
+        the logits [M, V] in bf16 (see glm4_moe.forward_static)."""
         cfg, hca = self.cfg, self.hc_args
         x = self.embed[tokens]
         streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()
@@ -385,7 +386,7 @@ class Glm5NextModel:
             y = self._mlp(h, *L.mlp) if L.mlp is not None else moe(i, h, L) + self._mlp(h, *L.shared)
             streams = hc_post(post, comb, y, streams)
         h = rms_norm(streams.mean(dim=1), self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return F.linear(h, self.lm_head)  # bf16, as glm4_moe.forward_static
 
 
 MODEL = Glm5NextModel

@@ -394,7 +394,8 @@ class GlmMoeDsaModel:
         """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. The
         indexer scores the cache's whole capacity under a length mask (_decode_attention); everything else
-        is forward's decode step. The caller advances pos and cache.lengths."""
+        is forward's decode step. The caller advances pos and cache.lengths. Returns
+        the logits [M, V] in bf16 (see glm4_moe.forward_static)."""
         cfg = self.cfg
         cos, sin = self.rope.cos_sin(pos)
         x = self.embed[tokens]
@@ -408,7 +409,7 @@ class GlmMoeDsaModel:
                 x = x + swiglu_mlp(h, *L.mlp)
             else:
                 x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
-        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)  # bf16, as glm4_moe.forward_static
 
 
 MODEL = GlmMoeDsaModel

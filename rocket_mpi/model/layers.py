@@ -54,7 +54,7 @@ class Rope:
         self.dim = rotary_dim
         self.dtype = dtype
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-        self._table: tuple[tuple[int, str], torch.Tensor] | None = None
+        self._tables: dict[tuple[int, str], torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq  # [T, dim/2]
@@ -62,14 +62,15 @@ class Rope:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def table(self, n: int, device) -> torch.Tensor:
-        """cos_sin of positions 0..n-1 as one [2, n, rotary_dim] tensor, made once per (n, device): the fixed-shape
-        GPU step gathers its rows (one kernel, `table[:, pos]`) instead of the six of cos_sin. The same elementwise
-        ops on the same device, so the same bits per position (tests/test_device_plan.py checks it on the GPU; on a
-        CPU the vectorised and scalar paths of cos may differ in the last bit, so the CPU step keeps cos_sin)."""
+        """cos_sin of positions 0..n-1 as one [2, n, rotary_dim] tensor, made once per (n, device) and kept (a
+        captured step reads it by address for as long as it lives): the fixed-shape GPU step gathers its rows (one
+        kernel, `table[:, pos]`) instead of the six of cos_sin. The same elementwise ops on the same device, so the
+        same bits per position (tests/test_device_plan.py checks it on the GPU; on a CPU the vectorised and scalar
+        paths of cos may differ in the last bit, so the CPU step keeps cos_sin)."""
         key = (n, str(device))
-        if self._table is None or self._table[0] != key:
-            self._table = (key, torch.stack(self.cos_sin(torch.arange(n, device=device))))
-        return self._table[1]
+        if key not in self._tables:
+            self._tables[key] = torch.stack(self.cos_sin(torch.arange(n, device=device)))
+        return self._tables[key]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim]; cos/sin [T, rotary_dim]."""

@@ -179,9 +179,10 @@ void check_residuals(const std::vector<torch::Tensor>& res, int64_t rows, int64_
   }
 }
 
-torch::Tensor moe_scatter_add(const torch::Tensor& rows, const torch::Tensor& by_token, const torch::Tensor& coef,
+py::object moe_scatter_add(const torch::Tensor& rows, const torch::Tensor& by_token, const torch::Tensor& coef,
                               const std::optional<torch::Tensor>& by_canon, std::optional<torch::Tensor> sum,
-                              const std::vector<torch::Tensor>& residuals) {
+                              const std::vector<torch::Tensor>& residuals,
+                              const std::optional<torch::Tensor>& norm_w, double eps) {
   const c10::Device dev = rows.device();
   expect(rows, "rows", torch::kBFloat16, 2, dev, 2);
   expect(by_token, "by_token", torch::kLong, 2, dev, 8);
@@ -201,12 +202,21 @@ torch::Tensor moe_scatter_add(const torch::Tensor& rows, const torch::Tensor& by
   for (size_t r = 0; r < residuals.size(); ++r) res[r] = residuals[r].data_ptr();
   const c10::cuda::CUDAGuard guard(dev);
   auto out = torch::empty({tokens, hidden}, rows.options());
+  torch::Tensor normed;
+  if (norm_w) {
+    expect(*norm_w, "norm weight", torch::kBFloat16, 1, dev, 2);
+    ROCKET_CHECK(norm_w->numel() == hidden, "moe_scatter_add: norm weight " << norm_w->sizes() << " for hidden "
+                 << hidden);
+    normed = torch::empty_like(out);
+  }
   rocket::launch_moe_scatter_add(rows.data_ptr(), rows.size(0), by_token.data_ptr<int64_t>(), coef.data_ptr<float>(),
                                  out.data_ptr(), static_cast<int>(tokens), static_cast<int>(topk),
                                  static_cast<int>(hidden), by_canon ? by_canon->data_ptr<int>() : nullptr,
                                  sum ? sum->data_ptr<int64_t>() : nullptr, res, static_cast<int>(residuals.size()),
-                                 c10::cuda::getCurrentCUDAStream().stream());
-  return out;
+                                 c10::cuda::getCurrentCUDAStream().stream(), norm_w ? norm_w->data_ptr() : nullptr,
+                                 static_cast<float>(eps), norm_w ? normed.data_ptr() : nullptr);
+  if (norm_w) return py::make_tuple(out, normed);
+  return py::cast(out);
 }
 
 // The router of one MoE layer (router.cu): x [T, H] bf16, W [E, H] fp32 -> partial logits [S, T, E] fp32
@@ -361,7 +371,9 @@ std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tens
 std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::Tensor& weights,
                                     const torch::Tensor& owner, const torch::Tensor& slot, const torch::Tensor& canon,
                                     const torch::Tensor& s2_down, int64_t rank, int64_t n_ranks, int64_t n_sets,
-                                    int64_t set_stride, torch::Tensor& seq) {
+                                    int64_t set_stride, torch::Tensor& seq,
+                                    const std::optional<torch::Tensor>& meta_out,
+                                    const std::optional<torch::Tensor>& zero) {
   const c10::Device dev = experts.device();
   expect(experts, "experts", torch::kLong, 2, dev, 8);
   expect(weights, "weights", torch::kFloat, 2, dev, 4);
@@ -384,7 +396,19 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   auto pad_rows = torch::empty({cap * rocket::kRowTile}, l.dtype(torch::kInt));
   auto groups = torch::empty({cap, 4}, l.dtype(torch::kInt));
   auto canon_slot = torch::empty({cap}, l);
-  auto meta = torch::empty({rocket::kPlanMetaHead + n_ranks}, l);
+  torch::Tensor meta;
+  if (meta_out) {  // a row of the step's report (graph.py): written in place, no copy after the plan
+    expect(*meta_out, "meta_out", torch::kLong, 1, dev, 8);
+    ROCKET_CHECK(meta_out->numel() == rocket::kPlanMetaHead + n_ranks, "meta_out has " << meta_out->numel()
+                 << " words, the plan writes " << rocket::kPlanMetaHead + n_ranks);
+    meta = *meta_out;
+  } else {
+    meta = torch::empty({rocket::kPlanMetaHead + n_ranks}, l);
+  }
+  if (zero) {
+    ROCKET_CHECK(zero->is_cuda() && zero->device() == dev && zero->scalar_type() == torch::kLong &&
+                 zero->numel() == 1, "moe_plan: zero must be one int64 on " << dev);
+  }
   auto by_canon = torch::empty({t, k}, l.dtype(torch::kInt));
   rocket::PlanLaunch a{};
   a.experts = experts.data_ptr<int64_t>();
@@ -410,6 +434,7 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   a.canon_slot = canon_slot.data_ptr<int64_t>();
   a.meta = meta.data_ptr<int64_t>();
   a.by_canon = by_canon.data_ptr<int>();
+  a.zero = zero ? zero->data_ptr<int64_t>() : nullptr;
   rocket::launch_moe_plan(a, c10::cuda::getCurrentCUDAStream().stream());
   return {by_token, coef, row_index, pad_rows, groups, canon_slot, meta, by_canon};
 }
@@ -515,7 +540,10 @@ void ipc_exchange_flags(const torch::Tensor& src, const torch::Tensor& meta, con
   rocket::launch_ipc_exchange_flags(a, w, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+// x [..., n] -> rms_norm(x, w). With index [rows] int64 (the embedding gather of the decode step's tokens): returns
+// (x[index], rms_norm(x[index], w)) from one launch; an id outside x's rows reads as zeros.
+py::object rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps,
+                    const std::optional<torch::Tensor>& index) {
   const c10::Device dev = x.device();
   ROCKET_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() >= 1,
                "rms_norm: x must be contiguous bf16 on a GPU, got " << x.scalar_type() << " " << x.sizes());
@@ -523,10 +551,45 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   const int64_t n = w.numel();
   ROCKET_CHECK(x.size(-1) == n, "rms_norm: x " << x.sizes() << ", weight " << w.sizes());
   const c10::cuda::CUDAGuard guard(dev);
+  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (index) {
+    expect(*index, "index", torch::kLong, 1, dev, 8);
+    ROCKET_CHECK(x.dim() == 2, "rms_norm: a gather takes x [rows, n], got " << x.sizes());
+    auto rows = torch::empty({index->numel(), n}, x.options());
+    auto out = torch::empty_like(rows);
+    rocket::launch_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), index->numel(), static_cast<int>(n),
+                            static_cast<float>(eps), stream, index->data_ptr<int64_t>(), x.size(0), rows.data_ptr());
+    return py::make_tuple(rows, out);
+  }
   auto out = torch::empty_like(x);
   rocket::launch_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() / std::max<int64_t>(n, 1),
-                          static_cast<int>(n), static_cast<float>(eps), c10::cuda::getCurrentCUDAStream().stream());
-  return out;
+                          static_cast<int>(n), static_cast<float>(eps), stream);
+  return py::cast(out);
+}
+
+// tokens[r] = argmax(logits[r]) (torch.argmax's choice: the first maximum, a NaN first) of [rows, vocab] bf16, and
+// pos[r] += 1 where pos is given; ticket: one int32 on the device, zero, which the launch leaves zero.
+void argmax_(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& ticket,
+             const std::optional<torch::Tensor>& pos) {
+  const c10::Device dev = logits.device();
+  expect(logits, "logits", torch::kBFloat16, 2, dev, 2);
+  expect(tokens, "tokens", torch::kLong, 1, dev, 8);
+  expect(ticket, "ticket", torch::kInt, 1, dev, 4);
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  ROCKET_CHECK(tokens.numel() == rows && ticket.numel() == 1 && rows > 0 && vocab > 0 && vocab < (int64_t(1) << 31),
+               "argmax: logits " << logits.sizes() << ", tokens " << tokens.sizes() << ", ticket " << ticket.sizes());
+  if (pos) {
+    expect(*pos, "pos", torch::kLong, 1, dev, 8);
+    ROCKET_CHECK(pos->numel() == rows, "argmax: pos " << pos->sizes() << " for " << rows << " rows");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  const int chunks = rocket::argmax_chunks(static_cast<int>(rows), static_cast<int>(vocab));
+  auto part_v = torch::empty({rows * chunks}, logits.options().dtype(torch::kFloat));
+  auto part_i = torch::empty({rows * chunks}, logits.options().dtype(torch::kInt));
+  rocket::launch_argmax(logits.data_ptr(), static_cast<int>(rows), static_cast<int>(vocab), part_v.data_ptr<float>(),
+                        part_i.data_ptr<int>(), chunks, reinterpret_cast<unsigned*>(ticket.data_ptr<int>()),
+                        tokens.data_ptr<int64_t>(), pos ? pos->data_ptr<int64_t>() : nullptr,
+                        c10::cuda::getCurrentCUDAStream().stream());
 }
 
 void rope_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin, int64_t rot) {
@@ -565,7 +628,8 @@ void kv_append(torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& k, con
 // rope_ then kv_append in one launch: q [M, hq, d] and k [M, hk, d] rotated in place, k and v [M, hk, d] into the
 // caches [M, hk, cap, d] at pos [M].
 void rope_kv_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
-              const torch::Tensor& sin, int64_t rot, torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& pos) {
+              const torch::Tensor& sin, int64_t rot, torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& pos,
+              bool table) {
   const c10::Device dev = q.device();
   expect(q, "q", torch::kBFloat16, 3, dev, 4);
   expect(k, "k", torch::kBFloat16, 3, dev, 4);
@@ -580,13 +644,37 @@ void rope_kv_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const 
                kc.sizes() == torch::IntArrayRef({m, hk, cap, d}) && vc.sizes() == kc.sizes() && pos.numel() == m,
                "rope_kv: q " << q.sizes() << ", k " << k.sizes() << ", v " << v.sizes() << ", caches " << kc.sizes()
                << ", pos " << pos.sizes());
-  ROCKET_CHECK(cos.sizes() == torch::IntArrayRef({m, rot}) && sin.sizes() == cos.sizes(),
-               "rope_kv: cos " << cos.sizes() << ", sin " << sin.sizes() << " for " << m << " tokens, rotary " << rot);
+  ROCKET_CHECK((table ? cos.size(0) > 0 : cos.size(0) == m) && cos.size(1) == rot && sin.sizes() == cos.sizes(),
+               "rope_kv: cos " << cos.sizes() << ", sin " << sin.sizes() << " for " << m << " tokens, rotary " << rot
+               << (table ? " (a table read at pos)" : ""));
   const c10::cuda::CUDAGuard guard(dev);
   rocket::launch_rope_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
                          vc.data_ptr(), pos.data_ptr<int64_t>(), static_cast<int>(m), static_cast<int>(q.size(1)),
                          static_cast<int>(hk), static_cast<int>(d), static_cast<int>(rot), static_cast<int>(cap),
-                         c10::cuda::getCurrentCUDAStream().stream());
+                         c10::cuda::getCurrentCUDAStream().stream(), table ? static_cast<int>(cos.size(0)) : 0);
+}
+
+// q [M, hq, d] and caches [M, hkv, span, d] -> attention output [M, hq, d] over keys 0..pos (decode_ops.cu); None
+// where the kernel does not take the shape (more streams or a longer span than it does; the caller takes the
+// matmuls).
+std::optional<torch::Tensor> decode_attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                                              const torch::Tensor& pos, double scale) {
+  const c10::Device dev = q.device();
+  expect(q, "q", torch::kBFloat16, 3, dev, 2);
+  expect(kc, "kc", torch::kBFloat16, 4, dev, 16);
+  expect(vc, "vc", torch::kBFloat16, 4, dev, 2);
+  expect(pos, "pos", torch::kLong, 1, dev, 8);
+  const int64_t m = q.size(0), hq = q.size(1), d = q.size(2), hkv = kc.size(1), span = kc.size(2);
+  ROCKET_CHECK(kc.size(0) == m && kc.size(3) == d && vc.sizes() == kc.sizes() && pos.numel() == m && hkv > 0 &&
+               hq % hkv == 0 && d % 8 == 0, "decode_attention: q " << q.sizes() << ", caches " << kc.sizes()
+               << ", pos " << pos.sizes());
+  if (rocket::decode_attention_smem(int(m), int(hq), int(hkv), int(span), int(d)) < 0) return std::nullopt;
+  const c10::cuda::CUDAGuard guard(dev);
+  auto out = torch::empty_like(q);
+  rocket::launch_decode_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr<int64_t>(), int(m),
+                                  int(hq), int(hkv), int(span), int(d), static_cast<float>(scale), out.data_ptr(),
+                                  c10::cuda::getCurrentCUDAStream().stream());
+  return out;
 }
 
 // scores [M, heads, 1, span] bf16 (one query per stream) -> probabilities, keys past pos[m] hidden (decode_ops.cu).
@@ -621,21 +709,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("ends"), py::arg("residuals") = std::vector<torch::Tensor>{});
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
   m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe)");
-  m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe)");
+  m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe); meta into meta_out where given, "
+        "and *zero = 0", py::arg("experts"), py::arg("weights"), py::arg("owner"), py::arg("slot"), py::arg("canon"),
+        py::arg("s2_down"), py::arg("rank"), py::arg("n_ranks"), py::arg("n_sets"), py::arg("set_stride"),
+        py::arg("seq"), py::arg("meta_out") = py::none(), py::arg("zero") = py::none());
   m.def("ipc_push", &ipc_push, "cuda-ipc: block rows to every rank, then doorbells (one kernel)");
   m.def("ipc_wait", &ipc_wait, "cuda-ipc: wait for every peer's doorbell, bounded by a timeout");
   m.def("ipc_exchange", &ipc_exchange, "cuda-ipc: ipc_push and ipc_wait fused into one kernel");
   m.def("ipc_exchange_flags", &ipc_exchange_flags, "cuda-ipc: one kernel, a flag word per (sender, block), no "
         "counter (the graphed step's exchange)");
-  m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step)");
+  m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step); with index, (x[index], its norm) from one launch",
+        py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("index") = py::none());
+  m.def("argmax_", &argmax_, "tokens = argmax of each row of bf16 logits (torch's choice), pos += 1, one launch",
+        py::arg("logits"), py::arg("tokens"), py::arg("ticket"), py::arg("pos") = py::none());
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");
-  m.def("rope_kv_", &rope_kv_, "rope_ and kv_append in one launch (decode step)");
+  m.def("rope_kv_", &rope_kv_, "rope_ and kv_append in one launch (decode step); table: cos/sin read at pos",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("kc"),
+        py::arg("vc"), py::arg("pos"), py::arg("table") = false);
+  m.def("decode_attention", &decode_attention, "one query per stream over its keys 0..pos, fused (spans up to "
+        "kDecodeAttentionMaxSpan; None beyond)");
   m.def("decode_softmax", &decode_softmax, "attention probabilities of one query per stream, keys past pos hidden");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "
         "with by_canon and sum, also sum += the rows' checksum; then + each residual in order", py::arg("rows"),
         py::arg("by_token"), py::arg("coef"), py::arg("by_canon") = py::none(), py::arg("sum") = py::none(),
-        py::arg("residuals") = std::vector<torch::Tensor>{});
+        py::arg("residuals") = std::vector<torch::Tensor>{}, py::arg("norm_w") = py::none(), py::arg("eps") = 0.0);
   m.def("router_logits", &router_logits, "router logits as partial sums over slices of hidden [S, T, E], fp32");
   m.def("moe_route", &moe_route, "sigmoid router: group-limited top-k and normalised weights, one warp per token");
 }

@@ -8,40 +8,43 @@
 //              torch's bf16 ops on the same inputs
 //   kv_append  k/v [M, hkv, d] into the caches [M, hkv, cap, d] at each stream's position pos[M]
 //   rope_kv    rope and kv_append in one launch: q rotated in place, k rotated (in place and into its cache), v
-//              into its cache; the same bits as the two
+//              into its cache; the same bits as the two. cos / sin are the step's rows, or a table (Rope.table)
+//              read at each stream's position (no gather launch)
+//   argmax     the step's next tokens from the lm_head's bf16 logits, torch.argmax's choice, and pos += 1
 //   decode_softmax  attention probabilities of one query per stream: scores [M, hq, span] bf16 -> bf16(softmax(
 //              bf16(score * scale) with keys past pos[m] hidden)), fp32 max / sum / division as torch's softmax
 //              of the masked scores (the sums' order is the kernel's); a hidden key's probability is exactly 0
+//   decode_attention  one query per stream over its keys 0..pos, in one launch instead of two matmuls around
+//              decode_softmax: the scores rounded to bf16 as the matmul writes them, then decode_softmax's
+//              arithmetic, then the bf16 probabilities times v summed in fp32 and rounded once (each sum in the
+//              kernel's own fixed order, so a stream's output never depends on the other streams)
 // (The rows' checksum is summed by moe_scatter_add as it reads them: scatter.cu.)
-#include "common.cuh"
+#include "norm.cuh"
 
 namespace rocket {
 namespace {
 
-constexpr int kNormThreads = 256;
+using dev::kNormThreads;
+using dev::kNormVecs;
 
-__device__ __forceinline__ float block_sum(float v, float* red) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float t = 0.0f;
-  for (int w = 0; w < warps; ++w) t += red[w];  // every thread, same order
-  __syncthreads();
-  return t;
-}
-
-// One block per row. Rows of up to kNormThreads * 8 * kNormVecs elements (n % 8 == 0) stay in registers
-// between the two passes, 16-byte loads; other shapes take the scalar loop.
-constexpr int kNormVecs = 4;
-
-template <bool kVec>
+// One block per row (norm.cuh). With `index` (kGather): row b is x[index[b]] (the embedding's rows for the step's
+// tokens; an id outside [0, x_rows) reads as zeros) and is also written to x_out[b], so the gather and the first
+// norm of the step are one launch; the same bits as x[index] then the norm.
+template <bool kVec, bool kGather>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const __nv_bfloat16* __restrict__ x,
                                                                 const __nv_bfloat16* __restrict__ w,
-                                                                __nv_bfloat16* __restrict__ out, int n, float eps) {
+                                                                __nv_bfloat16* __restrict__ out, int n, float eps,
+                                                                const int64_t* __restrict__ index, int64_t x_rows,
+                                                                __nv_bfloat16* __restrict__ x_out) {
   __shared__ float red[32];
-  const __nv_bfloat16* xr = x + int64_t(blockIdx.x) * n;
+  int64_t src = blockIdx.x;
+  bool valid = true;
+  if constexpr (kGather) {
+    src = index[blockIdx.x];
+    valid = src >= 0 && src < x_rows;
+    if (!valid) src = 0;
+  }
+  const __nv_bfloat16* xr = x + src * n;
   __nv_bfloat16* o = out + int64_t(blockIdx.x) * n;
   float ss = 0.0f;
   if constexpr (kVec) {
@@ -49,36 +52,31 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const __nv_bfloa
 #pragma unroll
     for (int i = 0; i < kNormVecs; ++i) {
       const int c = (i * kNormThreads + threadIdx.x) * 8;
-      v[i] = c < n ? __ldg(reinterpret_cast<const uint4*>(xr + c)) : make_uint4(0, 0, 0, 0);
-      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v[i]);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) ss = __fmaf_rn(__bfloat162float(e[j]), __bfloat162float(e[j]), ss);
+      v[i] = c < n && valid ? __ldg(reinterpret_cast<const uint4*>(xr + c)) : make_uint4(0, 0, 0, 0);
+      if constexpr (kGather) {
+        if (c < n) *reinterpret_cast<uint4*>(x_out + int64_t(blockIdx.x) * n + c) = v[i];
+      }
+      dev::sum_squares8(v[i], ss);
     }
-    const float r = rsqrtf(__fadd_rn(__fdiv_rn(block_sum(ss, red), float(n)), eps));
+    const float r = dev::norm_scale(dev::block_sum(ss, red), n, eps);
 #pragma unroll
     for (int i = 0; i < kNormVecs; ++i) {
       const int c = (i * kNormThreads + threadIdx.x) * 8;
       if (c >= n) break;
       const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w + c));
-      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v[i]);
-      const __nv_bfloat16* we = reinterpret_cast<const __nv_bfloat16*>(&wv);
-      uint4 ov;
-      __nv_bfloat16* oe = reinterpret_cast<__nv_bfloat16*>(&ov);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float y = dev::round_bf16(__fmul_rn(__bfloat162float(e[j]), r));
-        oe[j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(we[j]), y));
-      }
-      *reinterpret_cast<uint4*>(o + c) = ov;
+      *reinterpret_cast<uint4*>(o + c) = dev::norm8(v[i], wv, r);
     }
   } else {
+    const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
-      const float v = __bfloat162float(xr[c]);
+      const __nv_bfloat16 xv = valid ? xr[c] : zero;
+      if constexpr (kGather) x_out[int64_t(blockIdx.x) * n + c] = xv;
+      const float v = __bfloat162float(xv);
       ss = __fmaf_rn(v, v, ss);
     }
-    const float r = rsqrtf(__fadd_rn(__fdiv_rn(block_sum(ss, red), float(n)), eps));
+    const float r = dev::norm_scale(dev::block_sum(ss, red), n, eps);
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
-      const float y = dev::round_bf16(__fmul_rn(__bfloat162float(xr[c]), r));
+      const float y = dev::round_bf16(__fmul_rn(__bfloat162float(valid ? xr[c] : zero), r));
       o[c] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(w[c]), y));
     }
   }
@@ -125,7 +123,7 @@ __global__ void rope_kv_kernel(__nv_bfloat16* __restrict__ q, __nv_bfloat16* __r
                                const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ cos,
                                const __nv_bfloat16* __restrict__ sin, __nv_bfloat16* __restrict__ kc,
                                __nv_bfloat16* __restrict__ vc, const int64_t* __restrict__ pos, int tokens, int hq,
-                               int hk, int d, int rot, int cap) {
+                               int hk, int d, int rot, int cap, int table_rows) {
   const int half = rot / 2, pairs = d / 2, heads = hq + 2 * hk;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(tokens) * heads * pairs) return;
@@ -146,10 +144,13 @@ __global__ void rope_kv_kernel(__nv_bfloat16* __restrict__ q, __nv_bfloat16* __r
   __nv_bfloat16* base = is_k ? k + (int64_t(t) * hk + (h - hq)) * d : q + (int64_t(t) * hq + h) * d;
   __nv_bfloat16* cache = is_k && store ? kc + ((int64_t(t) * hk + (h - hq)) * cap + p) * d : nullptr;
   if (j < half) {  // as rope_kernel
+    // cos / sin: row t, or with a table (table_rows > 0) the table's row of this token's position (clamped: a
+    // position past the table writes no cache and its q is never used)
+    const int64_t cr = table_rows > 0 ? (p < 0 ? 0 : (p >= table_rows ? table_rows - 1 : p)) : t;
     const float x1 = __bfloat162float(base[j]), x2 = __bfloat162float(base[j + half]);
-    const float c1 = __bfloat162float(cos[int64_t(t) * rot + j]), s1 = __bfloat162float(sin[int64_t(t) * rot + j]);
-    const float c2 = __bfloat162float(cos[int64_t(t) * rot + j + half]);
-    const float s2 = __bfloat162float(sin[int64_t(t) * rot + j + half]);
+    const float c1 = __bfloat162float(cos[cr * rot + j]), s1 = __bfloat162float(sin[cr * rot + j]);
+    const float c2 = __bfloat162float(cos[cr * rot + j + half]);
+    const float s2 = __bfloat162float(sin[cr * rot + j + half]);
     const __nv_bfloat16 y1 =
         __float2bfloat16_rn(__fadd_rn(dev::round_bf16(__fmul_rn(x1, c1)), dev::round_bf16(__fmul_rn(-x2, s1))));
     const __nv_bfloat16 y2 =
@@ -193,17 +194,238 @@ __global__ void __launch_bounds__(kSoftmaxWarps * 32) decode_softmax_kernel(cons
     o[j] = j < seen ? __float2bfloat16_rn(__fdiv_rn(expf(__fsub_rn(scaled(j), mx)), sum)) : __float2bfloat16_rn(0.0f);
 }
 
+// torch.argmax's order on (value, index): a NaN beats every number (the first NaN wins), equal values go to the
+// lower index (-0 == +0). A total order, so any reduction tree picks the same element.
+__device__ __forceinline__ bool argmax_before(float a, int ia, float b, int ib) {
+  if (isnan(a)) return isnan(b) ? ia < ib : true;
+  if (isnan(b)) return false;
+  return a == b ? ia < ib : a > b;
+}
+
+__device__ __forceinline__ void argmax_warp(float& v, int& i) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, d);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, d);
+    if (argmax_before(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+constexpr int kArgmaxThreads = 256;
+constexpr int kArgmaxU = 4;
+constexpr int kArgmaxNone = 0x7fffffff;  // an empty candidate: (-inf, kNone) loses to every element
+
+// The block's best of its candidates (every thread gets it).
+__device__ __forceinline__ void argmax_block(float& v, int& i, float* sv, int* si) {
+  argmax_warp(v, i);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sv[warp] = v;
+    si[warp] = i;
+  }
+  __syncthreads();
+  v = lane < kArgmaxThreads / 32 ? sv[lane] : -INFINITY;
+  i = lane < kArgmaxThreads / 32 ? si[lane] : kArgmaxNone;
+  argmax_warp(v, i);
+  __syncthreads();
+}
+
+// grid (chunks, rows): block (c, r) takes chunk c of row r's logits and writes its best to part[r][c]; the block
+// that finishes last (a ticket, atomicInc wrapping to 0 for the next call) reduces each row's chunks, writes the
+// token and advances the row's position. One launch instead of torch's reduction, the token copy and pos += 1.
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const __nv_bfloat16* __restrict__ logits, int vocab,
+                                                                int chunk, bool vec, float* __restrict__ part_v,
+                                                                int* __restrict__ part_i, unsigned* __restrict__ ticket,
+                                                                int64_t* __restrict__ tokens,
+                                                                int64_t* __restrict__ pos) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  __shared__ bool last;
+  const int row = blockIdx.y, chunks = gridDim.x;
+  const __nv_bfloat16* l = logits + int64_t(row) * vocab;
+  const int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+  float v = -INFINITY;
+  int idx = kArgmaxNone;
+  auto take = [&](float x, int j) {
+    if (argmax_before(x, j, v, idx)) {
+      v = x;
+      idx = j;
+    }
+  };
+  if (vec) {  // 8 logits per 16-byte load, kArgmaxU loads in flight per thread (chunk: a multiple of 8 x threads)
+    constexpr int kStep = 8 * kArgmaxThreads;
+    for (int j0 = lo + 8 * int(threadIdx.x); j0 < hi; j0 += kArgmaxU * kStep) {
+      uint4 w[kArgmaxU];
+#pragma unroll
+      for (int u = 0; u < kArgmaxU; ++u)
+        w[u] = j0 + u * kStep < hi ? __ldg(reinterpret_cast<const uint4*>(l + j0 + u * kStep)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < kArgmaxU; ++u) {
+        if (j0 + u * kStep >= hi) break;
+        const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&w[u]);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) take(__bfloat162float(e[q]), j0 + u * kStep + q);
+      }
+    }
+  } else {
+    for (int j = lo + int(threadIdx.x); j < hi; j += kArgmaxThreads) take(__bfloat162float(l[j]), j);
+  }
+  argmax_block(v, idx, sv, si);
+  if (threadIdx.x == 0) {
+    part_v[row * chunks + blockIdx.x] = v;
+    part_i[row * chunks + blockIdx.x] = idx;
+    __threadfence();  // the partial is visible device-wide before the ticket
+    last = atomicInc(ticket, gridDim.x * gridDim.y - 1) == gridDim.x * gridDim.y - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // one warp per row (rows in turn over the block's warps): its chunks' partials over the lanes, then a butterfly
+  const int lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < int(gridDim.y); r += kArgmaxThreads / 32) {
+    float bv = -INFINITY;
+    int bi = kArgmaxNone;
+    for (int c = lane; c < chunks; c += 32) {
+      const float cv = __ldcg(part_v + r * chunks + c);
+      const int ci = __ldcg(part_i + r * chunks + c);
+      if (argmax_before(cv, ci, bv, bi)) {
+        bv = cv;
+        bi = ci;
+      }
+    }
+    argmax_warp(bv, bi);
+    if (lane == 0) {
+      tokens[r] = bi == kArgmaxNone ? 0 : bi;
+      if (pos != nullptr) pos[r] += 1;
+    }
+  }
+}
+
+// One block per (query head, stream), kAttnThreads threads. Shared memory: q [d] and the scores, then the
+// probabilities, [span] (fp32). For decode steps of at most kDecodeAttentionMaxStreams streams: past that the
+// query heads' blocks re-reading their kv head's keys from L2 cost more than the matmuls (session 21, run 3).
+//   scores  thread t takes keys t, t + kAttnThreads, ...: the key's row in registers (16-byte loads, all in flight
+//           together), its dot product as 4 partial sums (word u of each 16 bytes into sum u, in d order), then
+//           (s0 + s1) + (s2 + s3)
+//   softmax max and sum: each thread over its keys in order, then the warps' butterflies, then the warps in order
+//   output  thread c takes channel c (and c + kAttnThreads, ...), keys in order, kAttnKeys value loads in flight
+// Every sum has one order fixed by d and the stream's own pos: a stream's output never depends on the others.
+constexpr int kAttnThreads = 128;
+
+// op over the block's values, every thread the result: a warp butterfly, then the warps' results in warp order
+// (red: kAttnThreads / 32 floats, free again on return).
+template <typename Op>
+__device__ __forceinline__ float attn_block_reduce(float v, float* red, int lane, int warp, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = red[0];
+#pragma unroll
+  for (int w = 1; w < kAttnThreads / 32; ++w) v = op(v, red[w]);
+  __syncthreads();  // red may be reused
+  return v;
+}
+constexpr int kAttnMaxD = 128;
+constexpr int kAttnKeys = 16;
+__global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
+    const int64_t* __restrict__ pos, int hq, int hkv, int span, int d, float scale, __nv_bfloat16* __restrict__ out) {
+  extern __shared__ float attn_smem[];
+  __shared__ float red[kAttnThreads / 32];
+  const int h = blockIdx.x, m = blockIdx.y, kvh = h / (hq / hkv), tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  float* qs = attn_smem;
+  float* sc = attn_smem + d;
+  const int64_t p = pos[m];
+  const int n = int(p < 0 ? 0 : (p >= span ? span : p + 1));  // keys 0..pos
+  const __nv_bfloat16* qh = q + (int64_t(m) * hq + h) * d;
+  const __nv_bfloat16* kh = kc + (int64_t(m) * hkv + kvh) * int64_t(span) * d;
+  const __nv_bfloat16* vh = vc + (int64_t(m) * hkv + kvh) * int64_t(span) * d;
+  for (int i = tid; i < d; i += kAttnThreads) qs[i] = __bfloat162float(qh[i]);
+  __syncthreads();
+  const int d8 = d / 8;
+  float mx = -INFINITY;
+  for (int j = tid; j < n; j += kAttnThreads) {
+    uint4 kr[kAttnMaxD / 8];
+    const uint4* kp = reinterpret_cast<const uint4*>(kh + int64_t(j) * d);
+#pragma unroll
+    for (int c = 0; c < kAttnMaxD / 8; ++c)
+      if (c < d8) kr[c] = __ldg(kp + c);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < kAttnMaxD / 8; ++c) {
+      if (c >= d8) break;
+      const uint32_t ws[4] = {kr[c].x, kr[c].y, kr[c].z, kr[c].w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const __nv_bfloat162 b = dev::bits_bf16x2(ws[u]);
+        acc[u] = __fmaf_rn(qs[8 * c + 2 * u], __low2float(b), acc[u]);
+        acc[u] = __fmaf_rn(qs[8 * c + 2 * u + 1], __high2float(b), acc[u]);
+      }
+    }
+    const float dot = __fadd_rn(__fadd_rn(acc[0], acc[1]), __fadd_rn(acc[2], acc[3]));
+    const float sj = dev::round_bf16(__fmul_rn(dev::round_bf16(dot), scale));  // bf16 score, then bf16(score * scale)
+    sc[j] = sj;
+    mx = fmaxf(mx, sj);
+  }
+  mx = attn_block_reduce(mx, red, lane, warp, [](float a, float b) { return fmaxf(a, b); });
+  float sum = 0.0f;
+  for (int j = tid; j < n; j += kAttnThreads) sum = __fadd_rn(sum, expf(__fsub_rn(sc[j], mx)));
+  sum = attn_block_reduce(sum, red, lane, warp, [](float a, float b) { return __fadd_rn(a, b); });
+  for (int j = tid; j < n; j += kAttnThreads) sc[j] = dev::round_bf16(__fdiv_rn(expf(__fsub_rn(sc[j], mx)), sum));
+  __syncthreads();
+  // out[c] = sum_j p[j] v[j][c]: fp32 in key order, one rounding
+  for (int c = tid; c < d; c += kAttnThreads) {
+    float acc = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += kAttnKeys) {
+      float v[kAttnKeys];
+#pragma unroll
+      for (int jj = 0; jj < kAttnKeys; ++jj)
+        v[jj] = j0 + jj < n ? __bfloat162float(vh[int64_t(j0 + jj) * d + c]) : 0.0f;
+#pragma unroll
+      for (int jj = 0; jj < kAttnKeys; ++jj)
+        if (j0 + jj < n) acc = __fmaf_rn(sc[j0 + jj], v[jj], acc);
+    }
+    out[(int64_t(m) * hq + h) * d + c] = __float2bfloat16_rn(acc);
+  }
+}
+
 }  // namespace
 
+int decode_attention_smem(int streams, int hq, int hkv, int span, int d) {
+  if (streams > kDecodeAttentionMaxStreams || hkv <= 0 || hq % hkv != 0 || d % 8 != 0 || d > kAttnMaxD ||
+      span <= 0 || span > kDecodeAttentionMaxSpan)
+    return -1;
+  return int(4 * (int64_t(d) + span));  // <= 4 (128 + 2048) bytes: no opt-in needed
+}
+
+void launch_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* pos, int streams, int hq,
+                             int hkv, int span, int d, float scale, void* out, cudaStream_t stream) {
+  const int bytes = decode_attention_smem(streams, hq, hkv, span, d);
+  ROCKET_CHECK(bytes > 0, "decode_attention: " << streams << " streams (at most " << kDecodeAttentionMaxStreams
+               << "), " << hq << " query heads, " << hkv << " kv heads, head dim " << d << " (a multiple of 8, at "
+               << "most " << kAttnMaxD << "), span " << span << " (at most " << kDecodeAttentionMaxSpan << ")");
+  if (streams == 0) return;
+  decode_attention_kernel<<<dim3(hq, streams), kAttnThreads, bytes, stream>>>(
+      static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kc),
+      static_cast<const __nv_bfloat16*>(vc), pos, hq, hkv, span, d, scale, static_cast<__nv_bfloat16*>(out));
+  ROCKET_LAUNCH_CHECK();
+}
+
 void launch_rope_kv(void* q, void* k, const void* v, const void* cos, const void* sin, void* kc, void* vc,
-                    const int64_t* pos, int tokens, int hq, int hk, int d, int rot, int cap, cudaStream_t stream) {
+                    const int64_t* pos, int tokens, int hq, int hk, int d, int rot, int cap, cudaStream_t stream,
+                    int table_rows) {
   ROCKET_CHECK(rot > 0 && rot % 2 == 0 && rot <= d && d % 2 == 0, "rope_kv: rotary dim " << rot << " of head dim " << d);
   const int64_t n = int64_t(tokens) * (hq + 2 * hk) * (d / 2);
   if (n == 0) return;
   rope_kv_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
       static_cast<__nv_bfloat16*>(q), static_cast<__nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(v),
       static_cast<const __nv_bfloat16*>(cos), static_cast<const __nv_bfloat16*>(sin), static_cast<__nv_bfloat16*>(kc),
-      static_cast<__nv_bfloat16*>(vc), pos, tokens, hq, hk, d, rot, cap);
+      static_cast<__nv_bfloat16*>(vc), pos, tokens, hq, hk, d, rot, cap, table_rows);
   ROCKET_LAUNCH_CHECK();
 }
 
@@ -218,16 +440,24 @@ void launch_decode_softmax(const void* scores, const int64_t* pos, int streams, 
   ROCKET_LAUNCH_CHECK();
 }
 
-void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream) {
+void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream,
+                     const int64_t* index, int64_t x_rows, void* x_out) {
   ROCKET_CHECK(rows >= 0 && rows < (int64_t(1) << 31) && n > 0, "rms_norm: rows " << rows << ", n " << n);
+  ROCKET_CHECK((index == nullptr) == (x_out == nullptr), "rms_norm: index and x_out go together");
   if (rows == 0) return;
   const auto* xp = static_cast<const __nv_bfloat16*>(x);
   const auto* wp = static_cast<const __nv_bfloat16*>(w);
   auto* op = static_cast<__nv_bfloat16*>(out);
-  const bool vec = n % 8 == 0 && n <= kNormThreads * 8 * kNormVecs && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  if (vec) rms_norm_kernel<true><<<unsigned(rows), kNormThreads, 0, stream>>>(xp, wp, op, n, eps);
-  else rms_norm_kernel<false><<<unsigned(rows), kNormThreads, 0, stream>>>(xp, wp, op, n, eps);
+  auto* xo = static_cast<__nv_bfloat16*>(x_out);
+  const bool vec = dev::norm_vec_ok(n, x, w, out) && reinterpret_cast<uintptr_t>(x_out) % 16 == 0;
+  const unsigned grid = unsigned(rows);
+  if (index != nullptr) {
+    if (vec) rms_norm_kernel<true, true><<<grid, kNormThreads, 0, stream>>>(xp, wp, op, n, eps, index, x_rows, xo);
+    else rms_norm_kernel<false, true><<<grid, kNormThreads, 0, stream>>>(xp, wp, op, n, eps, index, x_rows, xo);
+  } else {
+    if (vec) rms_norm_kernel<true, false><<<grid, kNormThreads, 0, stream>>>(xp, wp, op, n, eps, nullptr, 0, nullptr);
+    else rms_norm_kernel<false, false><<<grid, kNormThreads, 0, stream>>>(xp, wp, op, n, eps, nullptr, 0, nullptr);
+  }
   ROCKET_LAUNCH_CHECK();
 }
 
@@ -250,6 +480,26 @@ void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const in
       static_cast<__nv_bfloat16*>(kc), static_cast<__nv_bfloat16*>(vc), static_cast<const __nv_bfloat16*>(k),
       static_cast<const __nv_bfloat16*>(v), pos, streams, hkv, cap, d);
   ROCKET_LAUNCH_CHECK();
+}
+
+void launch_argmax(const void* logits, int rows, int vocab, float* part_v, int* part_i, int chunks,
+                   unsigned* ticket, int64_t* tokens, int64_t* pos, cudaStream_t stream) {
+  ROCKET_CHECK(rows > 0 && rows <= 65535 && vocab > 0 && chunks > 0 && int64_t(chunks) * rows < (int64_t(1) << 31),
+               "argmax: " << rows << " rows of " << vocab << ", " << chunks << " chunks");
+  // 16-byte loads where every row starts aligned; then each block's chunk is a multiple of 8 x threads (blocks
+  // past the end find nothing and lose the reduction)
+  const bool vec = vocab % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  int chunk = (vocab + chunks - 1) / chunks;
+  if (vec) chunk = (chunk + 8 * kArgmaxThreads - 1) / (8 * kArgmaxThreads) * (8 * kArgmaxThreads);
+  argmax_kernel<<<dim3(unsigned(chunks), unsigned(rows)), kArgmaxThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(logits), vocab, chunk, vec, part_v, part_i, ticket, tokens, pos);
+  ROCKET_LAUNCH_CHECK();
+}
+
+// Blocks per row of launch_argmax: about two waves of 132 SMs in all, chunks of at least 2048 logits.
+int argmax_chunks(int rows, int vocab) {
+  const int want = (264 + rows - 1) / rows, most = (vocab + 2047) / 2048;
+  return want < most ? (want > 0 ? want : 1) : (most > 0 ? most : 1);
 }
 
 }  // namespace rocket

@@ -127,6 +127,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
       a.groups[g0 + q / kMaxRowTiles] = make_int4(slot_ce, t0 + q, min(kMaxRowTiles, n_t - q), 0);
   }
   if (tid == 0) {
+    if (a.zero != nullptr) *a.zero = 0;
     const long long s = seq_in + 1;  // one exchange per call, as the host's seq
     *a.seq = s;
     s_seq = s;

@@ -10,10 +10,13 @@
 // 170.9-171.8 -> 168.0-168.4 us; 64 experts at 1 / 16 rows +0.4-0.6 / +0.6-0.9 points of copy bandwidth; the
 // graphed air8 step at M=8 2.64-2.65 -> 2.62 ms, M=1 unchanged. gate_up as a dependent of prep as well
 // (ROCKET_EXPERTS_PDL=1) made the graphed step at M=1 slower (1.83-1.93 -> 2.02-2.05 ms), so it is not the default.
+// Session 23, measured inside one process (scripts/ab_decode.py): at 1-4 tokens the step is faster with no PDL at
+// all, so launches of at most kPdlOffRows tokens launch down normally (pdl_for).
 //
 // Dense launches (kernels/stack.py: the replicated stack's linears and SwiGLU MLPs, BF16 tiles): one weight slot,
 // rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
-// the block's warps (run_group_split), since one matrix alone has too few feature groups to fill the GPU.
+// 4 or 8 of the block's warps (run_group, dense_split), since one matrix alone has too few feature groups to fill
+// the GPU.
 //
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
 // launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
@@ -127,7 +130,8 @@ struct GemmParams {
   __nv_bfloat16* out;
   int hidden;
   const int* pad_rows;       // null: dense rows (below)
-  int split_k;               // the block's warps split K of one feature group (run_group_split): dense launches
+  int split_k;               // dense launches: K cut into split_k slices (1, 2, 4 or 8), one warp each, so a block of W
+                             // warps takes W / split_k feature groups (run_group); 0: expert launches (a warp per group)
   int n_groups;              // entries of `groups`, or weight passes of dense rows
   // Dense rows (the replicated stack's linears and SwiGLU MLPs, kernels.linear / swiglu_dense): one weight slot,
   // rows 0..dense_rows-1 in order, so no pad_rows and no groups; pass y covers row tiles 4y..4y+3.
@@ -586,12 +590,14 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
 
 // One weight pass of one feature group: the mainloop, then the epilogue.
 // kSplit (dense launches: one weight matrix has too few feature groups to fill the GPU, 16 for a 4096-wide
-// output): the block's W warps take one feature group, warp w the k-tiles [w nk / W, (w + 1) nk / W), each in
-// the ascending order of the mainloop from 0; then warp 0 adds the others' partial sums in warp order (fp32)
-// and runs the epilogue. The split depends on K alone, so a row's bits still do not depend on the other rows.
+// output): K is cut into P = p.split_k slices and the block's W warps take W / P feature groups, P consecutive warps
+// each, slice j = warp % P the k-tiles [j nk / P, (j + 1) nk / P), in the ascending order of the mainloop from 0;
+// then the group's first warp adds the others' partial sums in slice order (fp32) and runs the epilogue. The split
+// depends on the launch's shape alone (launch_bf16_linear), so a row's bits still do not depend on the other rows.
+// A warp whose group is past the last (`active` false) still meets the block's barriers and stores nothing.
 template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
-                                          int lane, const RowsRing& rr) {
+                                          int lane, const RowsRing& rr, bool active = true) {
   float acc[kFT][RT][4];
 #pragma unroll
   for (int i = 0; i < kFT; ++i)
@@ -603,14 +609,15 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   if constexpr (!kSplit) {
     mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk, rr);
   } else {
-    const int kt0 = warp * p.nk / W, kt1 = (warp + 1) * p.nk / W;
-    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, kt1 - kt0, rr);
+    const int P = p.split_k, slice = warp % P;
+    const int kt0 = slice * p.nk / P, kt1 = (slice + 1) * p.nk / P;
+    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, active ? kt1 - kt0 : 0, rr);
     constexpr int kVals = kFT * RT * 4;
     static_assert(W * kVals * 32 * 4 <= W * warp_smem<S, kBf16>(), "partials fit in the rings' shared memory");
     dev::cp_async_wait<0>();
     __syncthreads();  // every ring drained: its shared memory now holds the partial sums
     float* part = reinterpret_cast<float*>(smem) + lane;
-    if (warp > 0) {
+    if (slice > 0) {
 #pragma unroll
       for (int i = 0; i < kFT; ++i)
 #pragma unroll
@@ -619,8 +626,8 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
           for (int c = 0; c < 4; ++c) part[((warp * kFT + i) * RT * 4 + rt * 4 + c) * 32] = acc[i][rt][c];
     }
     __syncthreads();
-    if (warp != 0) return;
-    for (int w = 1; w < W; ++w)
+    if (slice != 0 || !active) return;
+    for (int w = warp + 1; w < warp + P; ++w)
 #pragma unroll
       for (int i = 0; i < kFT; ++i)
 #pragma unroll
@@ -635,12 +642,12 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
 
 template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
 __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg, char* smem, int warp, int lane,
-                                         const RowsRing& rr) {
+                                         const RowsRing& rr, bool active = true) {
   switch (grp.z) {
-    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr); break;
-    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr); break;
-    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr); break;
-    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr); break;
+    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr, active); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -658,7 +665,11 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   if constexpr (kSwiglu) dev::launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int fblock = p.pass_major ? blockIdx.y : blockIdx.x, pass = p.pass_major ? blockIdx.x : blockIdx.y;
-  const int fg = p.split_k ? fblock : fblock * W + warp;  // split K: the block's warps share one feature group
+  // split K (dense launches, BF16 tiles): the block's warps take W / split_k feature groups, split_k consecutive
+  // warps each. (The NVFP4 instances, expert launches only, keep the expression they were tuned with.)
+  int fg;
+  if constexpr (kBf16) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
+  else fg = p.split_k ? fblock : fblock * W + warp;
   RowsRing rr{};
   if constexpr (!kBf16) {  // NVFP4: expert launches only (dense rows take BF16 tiles), so never split
     char* ring = smem + W * warp_smem<S, kBf16>();
@@ -675,7 +686,8 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
     }
     __syncthreads();  // the barriers are initialised before any warp uses them (and before any warp leaves)
   }
-  if (fg >= p.n_fgroups) return;  // whole warps (blocks when split): the epilogues' shuffles need all 32 lanes
+  // whole warps: the epilogues' shuffles need all 32 lanes (split: a group past the last stays for the barriers)
+  if (fg >= p.n_fgroups && !(kBf16 && p.split_k)) return;
   int4 grp;
   if (p.groups != nullptr) {
     grp = p.groups[pass];
@@ -685,7 +697,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   }
   if constexpr (kBf16) {  // dense launches (BF16 tiles only: the NVFP4 instances stay as they were)
     if (p.split_k) {
-      run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane, rr);
+      run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane, rr, fg < p.n_fgroups);
       return;
     }
   }
@@ -768,7 +780,8 @@ void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W>;
   set_smem_attr(kernel, bytes, done);
   cudaLaunchConfig_t cfg{};
-  const unsigned fblocks = p.split_k ? p.n_fgroups : (p.n_fgroups + W - 1) / W;
+  const int per_block = p.split_k ? W / p.split_k : W;  // feature groups per block
+  const unsigned fblocks = (p.n_fgroups + per_block - 1) / per_block;
   ROCKET_CHECK((p.pass_major ? fblocks : unsigned(p.n_groups)) <= 65535u, "grid of " << fblocks << " x "
                << p.n_groups << " blocks");
   cfg.gridDim = p.pass_major ? dim3(p.n_groups, fblocks) : dim3(fblocks, p.n_groups);
@@ -791,8 +804,9 @@ void launch_gemm(const GemmParams& p, bool bf16, bool pdl, cudaStream_t stream) 
 
 // A tuning switch, read from the environment at each launch (A/B runs without rebuilding; a CUDA graph keeps
 // what it was at capture): ROCKET_EXPERTS_PDL = 0 (off), 1 (gate/up a dependent of prep, down of gate/up) or 2
-// (down only, the default; see the top of this file). It does not change what any row computes, only when the
-// weight copies start (tests/test_kernels.py checks the bits); a bad value is one error naming it.
+// (down only); unset: 2 for launches of more than kPdlOffRows rows of x (tokens), 0 up to that (see pdl_for). It
+// does not change what any row computes, only when the weight copies start (tests/test_kernels.py checks the bits);
+// a bad value is one error naming it.
 int env_knob(const char* name, int dflt, int lo, int hi) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return dflt;
@@ -803,8 +817,34 @@ int env_knob(const char* name, int dflt, int lo, int hi) {
   return static_cast<int>(x);
 }
 
-int pdl_mode() { return env_knob("ROCKET_EXPERTS_PDL", 2, 0, 2); }  // 0 off, 1 gate/up and down, 2 down only
+int pdl_mode() { return env_knob("ROCKET_EXPERTS_PDL", -1, 0, 2); }  // 0 off, 1 gate/up and down, 2 down only
 
+// The default: down as gate/up's dependent except for launches of a few tokens. H200, air8 NVFP4, graphed, one
+// process (results/README.md, session 23): PDL off made the step 1.9 / 1.0 / 1.5 % faster at 1 / 2 / 4 streams and
+// 0.7 / 0.4 / 0.4 % slower at 8 / 16 / 64 (at a few rows the dependent's early blocks cost gate/up more than its
+// weight copies gain).
+constexpr int64_t kPdlOffRows = 4;
+int pdl_for(int64_t rows) {
+  const int mode = pdl_mode();
+  return mode >= 0 ? mode : (rows <= kPdlOffRows ? 0 : 2);
+}
+
+
+// K slices of a dense launch (the replicated stack's linears and MLPs, BF16 tiles): ROCKET_STACK_SPLIT = 1, 2, 4 or 8;
+// unset: by the launch's shape alone, 4 for outputs of at least kSplit4Groups feature groups (8192 features), else 8.
+// H200, session 23 (results/README.md; bench_stack, 8 air8 layers at 1 / 8 / 16 rows, % of copy bandwidth): q/k/v
+// (14336 features, K 4096) 84.2 / 82.9 / 77.6 at 8 slices, 89.9 / 88.8 / 85.8 at 4 (448 feature groups: 8 slices are
+// 1.7 waves of 8-warp blocks, 4 slices fit one); o (4096 features, K 12288) 87.5 / 86.4 / 82.9 at 8, 80.1 / 78.1 /
+// 73.7 at 4. The slices set the order of each output's fp32 sums, so the rule depends on no GPU property (the same
+// bits on every rank whatever its GPU) and an explicit value must be the same on every rank (the start-up handshake
+// compares it); a row's bits still depend on no other row.
+constexpr int kSplit4Groups = 256;
+int dense_split(int n_fgroups) {
+  const int v = env_knob("ROCKET_STACK_SPLIT", 0, 1, kBf16Warps);
+  if (v == 0) return n_fgroups >= kSplit4Groups ? 4 : kBf16Warps;
+  ROCKET_CHECK(kBf16Warps % v == 0, "ROCKET_STACK_SPLIT=" << v << ": expected 1, 2, 4 or 8");
+  return v;
+}
 
 // Rows and passes of an expert launch: its plan's, or dense rows (pass-major when there are several passes).
 void pass_params(GemmParams& p, const ExpertsLaunch& a) {
@@ -814,7 +854,7 @@ void pass_params(GemmParams& p, const ExpertsLaunch& a) {
   p.dense_rows = a.dense_rows;
   p.n_tiles = a.n_tiles;
   p.pass_major = a.pad_rows == nullptr && p.n_groups > 1;
-  p.split_k = a.pad_rows == nullptr;
+  p.split_k = a.pad_rows == nullptr ? dense_split(p.n_fgroups) : 0;
   p.n_segs = 1;
 }
 
@@ -841,7 +881,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
                kMaxRowTiles)), "dense rows " << a.dense_rows << ": tiles " << a.n_tiles << ", passes " << a.n_groups);
   ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && (dense || a.n_groups <= 65535), "groups " << a.n_groups);
   if (a.n_tiles == 0 || a.n_groups == 0) return;
-  const int pdl = pdl_mode();
+  const int pdl = pdl_for(dense ? a.dense_rows : a.x_rows);
 
   ROCKET_CHECK(!a.direct_k || (dense && a.row_index == nullptr), "direct_k_order: dense rows of x only");
   const bool direct = a.direct_k && rows_direct(a.x, a.dense_rows, a.hidden);
@@ -938,7 +978,7 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
   p.n_tiles = n_tiles;
   p.n_groups = (n_tiles + kMaxRowTiles - 1) / kMaxRowTiles;
   p.pass_major = p.n_groups > 1;
-  p.split_k = 1;
+  p.split_k = dense_split(p.n_fgroups);
   p.n_segs = a.n_segs;
   for (int s = 0; s < a.n_segs; ++s) {
     p.seg_end[s] = a.seg_end[s];

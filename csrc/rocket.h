@@ -139,10 +139,13 @@ void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, 
 
 // out[t] = bf16(sum_j coef[t,j] * rows[by_token[t,j]]), fp32 in j order from 0.0f, one rounding. With
 // by_canon ([tokens, topk] canonical row of each by_token entry) and sum, *sum += the rows' checksum. Then
-// + res[0], + res[1] ([tokens, hidden] bf16, up to kMaxResiduals), each add rounded (torch's r + out).
+// + res[0], + res[1] ([tokens, hidden] bf16, up to kMaxResiduals), each add rounded (torch's r + out). With norm_w
+// ([hidden] bf16) and normed ([tokens, hidden] bf16): normed = rms_norm(out, norm_w, eps) too, in the same launch
+// where launch_rms_norm would take its vector kernel (the same bits either way).
 void launch_moe_scatter_add(const void* rows, int64_t n_rows, const int64_t* by_token, const float* coef,
                             void* out, int tokens, int topk, int hidden, const int* by_canon, int64_t* sum,
-                            const void* const* res, int n_res, cudaStream_t stream);
+                            const void* const* res, int n_res, cudaStream_t stream, const void* norm_w = nullptr,
+                            float eps = 0.0f, void* normed = nullptr);
 
 // ---- the router on the device (router.cu; reference rocket_mpi/moe/router.py route) ----
 constexpr int kRouteMaxExperts = 1024;
@@ -187,6 +190,7 @@ struct PlanLaunch {
   int64_t* canon_slot;      // [tokens * topk] slot-space row of canonical row i
   int* by_canon;            // [tokens, topk] canonical row of each by_token entry (the scatter's checksum)
   int64_t* meta;            // [kPlanMetaHead + n_ranks]  (layout in rocket_mpi/kernels/plan.py)
+  int64_t* zero;            // nullable: one word set to 0 (the layer's checksum sum, which the scatter adds to)
 };
 
 void launch_moe_plan(const PlanLaunch& a, cudaStream_t stream);
@@ -218,11 +222,28 @@ void launch_ipc_wait(const IpcWait& a, cudaStream_t stream);
 void launch_ipc_exchange_flags(const IpcPush& a, const IpcWait& w, int blocks, cudaStream_t stream);
 
 // ---- fused ops of the fixed-shape decode step (decode_ops.cu) ----
-void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream);
+// With index ([rows] int64) and x_out: row b is x[index[b]] (an id outside [0, x_rows): zeros), also copied to x_out[b].
+void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream,
+                     const int64_t* index = nullptr, int64_t x_rows = 0, void* x_out = nullptr);
 void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens, int hq, int hk, int d, int rot,
                  cudaStream_t stream);
 void launch_rope_kv(void* q, void* k, const void* v, const void* cos, const void* sin, void* kc, void* vc,
-                    const int64_t* pos, int tokens, int hq, int hk, int d, int rot, int cap, cudaStream_t stream);
+                    const int64_t* pos, int tokens, int hq, int hk, int d, int rot, int cap, cudaStream_t stream,
+                    int table_rows = 0);  // > 0: cos / sin are [table_rows, rot] tables read at pos
+// tokens[r] = torch.argmax(logits[r]) of [rows, vocab] bf16 (and pos[r] += 1 where pos is given): `chunks` blocks
+// per row (argmax_chunks) write part_v / part_i [rows * chunks], the last block (ticket: zero, left zero) reduces.
+void launch_argmax(const void* logits, int rows, int vocab, float* part_v, int* part_i, int chunks,
+                   unsigned* ticket, int64_t* tokens, int64_t* pos, cudaStream_t stream);
+int argmax_chunks(int rows, int vocab);
+// Fused decode attention (decode_ops.cu): one query per stream [M, hq, d] over keys 0..pos of caches
+// [M, hkv, span, d] -> [M, hq, d]; for at most kDecodeAttentionMaxStreams streams, spans up to
+// kDecodeAttentionMaxSpan, head dim <= 128 (decode_attention_smem returns -1 otherwise, and the caller takes the
+// two matmuls around decode_softmax).
+constexpr int kDecodeAttentionMaxStreams = 16;
+constexpr int kDecodeAttentionMaxSpan = 2048;
+int decode_attention_smem(int streams, int hq, int hkv, int span, int d);
+void launch_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* pos, int streams, int hq,
+                             int hkv, int span, int d, float scale, void* out, cudaStream_t stream);
 void launch_decode_softmax(const void* scores, const int64_t* pos, int streams, int heads, int span, float scale,
                            void* probs, cudaStream_t stream);
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,

@@ -43,6 +43,19 @@ from rocket_mpi.moe.router import route
 PUSH_BLOCKS = 32  # blocks of the exchange kernel: one flag word each (fabric/cuda_ipc.py IPC_MAX_BLOCKS)
 
 
+def step_fused(device) -> bool:
+    """Whether the fixed-shape step takes its fused glue kernels on this device: the embedding with the first
+    RMSNorm, RoPE reading its table at pos, each MoE scatter with the next RMSNorm, the argmax with pos += 1
+    (kernels: the same bits as the separate ops, GPU tests). ROCKET_STEP_FUSE=0 takes the separate ops (A/B runs;
+    read when a step is built, so a captured graph keeps what it had)."""
+    import os
+    from rocket_mpi import kernels
+    knob = os.environ.get("ROCKET_STEP_FUSE", "1")
+    if knob not in ("0", "1"):
+        raise RocketError(f"ROCKET_STEP_FUSE={knob!r}: use 1 (fused glue kernels, the default) or 0")
+    return torch.device(device).type == "cuda" and kernels.available() and knob == "1"
+
+
 def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
     """'' where the fixed-shape step can run for this engine (graph: captured, on a GPU), else why not.
     Without the graph it also runs on a CPU, every op through its torch reference and the rows through
@@ -123,9 +136,17 @@ class DeviceMoE:
             self.timeout = fab.timeout
         else:
             raise RocketError(f"the graphed step has no exchange for fabric {fab.name}")
-        self.metas: list[torch.Tensor] = []
-        # per MoE layer of a step, its rows' checksum sum (engine.row_sum), folded by the host after the step
-        self.sums = torch.zeros(max(len(cfg.moe_layers), 1), dtype=torch.long, device=dev)
+        # The step's report, one int64 tensor the host reads once after the step: the next tokens [streams] (the
+        # argmax writes them there, and the next replay's embedding reads them), then per MoE layer its rows'
+        # checksum sum (engine.row_sum, folded by the host; each layer's plan zeroes its word, the scatter adds),
+        # then per MoE layer the plan's meta (written there by the plan): no stack / cat / zero kernels per step.
+        n_moe = max(len(cfg.moe_layers), 1)
+        self.meta_words = kplan.META_HEAD + self.size
+        self.report = torch.zeros(streams + n_moe * (1 + self.meta_words), dtype=torch.long, device=dev)
+        self.tokens = self.report[:streams]
+        self.sums = self.report[streams:streams + n_moe]
+        self.meta_rows = self.report[streams + n_moe:].view(n_moe, self.meta_words)
+        self.calls = 0  # MoE layers run in this step so far (the body resets it)
 
     def bytes_sent(self, rows_mine: int) -> int:
         row = self.hidden * 2
@@ -133,13 +154,19 @@ class DeviceMoE:
             return self.cap * row * (self.size - 1)
         return rows_mine * row * (self.size - 1)
 
-    def __call__(self, layer: int, x: torch.Tensor, L, shared=None, residual: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, L, shared=None, residual: torch.Tensor | None = None,
+                 next_norm: tuple[torch.Tensor, float] | None = None):
         """The routed experts of `layer` over x (the normed hidden state) -> [T, H]. With `shared` (a callable:
         the layer's shared expert over x) and `residual`: residual + (routed + shared), both adds in the scatter
         kernel, and on a GPU the shared expert runs on a side stream beside the router, plan, routed experts
         and exchange (a captured fork and join: at M=1 the routed experts fill 88 of 132 SMs and the router and
-        plan are single-block kernels). The same kernels and adds as shared-then-add: the same bits."""
+        plan are single-block kernels). The same kernels and adds as shared-then-add: the same bits.
+        With next_norm = (weight, eps) (the next layer's input norm, or the final one): returns (out, its norm),
+        on a GPU from the scatter's launch (kernels.moe_scatter_add)."""
+        i = self.calls
+        if i >= self.meta_rows.shape[0]:
+            raise RocketError(f"the fixed-shape step ran MoE layer {layer} as its MoE call {i + 1}; the model has "
+                              f"{self.meta_rows.shape[0]} MoE layers")
         from rocket_mpi import kernels
         cfg = self.engine.cfg
         store = self.engine.experts[layer]
@@ -160,9 +187,9 @@ class DeviceMoE:
             weights, experts = kernels.route(x, *self.router[layer], cfg)
         owner, slot, canon, s2 = self.tables[layer]
         p = kplan.moe_plan(experts, weights, owner, slot, canon, s2, self.rank, self.size, self.n_sets,
-                           self.set_stride, self.seq)
+                           self.set_stride, self.seq, self.meta_rows[i], self.sums[i:i + 1])
         if self.mode == "host":
-            return self._host_rest(layer, x, store, p, res)
+            return self._host_rest(layer, x, store, p, res, next_norm)
         if store.packed is not None:
             pk = store.packed
             kernels._ext.require().nvfp4_experts_into(x.contiguous(), p["row_index"], p["pad_rows"], p["groups"],
@@ -180,12 +207,12 @@ class DeviceMoE:
                                  self.rank, PUSH_BLOCKS, self.flags, self.err, self.timeout, layer)
         if side is not None:  # join: the scatter adds the shared expert's output
             torch.cuda.current_stream(x.device).wait_stream(side)
-        out = kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)],
-                                      res)
-        self.metas.append(p["meta"])
+        out = kernels.moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[i], res,
+                                      next_norm)
+        self.calls += 1
         return out
 
-    def _host_rest(self, layer: int, x: torch.Tensor, store, p, res=()) -> torch.Tensor:
+    def _host_rest(self, layer: int, x: torch.Tensor, store, p, res=(), next_norm=None):
         """CPU: this rank's block by the torch reference over the plan's rows (segments rebuilt from the
         padded rows and weight passes, as the kernel reads them), every rank's cap rows through the
         fabric at fixed offsets, then the same slot-space checksum and scatter."""
@@ -205,8 +232,9 @@ class DeviceMoE:
         seq, fab = meta[kplan.META_SEQ], self.engine.fabric
         self.rows = fab.exchange(seq, [r * self.cap for r in range(self.size + 1)], self.out, layer,
                                  self.engine.step)
-        out = moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[len(self.metas)], res)
-        self.metas.append(p["meta"])
+        out = moe_scatter_add(self.rows, p["by_token"], p["coef"], p["by_canon"], self.sums[self.calls], res,
+                              next_norm)
+        self.calls += 1
         return out
 
 
@@ -230,25 +258,29 @@ class GraphStep:
     def __init__(self, engine, cache, tokens: torch.Tensor, graph: bool):
         self.engine, self.cache = engine, cache
         dev = engine.device
-        self.tokens = tokens.to(dev, torch.long).clone()
         self.pos = cache.lengths.to(dev).clone()
-        self.moe = DeviceMoE(engine, self.tokens.numel())
+        self.moe = DeviceMoE(engine, tokens.numel())
+        self.tokens = self.moe.tokens  # the report's first words: the step's input, and the argmax's output
+        self.tokens.copy_(tokens.to(dev, torch.long))
+        self.fused = step_fused(dev)
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=dev)  # the argmax kernel's (zero between launches)
         self.want_graph = graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error = ""
-        self.out = None
+        self.ran = False
 
     def _body(self):
         m = self.moe
-        m.metas = []
-        m.sums.zero_()
+        m.calls = 0
         logits = self.engine.model.forward_static(self.tokens, self.pos, self.cache, m)  # bf16
-        nxt = torch.argmax(logits, dim=-1, out=self.tokens)  # the next step's input, written in place
-        self.pos.add_(1)
-        meta = torch.stack(m.metas) if m.metas else torch.zeros(0, kplan.META_HEAD, dtype=torch.long,
-                                                                   device=nxt.device)
+        if self.fused:  # the next step's input, written in place, and pos += 1: one launch
+            from rocket_mpi import kernels
+            kernels.argmax_(logits, self.tokens, self.ticket, self.pos)
+        else:
+            torch.argmax(logits, dim=-1, out=self.tokens)
+            self.pos.add_(1)
         self.logits = logits
-        self.out = torch.cat((nxt, m.sums[:len(m.metas)], meta[:, kplan.META_ROWS], meta[:, kplan.META_EXPERTS]))
+        self.ran = True
 
     def run(self, step: int) -> tuple[list[int], dict]:
         """One step; returns (chosen tokens, counters). The first call runs eagerly (and warms up), the
@@ -256,7 +288,7 @@ class GraphStep:
         fault = self.engine.fault
         if fault and fault[0] in ("stall", "die") and fault[1] == self.engine.rank and fault[2] == step:
             self.engine._inject(fault[0], torch.empty(0))  # a dead or stalled rank: it never runs this step
-        if self.out is None or not self.want_graph or (self.graph is None and self.graph_error):
+        if not self.ran or not self.want_graph or (self.graph is None and self.graph_error):
             self._body()
         else:
             if self.graph is None:
@@ -267,10 +299,11 @@ class GraphStep:
                 self._body()
         self._finish(step)
         from rocket_mpi.engine import fold_row_sums
-        vals = self.out.tolist()
-        m = self.tokens.numel()
-        n_moe = (len(vals) - m) // 3
-        sums, rows, experts = (vals[m + i * n_moe:m + (i + 1) * n_moe] for i in range(3))
+        vals = self.moe.report.tolist()
+        m, n_moe, w = self.tokens.numel(), self.moe.calls, self.moe.meta_words
+        sums = vals[m:m + n_moe]
+        metas = [vals[m + len(self.moe.sums) + i * w:][:w] for i in range(n_moe)]
+        rows, experts = [mt[kplan.META_ROWS] for mt in metas], [mt[kplan.META_EXPERTS] for mt in metas]
         self.engine.seq += n_moe  # each MoE layer's plan bumped the device seq by one
         return vals[:m], {"crc": fold_row_sums(sums), "rows_mine": sum(rows), "experts_mine": sum(experts),
                           "rows_total": n_moe * self.moe.cap, "bytes_sent": sum(self.moe.bytes_sent(r) for r in rows)}
@@ -284,7 +317,7 @@ class GraphStep:
         except Exception as e:  # noqa: BLE001 - reported, and the step runs eagerly instead
             self.graph_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             torch.cuda.synchronize(self.engine.device)
-            self.out = None
+            self.ran = False
             return
         self.graph = g
 

@@ -182,19 +182,12 @@ def test_ranks_sharing_a_gpu_are_named():
     assert "one rank per GPU" in line and "\n" not in line
 
 
-def test_bad_bf16_experts_switch(capsys, ckpt, monkeypatch):
-    """ROCKET_BF16_EXPERTS (kernel | grouped) with another value: one line naming it, on any device."""
-    monkeypatch.setenv("ROCKET_BF16_EXPERTS", "fast")
-    assert_one_line(*decode(capsys, ckpt), "ROCKET_BF16_EXPERTS", "'fast'")
-
-
-def test_bad_stack_switch(capsys, ckpt, monkeypatch):
-    """ROCKET_STACK (kernel | torch) with another value: one line naming it at set-up, on any device."""
-    monkeypatch.setenv("ROCKET_STACK", "cublas")
-    assert_one_line(*decode(capsys, ckpt), "ROCKET_STACK", "'cublas'")
-
-
-def test_bad_pdl_switch(capsys, ckpt, monkeypatch):
-    """ROCKET_EXPERTS_PDL (0 | 1 | 2) with another value: one line naming it at set-up, on any device."""
-    monkeypatch.setenv("ROCKET_EXPERTS_PDL", "on")
-    assert_one_line(*decode(capsys, ckpt), "ROCKET_EXPERTS_PDL", "'on'")
+@pytest.mark.parametrize("name,value", [("ROCKET_BF16_EXPERTS", "fast"), ("ROCKET_STACK", "cublas"),
+                                        ("ROCKET_DECODE_ATTENTION", "flash"), ("ROCKET_STACK_SPLIT", "3"),
+                                        ("ROCKET_EXPERTS_PDL", "on"), ("ROCKET_STEP_FUSE", "yes")])
+def test_bad_kernel_switch(capsys, ckpt, monkeypatch, name, value):
+    """A kernel switch with a value it does not take (ROCKET_BF16_EXPERTS kernel | grouped, ROCKET_STACK kernel |
+    torch, ROCKET_DECODE_ATTENTION auto | fused | matmul, ROCKET_STACK_SPLIT 1 | 2 | 4 | 8, ROCKET_EXPERTS_PDL 0 | 1 |
+    2, ROCKET_STEP_FUSE 0 | 1): one line naming it at set-up, on any device."""
+    monkeypatch.setenv(name, value)
+    assert_one_line(*decode(capsys, ckpt), name, repr(value))

@@ -141,6 +141,8 @@ def test_plan_limits_match_the_kernels():
     assert (c["kPlanMaxExperts"], c["kRouteMaxExperts"]) == (kplan.PLAN_MAX_EXPERTS,) * 2
     assert (c["kPlanMaxRows"], c["kPlanMaxRanks"], c["kPlanMaxTopk"]) == (kplan.PLAN_MAX_ROWS, kplan.PLAN_MAX_RANKS,
                                                                            kplan.PLAN_MAX_TOPK)
+    assert c["kDecodeAttentionMaxSpan"] == kernels.DECODE_ATTENTION_MAX_SPAN
+    assert c["kDecodeAttentionMaxStreams"] == kernels.DECODE_ATTENTION_MAX_STREAMS
 
 
 def test_model_and_stream_limits_of_the_fixed_shape_step(tiny_ckpt, monkeypatch):
@@ -189,6 +191,16 @@ def test_cpu_device_path_matches_host_path(ckpt_name, request):
         assert r.path == path
         out[path] = r.tokens
     assert out["device"] == out["host"]
+
+
+def test_step_fuse_knob_bad_value_is_one_error(monkeypatch):
+    import rocket_mpi.graph as graph
+    from rocket_mpi.errors import RocketError
+    monkeypatch.setenv("ROCKET_STEP_FUSE", "yes")
+    with pytest.raises(RocketError, match="ROCKET_STEP_FUSE='yes'"):
+        graph.step_fused("cpu")
+    monkeypatch.setenv("ROCKET_STEP_FUSE", "1")
+    assert graph.step_fused("cpu") is False   # fused glue kernels are GPU kernels
 
 
 def _eager_logits(eng, res, prompts, step):
@@ -491,6 +503,69 @@ def test_gpu_decode_softmax(m, heads, span):
     assert ((sums - 1).abs() < 2e-2).all(), sums
 
 
+@gpu
+@pytest.mark.parametrize("m,hq,hkv,d,span", [(2, 96, 8, 128, 40), (8, 8, 2, 64, 100), (3, 4, 2, 16, 7),
+                                             (1, 12, 1, 128, 1000), (2, 4, 4, 128, 2048), (5, 16, 1, 24, 33),
+                                             (16, 96, 8, 128, 24)])
+def test_gpu_decode_attention(m, hq, hkv, d, span, monkeypatch):
+    """The fused decode attention against glm4_moe's torch path (two matmuls around scale, mask, fp32 softmax):
+    within a bf16 rounding or two of the output scale (the sums' order differs); a stream's output the same bits
+    alone as beside the others; keys past pos never read (NaN there changes nothing); a span past the kernel's
+    gives None (the caller takes the matmuls), and so does ROCKET_DECODE_ATTENTION=matmul."""
+    from rocket_mpi.model.glm4_moe import _attend
+    monkeypatch.setenv("ROCKET_DECODE_ATTENTION", "fused")  # every stream count the kernel takes
+    gen = torch.Generator().manual_seed(span + d)
+    q = torch.randn(m, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    kc, vc = (torch.randn(m, hkv, span, d, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+    pos = torch.randint(0, span, (m,), generator=gen).cuda()
+    pos[0] = span - 1
+    scale = d ** -0.5
+    hide = (torch.arange(span, device="cuda")[None, :] > pos[:, None])[:, None, None, :]
+    want = _attend(q[:, :, None, :], kc, vc, hide, scale).view(m, hq, d).float()
+    got = kernels.decode_attention(q, kc, vc, pos, scale)
+    assert got is not None and got.shape == (m, hq, d)
+    err = float((got.float() - want).abs().max())
+    assert err <= 2.0 ** -6 * float(want.abs().max()), f"max |diff| {err:.3e} of {float(want.abs().max()):.3e}"
+    last = m - 1
+    alone = kernels.decode_attention(q[last:].contiguous(), kc[last:].contiguous(), vc[last:].contiguous(),
+                                     pos[last:].contiguous(), scale)
+    assert torch.equal(alone, got[last:])
+    if int(pos[last]) + 1 < span:
+        kn, vn = kc.clone(), vc.clone()
+        kn[last, :, int(pos[last]) + 1:] = float("nan")
+        vn[last, :, int(pos[last]) + 1:] = float("nan")
+        assert torch.equal(kernels.decode_attention(q, kn, vn, pos, scale), got)
+    long = torch.zeros(1, hkv, kernels.DECODE_ATTENTION_MAX_SPAN + 1, d, dtype=torch.bfloat16, device="cuda")
+    assert kernels.decode_attention(q[:1], long, long, pos[:1], scale) is None
+
+
+@gpu
+def test_gpu_decode_attention_switch(monkeypatch):
+    """ROCKET_DECODE_ATTENTION: 'auto' (default) takes the fused kernel up to DECODE_ATTENTION_AUTO_STREAMS streams,
+    'fused' up to what the kernel takes, 'matmul' never (None: the caller's matmuls); a bad value is one error."""
+    from rocket_mpi.errors import RocketError
+    kc = torch.zeros(1, 1, 4, 16, dtype=torch.bfloat16, device="cuda")
+
+    def fused(m):
+        q = torch.zeros(m, 2, 16, dtype=torch.bfloat16, device="cuda")
+        kv = kc.expand(m, -1, -1, -1).contiguous()
+        return kernels.decode_attention(q, kv, kv, torch.zeros(m, dtype=torch.long, device="cuda"), 0.25) is not None
+
+    auto = kernels.DECODE_ATTENTION_AUTO_STREAMS
+    monkeypatch.delenv("ROCKET_DECODE_ATTENTION", raising=False)
+    assert fused(1) and fused(auto) and not fused(auto + 1)
+    monkeypatch.setenv("ROCKET_DECODE_ATTENTION", "fused")
+    assert fused(auto + 1) and fused(kernels.DECODE_ATTENTION_MAX_STREAMS)
+    assert not fused(kernels.DECODE_ATTENTION_MAX_STREAMS + 1)  # more streams than the kernel takes: the matmuls
+    q = torch.zeros(1, 2, 16, dtype=torch.bfloat16, device="cuda")
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    monkeypatch.setenv("ROCKET_DECODE_ATTENTION", "matmul")
+    assert kernels.decode_attention(q, kc, kc, pos, 0.25) is None
+    monkeypatch.setenv("ROCKET_DECODE_ATTENTION", "flash")
+    with pytest.raises(RocketError, match="ROCKET_DECODE_ATTENTION='flash'"):
+        kernels.decode_attention(q, kc, kc, pos, 0.25)
+
+
 def _router_cfg(e, k, n_group=1, topk_group=1, norm=True, scale=2.5):
     from types import SimpleNamespace
     return SimpleNamespace(n_routed_experts=e, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
@@ -608,6 +683,146 @@ def test_gpu_scatter_sums_row_checksum(hidden):
     cpu = torch.zeros((), dtype=torch.long)
     got_cpu = kernels.moe_scatter_add(rows.cpu(), by_token.cpu(), coef.cpu(), by_canon.cpu(), cpu)
     assert torch.equal(got_cpu, got.cpu()) and int(cpu) == int(check[1])
+
+
+@gpu
+@pytest.mark.parametrize("hidden,t,n_res", [(4096, 1, 2), (4096, 9, 2), (96, 5, 0), (100, 5, 1), (12288, 2, 1)])
+def test_gpu_scatter_with_next_norm_bitwise(hidden, t, n_res):
+    """moe_scatter_add with norm (the graphed step's scatter making the next layer's input norm in its launch) gives
+    the bits of the scatter and then kernels.rms_norm: out, normed and the rows' checksum (4096 and 96: one fused
+    launch; 100 and 12288: the scalar or too-long rows take the two launches)."""
+    from rocket_mpi.model.layers import rms_norm as rms_norm_ref
+    k = 8
+    gen = torch.Generator().manual_seed(hidden + t)
+    rows = (torch.randn(3 * t * k, hidden, generator=gen) * 2).to(torch.bfloat16).cuda()
+    slot_of_canon = torch.randperm(3 * t * k, generator=gen)[:t * k].cuda()
+    by_canon = torch.randperm(t * k, generator=gen).view(t, k).to(torch.int32).cuda()
+    by_token = slot_of_canon[by_canon.long()]
+    coef = torch.rand(t, k, generator=gen).cuda()
+    res = tuple((torch.randn(t, hidden, generator=gen) * 4).to(torch.bfloat16).cuda() for _ in range(n_res))
+    w = (torch.rand(hidden, generator=gen) + 0.5).to(torch.bfloat16).cuda()
+    check = torch.zeros(2, dtype=torch.long, device="cuda")
+    out, normed = kernels.moe_scatter_add(rows, by_token, coef, by_canon, check[0], res, norm=(w, 1e-5))
+    want = kernels.moe_scatter_add(rows, by_token, coef, by_canon, check[1], res)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(normed.view(torch.int16), kernels.rms_norm(want, w, 1e-5).view(torch.int16))
+    assert int(check[0]) == int(check[1])
+    cpu = kernels.moe_scatter_add(rows.cpu(), by_token.cpu(), coef.cpu(), residual=tuple(r.cpu() for r in res),
+                                  norm=(w.cpu(), 1e-5))
+    assert torch.equal(cpu[0], out.cpu())
+    assert torch.equal(cpu[1], rms_norm_ref(out.cpu(), w.cpu(), 1e-5))
+
+
+@gpu
+@pytest.mark.parametrize("n,ids", [(4096, [5, 0, 77, 5]), (80, [3]), (36, [1, 2]), (4096, [2, 1000, -1])])
+def test_gpu_embed_rms_norm_bitwise(n, ids):
+    """embed_rms_norm (the step's embedding and first norm in one launch) = table[ids] and kernels.rms_norm, bit for
+    bit; an id outside the table reads as a zero row (the step's ids come from its argmax, always inside)."""
+    gen = torch.Generator().manual_seed(n)
+    table = (torch.randn(100, n, generator=gen) * 2).to(torch.bfloat16).cuda()
+    w = (torch.rand(n, generator=gen) + 0.5).to(torch.bfloat16).cuda()
+    ids_t = torch.tensor(ids, device="cuda")
+    x, h = kernels.embed_rms_norm(table, ids_t, w, 1e-6)
+    inside = (ids_t >= 0) & (ids_t < 100)
+    want = torch.where(inside[:, None], table[ids_t.clamp(0, 99)], torch.zeros((), dtype=table.dtype, device="cuda"))
+    assert torch.equal(x.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(h.view(torch.int16), kernels.rms_norm(want, w, 1e-6).view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("m,vocab", [(1, 151552), (8, 151552), (3, 1000), (2, 5), (70, 4099)])
+def test_gpu_argmax_is_torch_argmax(m, vocab):
+    """argmax_ (the step's next tokens and pos += 1 in one launch) picks torch.argmax's token: the first of equal
+    maxima (+0 and -0 equal), a NaN before any number, a row of -inf its first entry; twice in a row (the ticket
+    left zero for the next launch)."""
+    gen = torch.Generator().manual_seed(m * vocab)
+    logits = torch.randn(m, vocab, generator=gen).to(torch.bfloat16)
+    r = list(range(m))
+    if m > 1:
+        i, j = sorted(torch.randint(0, vocab, (2,), generator=gen).tolist())
+        logits[r[1], i] = logits[r[1], j] = 100.0                       # a tie: the lower index
+    if m > 2:
+        logits[r[2]] = float("-inf")                                   # nothing but -inf: index 0
+        logits[r[2], vocab - 1] = float("nan")                         # ... but a NaN comes first
+        logits[r[2], vocab // 2] = float("nan")
+    if m > 3:
+        logits[r[3]] = -1.0
+        logits[r[3], vocab - 2], logits[r[3], vocab - 3] = 0.0, -0.0   # -0 == +0: the lower index
+    if m > 4:
+        logits[r[4]] = float("-inf")
+    logits = logits.cuda()
+    want = torch.argmax(logits, dim=-1)
+    tokens = torch.full((m,), -7, dtype=torch.long, device="cuda")
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pos = torch.arange(m, device="cuda") * 3
+    for rep in range(2):
+        tokens.fill_(-7)
+        kernels.argmax_(logits, tokens, ticket, pos)
+        assert tokens.tolist() == want.tolist(), rep
+        assert pos.tolist() == [3 * i + rep + 1 for i in range(m)] and int(ticket) == 0
+
+
+@gpu
+@pytest.mark.parametrize("m,cap", [(8, 40), (1, 3), (3, 9)])
+def test_gpu_rope_kv_reads_table_at_pos(m, cap):
+    """rope_kv_ with table=True (cos / sin read at pos from Rope.table's halves) = the gathered rows, bit for bit,
+    a position at the table's last row (pos = cap: nothing written) included."""
+    from rocket_mpi.model.layers import Rope
+    rot, d, hq, hk = 64, 128, 12, 2
+    rope = Rope(rot, 10000.0, torch.bfloat16)
+    rope.inv_freq = rope.inv_freq.cuda()
+    tab = rope.table(cap + 1, torch.device("cuda"))
+    gen = torch.Generator().manual_seed(m + cap)
+    q, k, v = (torch.randn(m, h, d, generator=gen).to(torch.bfloat16).cuda() for h in (hq, hk, hk))
+    kc, vc = (torch.randn(m, hk, cap, d, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+    pos = torch.tensor([0, cap - 1, cap, 2, 5, 1, 7, 3][:m], device="cuda").clamp(max=cap)
+    want = [t.clone() for t in (q, k, kc, vc)]
+    cos, sin = tab[:, pos]
+    kernels.rope_kv_(want[0], want[1], v, cos, sin, rot, want[2], want[3], pos)
+    kernels.rope_kv_(q, k, v, tab[0], tab[1], rot, kc, vc, pos, table=True)
+    for name, got, w in zip(("q", "k", "k cache", "v cache"), (q, k, kc, vc), want):
+        assert torch.equal(got.view(torch.int16), w.view(torch.int16)), name
+
+
+@gpu
+def test_gpu_moe_plan_meta_out_and_zero():
+    """moe_plan writes its meta into the step's report row it is given (the same words as its own tensor) and
+    zeroes the layer's checksum word."""
+    gen = torch.Generator().manual_seed(3)
+    t, k, e, ranks = 5, 4, 16, 2
+    experts = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).cuda()
+    weights = torch.rand(t, k, generator=gen).cuda()
+    owner = (torch.arange(e) * ranks // e).to(torch.int32)
+    slot = kplan.slot_table(e, {i: i for i in range(e // 2)}).cuda()
+    args = (experts, weights, owner.cuda(), slot, kplan.canonical_experts(owner).cuda(), torch.rand(e).cuda(), 0,
+            ranks, 2, 4 * t * k)
+    base = kplan.moe_plan(*args, torch.tensor([6], device="cuda"))
+    report = torch.full((3 + kplan.META_HEAD + ranks,), 99, dtype=torch.long, device="cuda")
+    got = kplan.moe_plan(*args, torch.tensor([6], device="cuda"), report[3:], report[1:2])
+    assert got["meta"].data_ptr() == report[3:].data_ptr()
+    assert report.tolist() == [99, 0, 99] + base["meta"].tolist()
+    for key in kplan.PLAN_KEYS:
+        assert torch.equal(got[key], base[key]), key
+
+
+@gpu
+@pytest.mark.parametrize("streams", [1, 8])
+def test_gpu_step_fuse_knob_same_tokens(streams, monkeypatch):
+    """The graphed step with its glue fused (the default) and with ROCKET_STEP_FUSE=0 (the separate ops) decodes the
+    same tokens with the same row checksums."""
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.prompts import default_prompts
+    runs = {}
+    ckpt = "preset:default:nvfp4"
+    for knob in ("1", "0"):
+        monkeypatch.setenv("ROCKET_STEP_FUSE", knob)
+        eng = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
+        assert eng.set_decode_path("graph", "local") == "graph"
+        r = eng.generate(default_prompts(streams, eng.cfg.vocab_size), 10)
+        assert r.path == "graph" and not r.note, r.note
+        runs[knob] = (r.tokens, [s.row_crc for s in r.steps])
+    assert runs["1"] == runs["0"]
 
 
 @gpu

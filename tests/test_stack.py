@@ -144,9 +144,11 @@ from test_kernels import gpu  # noqa: E402
 
 
 @gpu
+@pytest.mark.parametrize("split", ["", "1", "2", "4"])   # ROCKET_STACK_SPLIT: K slices per feature group (unset: 8)
 @pytest.mark.parametrize("n,k,parts,bias", [((96, 32, 32), 96, 3, True), ((4096,), 1408, 1, False),
                                             ((1024, 1024), 4096, 2, True), ((48,), 80, 1, True)])
-def test_gpu_linear_matches_reference_and_rows_are_independent(n, k, parts, bias):
+def test_gpu_linear_matches_reference_and_rows_are_independent(n, k, parts, bias, split, monkeypatch):
+    monkeypatch.setenv("ROCKET_STACK_SPLIT", split)
     g = torch.Generator().manual_seed(sum(n) + k)
     ws = [(torch.randn(m, k, generator=g) / k ** 0.5).bfloat16().cuda() for m in n]
     bs = [torch.randn(m, generator=g).bfloat16().cuda() if bias else None for m in n]
@@ -166,8 +168,10 @@ def test_gpu_linear_matches_reference_and_rows_are_independent(n, k, parts, bias
 
 
 @gpu
+@pytest.mark.parametrize("split", ["", "2"])
 @pytest.mark.parametrize("h,i", [(64, 48), (4096, 1408)])
-def test_gpu_swiglu_dense_matches_reference_and_rows_are_independent(h, i):
+def test_gpu_swiglu_dense_matches_reference_and_rows_are_independent(h, i, split, monkeypatch):
+    monkeypatch.setenv("ROCKET_STACK_SPLIT", split)
     g = torch.Generator().manual_seed(h + i)
     gate_up = (torch.randn(2 * i, h, generator=g) / h ** 0.5).bfloat16().cuda()
     down = (torch.randn(h, i, generator=g) / i ** 0.5).bfloat16().cuda()
@@ -183,6 +187,27 @@ def test_gpu_swiglu_dense_matches_reference_and_rows_are_independent(h, i):
         for r, a in alone.items():
             if r < rows:
                 assert torch.equal(out[r], a), f"rows {rows}: row {r} differs from it alone"
+
+
+@gpu
+def test_gpu_stack_split_default_by_shape(monkeypatch):
+    """ROCKET_STACK_SPLIT unset: 8 K slices for outputs under 8192 features, 4 from there (bit for bit the explicit
+    values); another split is another sum order (close, and here not the same bits); a value the kernel does not take
+    is one error."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 1024, generator=g).bfloat16().cuda()
+    for n, default in ((4096, "8"), (8192, "4")):
+        packs = kernels.pack_linear([(torch.randn(n, 1024, generator=g) / 32).bfloat16().cuda()], [None])
+        out = {}
+        for split in ("", "8", "4"):
+            monkeypatch.setenv("ROCKET_STACK_SPLIT", split)
+            out[split] = kernels.linear(x, packs)[0]
+        other = "4" if default == "8" else "8"
+        assert torch.equal(out[""], out[default]), n
+        assert not torch.equal(out[""], out[other]) and _rel(out[other], out[""]) < TOL, n
+    monkeypatch.setenv("ROCKET_STACK_SPLIT", "3")
+    with pytest.raises(RuntimeError, match="ROCKET_STACK_SPLIT=3"):
+        kernels.linear(x, packs)
 
 
 @gpu

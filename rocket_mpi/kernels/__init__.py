@@ -5,7 +5,7 @@
     moe_scatter_add(rows, by_token, coef)     per token, fp32 sum of coef * row in expert order, bf16 once
                                               (optionally summing the rows' checksum as it reads them)
     route(x, weight, bias, cfg)               the router in two kernels (moe/router.py route's result)
-    rms_norm / rope_ / kv_append              fused ops of the fixed-shape decode step (graph.py), CUDA only
+    rms_norm / rope_ / kv_append / argmax_    fused ops of the fixed-shape decode step (graph.py), CUDA only
     linear / swiglu_dense                     the replicated stack's linears and MLPs in BF16 tiles (stack.py)
 
 CPU tensors run the reference; CUDA tensors need the extension (csrc/, built by setup.py) and raise a
@@ -116,22 +116,31 @@ def nvfp4_experts_stages(x: torch.Tensor, segments: list[tuple[int, int, int]], 
 
 def moe_scatter_add(rows: torch.Tensor, by_token: torch.Tensor, coef: torch.Tensor,
                     by_canon: torch.Tensor | None = None, check: torch.Tensor | None = None,
-                    residual=()) -> torch.Tensor:
+                    residual=(), norm: tuple[torch.Tensor, float] | None = None):
     """rows [R, H] bf16; by_token [T, k] row indices (ascending expert); coef [T, k] fp32 -> [T, H] bf16,
     bitwise equal to rocket_mpi.moe.scatter.moe_scatter_add. With by_canon [T, k] (each entry's canonical
     row) and check (one int64), also check += engine.row_sum of the rows in canonical order. Then + each of
-    `residual` ([T, H] bf16, at most 2) in order, as torch's r + y (the graphed step's x + (routed + shared))."""
+    `residual` ([T, H] bf16, at most 2) in order, as torch's r + y (the graphed step's x + (routed + shared)).
+    With norm = (weight, eps): returns (out, rms_norm(out, weight, eps)), on a GPU from the same launch where the
+    shapes allow (the same bits as kernels.rms_norm after it), on a CPU through layers.rms_norm."""
     if not rows.is_cuda:
         if check is not None:
             order = torch.empty(by_canon.numel(), dtype=torch.long)
             order[by_canon.reshape(-1).long()] = by_token.reshape(-1).cpu()
             from rocket_mpi.engine import row_sum
             check += row_sum(rows[order])
-        return add_residuals(moe_scatter_add_ref(rows, by_token, coef), residual)
+        out = add_residuals(moe_scatter_add_ref(rows, by_token, coef), residual)
+        if norm is None:
+            return out
+        from rocket_mpi.model.layers import rms_norm as rms_norm_ref
+        return out, rms_norm_ref(out, norm[0], norm[1])
     C = _ext.require()
-    return C.moe_scatter_add(rows.contiguous(), by_token.to(device=rows.device, dtype=torch.int64).contiguous(),
-                             coef.to(device=rows.device, dtype=torch.float32).contiguous(), by_canon, check,
-                             [r.contiguous() for r in residual])
+    args = (rows.contiguous(), by_token.to(device=rows.device, dtype=torch.int64).contiguous(),
+            coef.to(device=rows.device, dtype=torch.float32).contiguous(), by_canon, check,
+            [r.contiguous() for r in residual])
+    if norm is None:
+        return C.moe_scatter_add(*args)
+    return C.moe_scatter_add(*args, norm_w=norm[0], eps=float(norm[1]))
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +160,21 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _ext.require().rms_norm(x.contiguous(), w, eps)
 
 
+def embed_rms_norm(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table[ids], rms_norm(table[ids], w, eps)) in one launch: the decode step's embedding and first norm, the
+    same bits as the gather and then kernels.rms_norm (an id outside the table reads as a zero row)."""
+    return _ext.require().rms_norm(table, w, eps, index=ids)
+
+
+def argmax_(logits: torch.Tensor, tokens: torch.Tensor, ticket: torch.Tensor, pos: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """tokens[:] = torch.argmax(logits, dim=-1) (the first maximum; a NaN counts as the largest) of bf16 logits
+    [M, V] in one launch, and pos += 1 where given. ticket: one zero int32 on the device (left zero)."""
+    _ext.require().argmax_(logits.contiguous(), tokens, ticket, pos)
+    return tokens
+
+
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> None:
     """layers.Rope.apply on q [T, hq, d] and k [T, hk, d] in place, bitwise torch's bf16 ops."""
     _ext.require().rope_(q, k, cos.contiguous(), sin.contiguous(), rot)
@@ -162,9 +186,43 @@ def kv_append(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def rope_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int,
-             kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor) -> None:
-    """rope_(q, k, ...) then kv_append(kc, vc, k, v, pos) in one launch: the same bits."""
-    _ext.require().rope_kv_(q, k, v.contiguous(), cos.contiguous(), sin.contiguous(), rot, kc, vc, pos)
+             kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor, table: bool = False) -> None:
+    """rope_(q, k, ...) then kv_append(kc, vc, k, v, pos) in one launch: the same bits. table: cos / sin are
+    [n, rot] tables (Rope.table's halves) read at each stream's position, instead of the step's rows."""
+    _ext.require().rope_kv_(q, k, v.contiguous(), cos.contiguous(), sin.contiguous(), rot, kc, vc, pos, table)
+
+
+def attention_switch() -> str:
+    """ROCKET_DECODE_ATTENTION: 'auto' (default: decode_attention for steps of at most DECODE_ATTENTION_AUTO_STREAMS
+    streams, the two matmuls around decode_softmax above), 'fused' (decode_attention wherever it takes the step) or
+    'matmul' (the matmuls always). The two differ in the sums' order, so it is one of the switches every rank must
+    share (moe/experts.py BIT_SWITCHES); 'auto' picks by the step's stream count, the same on every rank."""
+    import os
+    v = os.environ.get("ROCKET_DECODE_ATTENTION", "auto")
+    if v not in ("auto", "fused", "matmul"):
+        from rocket_mpi.errors import RocketError
+        raise RocketError(f"ROCKET_DECODE_ATTENTION={v!r}: expected 'auto' (default), 'fused' or 'matmul'")
+    return v
+
+
+def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
+                     scale: float) -> torch.Tensor | None:
+    """q [M, hq, d] (one query per stream) over the keys 0..pos[m] of its caches [M, hkv, span, d] -> [M, hq, d]
+    bf16 in one kernel (csrc/decode_ops.cu): q.k in fp32 rounded to bf16, then decode_softmax's arithmetic, then the
+    bf16 probabilities times v summed in fp32, rounded once; what glm4_moe's _attend does in three kernels but for
+    the order of the sums. None where the caller takes the matmuls: more than DECODE_ATTENTION_MAX_STREAMS streams
+    (more than DECODE_ATTENTION_AUTO_STREAMS under 'auto'), a span past DECODE_ATTENTION_MAX_SPAN, a head dim past
+    128, or ROCKET_DECODE_ATTENTION=matmul. (H200, air8 NVFP4, graphed, one process: 3.2 / 0.8 / 2.0 % faster steps
+    at 1 / 2 / 4 streams, 0.2 / 0.8 % slower at 8 / 16: results/README.md, session 23.)"""
+    mode = attention_switch()
+    if mode == "matmul" or (mode == "auto" and q.shape[0] > DECODE_ATTENTION_AUTO_STREAMS):
+        return None
+    return _ext.require().decode_attention(q.contiguous(), kc, vc, pos, scale)
+
+
+DECODE_ATTENTION_MAX_SPAN = 2048    # csrc/rocket.h kDecodeAttentionMaxSpan
+DECODE_ATTENTION_AUTO_STREAMS = 4   # 'auto': the fused kernel up to this many streams
+DECODE_ATTENTION_MAX_STREAMS = 16   # kDecodeAttentionMaxStreams
 
 
 def decode_softmax(scores: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:

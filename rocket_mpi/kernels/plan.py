@@ -107,15 +107,23 @@ PLAN_KEYS = ("by_token", "coef", "row_index", "pad_rows", "groups", "canon_slot"
 
 def moe_plan(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,
              canon: torch.Tensor, s2_down: torch.Tensor, rank: int, n_ranks: int, n_sets: int, set_stride: int,
-             seq: torch.Tensor) -> dict[str, torch.Tensor]:
+             seq: torch.Tensor, meta_out: torch.Tensor | None = None, zero: torch.Tensor | None = None
+             ) -> dict[str, torch.Tensor]:
     """The device plan (one kernel, no host read; `seq` [1] int64 on the device is bumped by one). CPU
-    tensors take the reference (the CPU mode of graph.py's fixed-shape step)."""
+    tensors take the reference (the CPU mode of graph.py's fixed-shape step). meta_out: where the meta goes (a
+    row of the step's report, graph.py), returned as "meta"; zero: one int64 the plan sets to 0 (the layer's
+    checksum sum, before the scatter adds to it)."""
     if not experts.is_cuda:
         table = {e: s for e, s in enumerate(slot.tolist()) if s >= 0}
         out = moe_plan_ref(experts, weights, owner, table, s2_down, rank, n_ranks, n_sets, set_stride, int(seq))
         seq += 1
+        if meta_out is not None:
+            meta_out.copy_(out["meta"])
+            out["meta"] = meta_out
+        if zero is not None:
+            zero.zero_()
         return out
     from rocket_mpi.kernels import _ext
     out = _ext.require().moe_plan(experts.contiguous(), weights.float().contiguous(), owner, slot, canon, s2_down,
-                                  rank, n_ranks, n_sets, set_stride, seq)
+                                  rank, n_ranks, n_sets, set_stride, seq, meta_out, zero)
     return dict(zip(PLAN_KEYS, out))

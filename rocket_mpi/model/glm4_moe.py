@@ -147,7 +147,7 @@ class Glm4MoeModel:
             pos = torch.tensor(starts, device=dev)
             hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # [M,1,1,span]
             decode = (torch.arange(len(seqlens), device=dev), pos, span, hide)
-        x = self._layers(x, cos, sin, cache, starts, seqlens, decode, moe)
+        x, _ = self._layers(x, cos, sin, cache, starts, seqlens, decode, moe)
         cache.lengths += torch.tensor(seqlens)
         last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
         h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
@@ -159,44 +159,66 @@ class Glm4MoeModel:
         exact cast, so the copy is left to whoever wants it: engine.generate's on_step):
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
         over the cache's whole capacity under a length mask. The caller advances pos and cache.lengths.
-        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the scaled, masked softmax run as
-        fused kernels (kernels.rms_norm / rope_kv_ / decode_softmax), the residual adds in the packed linears'
-        epilogues: fewer launches in the graph, the same math (the softmax's and the norm's sums in their own
-        order)."""
+        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the attention (one kernel for spans up
+        to kernels.DECODE_ATTENTION_MAX_SPAN and steps of at most DECODE_ATTENTION_AUTO_STREAMS streams, as
+        ROCKET_DECODE_ATTENTION picks, else two matmuls around the scaled, masked softmax) run as fused kernels (kernels.rms_norm / rope_kv_ / decode_attention /
+        decode_softmax), the residual adds in the packed linears' epilogues: fewer launches in the graph, the same
+        math (the sums in the kernels' own order). With the step's glue fused (graph.step_fused): the embedding with
+        the first RMSNorm, RoPE reading the table at pos in rope_kv_, each MoE scatter with the next RMSNorm
+        (kernels: the same bits)."""
+        from rocket_mpi.graph import step_fused
         cfg = self.cfg
         dev = self.embed.device
         fused = dev.type == "cuda" and kernels.available()
-        if fused:  # rows of the capacity's cos/sin table (Rope.table): one gather instead of six kernels per step
-            cos, sin = self.rope.table(cache.capacity + 1, dev)[:, pos]  # + 1: pos = capacity writes nothing
+        glue = fused and step_fused(dev)
+        if fused:  # rows of the capacity's cos/sin table (Rope.table): read at pos by rope_kv_, or one gather
+            table = self.rope.table(cache.capacity + 1, dev)  # + 1: pos = capacity writes nothing
+            cos, sin = (table[0], table[1]) if glue else table[:, pos]
         else:
             cos, sin = self.rope.cos_sin(pos)
-        x = self.embed[tokens]
+        h = None
+        if glue:
+            x, h = kernels.embed_rms_norm(self.embed, tokens, self.layers[0].input_norm, cfg.rms_norm_eps)
+        else:
+            x = self.embed[tokens]
         span = cache.capacity
         if fused:  # rope_kv_ writes the caches at pos, decode_softmax hides the keys past it
-            decode = (None, pos, span, None)
+            decode = ("table" if glue else None, pos, span, None)
         else:
             hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # once per step
             decode = (torch.arange(tokens.numel(), device=dev), pos, span, hide)
-        x = self._layers(x, cos, sin, cache, None, None, decode, moe, fused, static=True)
-        norm = kernels.rms_norm if fused else rms_norm
-        return F.linear(norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)
+        x, h = self._layers(x, cos, sin, cache, None, None, decode, moe, fused, static=True, h=h, glue=glue)
+        if h is None:
+            norm = kernels.rms_norm if fused else rms_norm
+            h = norm(x, self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head)
 
     def _layers(self, x, cos, sin, cache, starts, seqlens, decode, moe, fused: bool = False,
-                static: bool = False) -> torch.Tensor:
+                static: bool = False, h: torch.Tensor | None = None, glue: bool = False):
+        """The layers over x -> (x, h): h = the final RMSNorm of x where the last MoE scatter made it (glue),
+        else None. h in: the first layer's input norm of x, made by the caller."""
         cfg = self.cfg
         norm = kernels.rms_norm if fused else rms_norm
+        n = len(self.layers)
         for i, L in enumerate(self.layers):
-            h = norm(x, L.input_norm, cfg.rms_norm_eps)
+            if h is None:
+                h = norm(x, L.input_norm, cfg.rms_norm_eps)
             x = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, decode, fused, x)  # x + attention
             h = norm(x, L.post_norm, cfg.rms_norm_eps)
             if L.mlp is not None:
-                x = mlp_forward(h, L.mlp, L.mlp_packed, residual=(x,))                        # x + mlp
+                x, h = mlp_forward(h, L.mlp, L.mlp_packed, residual=(x,)), None              # x + mlp
             elif static:  # the fixed-shape step's MoE (graph.DeviceMoE): the shared expert beside the routing
-                x = moe(i, h, L, shared=lambda: mlp_forward(h, L.shared, L.shared_packed), residual=x)
+                hs = h  # the shared expert's input (the lambda runs inside moe, after h is rebound below)
+                shared = lambda: mlp_forward(hs, L.shared, L.shared_packed)  # noqa: E731
+                if glue:  # the scatter also makes the next input norm (the final norm after the last layer)
+                    nxt = self.layers[i + 1].input_norm if i + 1 < n else self.norm
+                    x, h = moe(i, h, L, shared=shared, residual=x, next_norm=(nxt, cfg.rms_norm_eps))
+                else:
+                    x, h = moe(i, h, L, shared=shared, residual=x), None
             else:
                 routed = moe(i, h, L)
-                x = mlp_forward(h, L.shared, L.shared_packed, residual=(routed, x))          # x + (routed + shared)
-        return x
+                x, h = mlp_forward(h, L.shared, L.shared_packed, residual=(routed, x)), None  # x + (routed + shared)
+        return x, h
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens, decode,
                    fused: bool, x: torch.Tensor) -> torch.Tensor:
@@ -217,9 +239,12 @@ class Glm4MoeModel:
             k = norm(k, a.k_norm, cfg.rms_norm_eps)
         kc, vc = cache.k[i], cache.v[i]
         if fused:  # the fixed-shape decode step on a GPU: RoPE and the cache write in one kernel, the softmax in one
-            _, pos, span, _ = decode
-            kernels.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos)
-            out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], None, self.scale, pos).reshape(t, -1)
+            tab, pos, span, _ = decode  # tab: cos / sin are the Rope.table halves, read at pos
+            kernels.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos, table=tab is not None)
+            out = kernels.decode_attention(q, kc, vc, pos, self.scale) if span == kc.shape[2] else None
+            if out is None:  # more streams or a longer span than the fused kernel takes (kernels.decode_attention)
+                out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], None, self.scale, pos)
+            out = out.reshape(t, -1)
         elif decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)

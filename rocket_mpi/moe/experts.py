@@ -159,13 +159,25 @@ def check_pdl_switch() -> None:
     v = os.environ.get("ROCKET_EXPERTS_PDL", "")
     if v not in ("", "0", "1", "2"):
         from rocket_mpi.errors import RocketError
-        raise RocketError(f"ROCKET_EXPERTS_PDL={v!r}: expected 0 (off), 1 (gate/up and down) or 2 (down only, "
-                          f"the default)")
+        raise RocketError(f"ROCKET_EXPERTS_PDL={v!r}: expected 0 (off), 1 (gate/up and down) or 2 (down only; "
+                          f"unset: 2 above 4 tokens, 0 up to 4)")
+
+
+def check_stack_split() -> None:
+    """ROCKET_STACK_SPLIT (K slices of the stack's linears in the expert kernel's BF16 tiles, csrc/nvfp4_experts.cu
+    dense_split) checked at set-up: one error line instead of a failed launch mid-step."""
+    import os
+    v = os.environ.get("ROCKET_STACK_SPLIT", "")
+    if v not in ("", "1", "2", "4", "8"):
+        from rocket_mpi.errors import RocketError
+        raise RocketError(f"ROCKET_STACK_SPLIT={v!r}: expected 1, 2, 4 or 8 (K slices per feature group; unset: by "
+                           f"the linear's shape)")
 
 
 # Environment switches that change what a rank computes (its bits): every rank must see the same values, so the
 # start-up handshake (run.py) compares them.
-BIT_SWITCHES = ("ROCKET_KERNELS", "ROCKET_STACK", "ROCKET_BF16_EXPERTS")
+BIT_SWITCHES = ("ROCKET_KERNELS", "ROCKET_STACK", "ROCKET_BF16_EXPERTS", "ROCKET_DECODE_ATTENTION",
+                "ROCKET_STACK_SPLIT")
 
 
 def bit_switches() -> dict[str, str]:
@@ -178,8 +190,13 @@ def kernels_enabled(device) -> bool:
     forces the torch reference everywhere."""
     import os
     check_pdl_switch()
+    check_stack_split()
+    from rocket_mpi.kernels import attention_switch
     from rocket_mpi.kernels.stack import stack_switch
     stack_switch()  # a bad ROCKET_STACK fails at set-up everywhere
+    attention_switch()  # and a bad ROCKET_DECODE_ATTENTION
+    from rocket_mpi.graph import step_fused
+    step_fused("cpu")  # and a bad ROCKET_STEP_FUSE
     if device is None or torch.device(device).type != "cuda" or os.environ.get("ROCKET_KERNELS") == "0":
         return False
     from rocket_mpi import kernels

@@ -302,7 +302,8 @@ class GraphStep:
         vals = self.moe.report.tolist()
         m, n_moe, w = self.tokens.numel(), self.moe.calls, self.moe.meta_words
         sums = vals[m:m + n_moe]
-        metas = [vals[m + len(self.moe.sums) + i * w:][:w] for i in range(n_moe)]
+        at = m + len(self.moe.sums)  # the plans' meta rows
+        metas = [vals[at + i * w:at + (i + 1) * w] for i in range(n_moe)]
         rows, experts = [mt[kplan.META_ROWS] for mt in metas], [mt[kplan.META_EXPERTS] for mt in metas]
         self.engine.seq += n_moe  # each MoE layer's plan bumped the device seq by one
         return vals[:m], {"crc": fold_row_sums(sums), "rows_mine": sum(rows), "experts_mine": sum(experts),

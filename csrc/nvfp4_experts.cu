@@ -130,8 +130,9 @@ struct GemmParams {
   __nv_bfloat16* out;
   int hidden;
   const int* pad_rows;       // null: dense rows (below)
-  int split_k;               // dense launches: K cut into split_k slices (1, 2, 4 or 8), one warp each, so a block of W
-                             // warps takes W / split_k feature groups (run_group); 0: expert launches (a warp per group)
+  int split_k;               // dense launches: K cut into split_k slices (1, 2, 4 or 8), one warp each, so a block
+                             // of W warps takes W / split_k feature groups (run_group); 0: expert launches (a warp
+                             // per group)
   int n_groups;              // entries of `groups`, or weight passes of dense rows
   // Dense rows (the replicated stack's linears and SwiGLU MLPs, kernels.linear / swiglu_dense): one weight slot,
   // rows 0..dense_rows-1 in order, so no pad_rows and no groups; pass y covers row tiles 4y..4y+3.

@@ -222,7 +222,8 @@ void launch_ipc_wait(const IpcWait& a, cudaStream_t stream);
 void launch_ipc_exchange_flags(const IpcPush& a, const IpcWait& w, int blocks, cudaStream_t stream);
 
 // ---- fused ops of the fixed-shape decode step (decode_ops.cu) ----
-// With index ([rows] int64) and x_out: row b is x[index[b]] (an id outside [0, x_rows): zeros), also copied to x_out[b].
+// With index ([rows] int64) and x_out: row b is x[index[b]] (an id outside [0, x_rows): zeros), also copied to
+// x_out[b].
 void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int n, float eps, cudaStream_t stream,
                      const int64_t* index = nullptr, int64_t x_rows = 0, void* x_out = nullptr);
 void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens, int hq, int hk, int d, int rot,

@@ -103,6 +103,11 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
   a.swiglu_limit = swiglu_limit.has_value() ? static_cast<float>(*swiglu_limit) : 0.0f;
   a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
   a.h_frag = reinterpret_cast<uint4*>(h_frag.data_ptr<int>());
+  torch::Tensor ready;  // per-pass counts (ROCKET_EXPERTS_PDL=3; prep zeroes them): plan launches only
+  if (pad_rows != nullptr) {
+    ready = torch::empty({n_groups}, x.options().dtype(torch::kInt));
+    a.ready = ready.data_ptr<int>();
+  }
   a.out = out.data_ptr();
   a.out_rows = out_rows;
   rocket::launch_nvfp4_experts(a, c10::cuda::getCurrentCUDAStream().stream());

@@ -58,6 +58,37 @@ __device__ __forceinline__ T* opaque(T* p) {
   return p;
 }
 
+// The GPU's nanosecond clock (timeouts of spin waits).
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
+  return t;
+}
+
+// A warp's stores published to other blocks: each lane orders its earlier stores before lane 0's release add
+// on `counter` (a reader that acquires the count sees them, through the async proxy too: bulk copies).
+__device__ __forceinline__ void warp_release_add(int* counter, int lane) {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  __threadfence();
+  __syncwarp();
+  if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
+
+// Spin (one thread) until *counter >= need, acquiring what its adders published, for the generic and the async
+// proxy (bulk copies issued after it). Only another grid's progress can end it, so a count that never comes is a
+// bug: after timeout_ns the kernel traps (a launch failure the host reports) instead of hanging.
+__device__ __forceinline__ void wait_count(const int* counter, int need, uint64_t timeout_ns) {
+  const uint64_t t0 = globaltimer_ns();
+  for (uint32_t spin = 0;; ++spin) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+    if (v >= need) break;
+    __nanosleep(32);
+    if ((spin & 1023) == 1023 && globaltimer_ns() - t0 > timeout_ns) __trap();
+  }
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // mbarriers (sm_90) for a block-wide ring filled by bulk copies (the TMA engine): init by one thread, then

@@ -30,12 +30,6 @@ __device__ __forceinline__ int64_t load_acquire_sys(const int64_t* p) {
   return v;
 }
 
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
-  return t;
-}
-
 // This block's share of the rows: uint4 i of the message to word `first + i` of every rank's buffer (ours
 // included), grid-strided, kUnroll loads in flight per thread before their stores. (Session 15: 4 MiB in
 // 17.7-19.2 us against 18.5-19.7 us with one load in flight, and no gain from 128 blocks instead of 32: the
@@ -62,12 +56,12 @@ __device__ __forceinline__ void push_rows(const IpcPush& a, int64_t words, int64
 // Spin until `word` (written by `peer`) reaches the layer's seq, or time out.
 __device__ __forceinline__ void wait_word(const IpcWait& a, const int64_t* word, int peer) {
   const int64_t seq = a.meta[4];
-  const uint64_t t0 = globaltimer_ns();
+  const uint64_t t0 = dev::globaltimer_ns();
   for (uint32_t spin = 0;; ++spin) {
     if (load_acquire_sys(word) >= seq) return;
     if ((spin & 255) == 0) {
       if (*reinterpret_cast<volatile int64_t*>(a.err) != 0) return;  // a peer already timed out this step
-      if (globaltimer_ns() - t0 > a.timeout_ns) {
+      if (dev::globaltimer_ns() - t0 > a.timeout_ns) {
         if (atomicCAS(reinterpret_cast<unsigned long long*>(a.err), 0ull, 1ull) == 0ull) {
           a.err[1] = peer;
           a.err[2] = seq;

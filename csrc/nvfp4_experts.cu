@@ -5,13 +5,16 @@
 //   gate_up  h = SwiGLU(x Wg^T * s2g, x Wu^T * s2u) -> h_frag, rounded to bf16 as the torch reference
 //   down     out = h Wd^T (no weight_scale_2: the scatter applies s2_down) -> out rows, bf16
 // down is launched as a programmatic dependent (PDL) of gate_up: its blocks take the SM slots gate_up's last
-// wave leaves free and start their weight copies there, then wait for h_frag (griddepcontrol). H200, session 15
-// (results/README.md), off -> on, two rounds each: decode-shaped launches M=1 57.2-57.9 -> 55.4-55.6 us, M=8
+// wave leaves free and start their weight copies there, then wait for h_frag: each block for its own pass only
+// (ROCKET_EXPERTS_PDL=3, the default: a count per pass that gate/up's warps add to once their h_frag rows are
+// stored, GemmParams::ready), or for the whole of gate/up (2: griddepcontrol.wait). Session 24, graphed air8 step,
+// one process: 3 against 2 M=8 2.291 -> 2.190 ms, M=16 2.837 -> 2.758 ms. PDL itself (H200, session 15,
+// results/README.md), off -> on, two rounds each: decode-shaped launches M=1 57.2-57.9 -> 55.4-55.6 us, M=8
 // 170.9-171.8 -> 168.0-168.4 us; 64 experts at 1 / 16 rows +0.4-0.6 / +0.6-0.9 points of copy bandwidth; the
 // graphed air8 step at M=8 2.64-2.65 -> 2.62 ms, M=1 unchanged. gate_up as a dependent of prep as well
 // (ROCKET_EXPERTS_PDL=1) made the graphed step at M=1 slower (1.83-1.93 -> 2.02-2.05 ms), so it is not the default.
-// Session 23, measured inside one process (scripts/ab_decode.py): at 1-4 tokens the step is faster with no PDL at
-// all, so launches of at most kPdlOffRows tokens launch down normally (pdl_for).
+// Measured inside one process (scripts/ab_decode.py, sessions 23-24): at 1-2 tokens the step is faster with no PDL
+// at all, so launches of at most kPdlOffRows tokens launch down normally (pdl_for).
 //
 // Dense launches (kernels/stack.py: the replicated stack's linears and SwiGLU MLPs, BF16 tiles): one weight slot,
 // rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
@@ -81,6 +84,9 @@ __host__ __device__ constexpr int warp_smem() { return S * (kBf16 ? kBf16StageBy
 // k-tile and tile (x_frag / h_frag keep a tile's k-tiles contiguous), with a full and an empty mbarrier. 3 blocks
 // of 8 warps per SM stay resident (3 x 72 KiB of shared memory).
 constexpr int kRowsRing = 3, kRowsGroup = 4;
+// A down block waits for its pass's gate/up warps (ROCKET_EXPERTS_PDL=3) at most this long, then traps: only a bug
+// can get there (every gate/up block has started before any down block does), and a trap is an error, not a hang.
+constexpr uint64_t kReadyTimeoutNs = 10ull * 1000 * 1000 * 1000;
 constexpr int kRowsTileBytes = 2 * 32 * 16;
 constexpr int kRowsStage = 2 * kRowsGroup * kRowsTileBytes;
 constexpr int kRowsRingBytes = kRowsRing * kRowsStage + 2 * kRowsRing * 8;
@@ -151,6 +157,12 @@ struct GemmParams {
   // same two uint4 per k-tile that x_frag holds after a prep launch. Null: x_frag.
   const uint4* x_rows;
   int64_t x_ld4;
+  // Per-pass readiness (ROCKET_EXPERTS_PDL=3, NVFP4 expert launches): prep zeroes ready[pass]; each gate/up warp adds
+  // 1 to its pass's count once its h_frag stores are published; the down kernel (gate/up's programmatic dependent)
+  // starts a pass's rows once the count reaches ready_need (gate/up's feature groups) instead of waiting for the
+  // whole gate/up grid, so down's passes run in the SM slots gate/up's last wave leaves. Null: griddepcontrol.wait.
+  int* ready;
+  int ready_need;            // down: > 0 to wait per pass (gate/up: 0, it adds)
 };
 
 // Block row i of the launch: its row, or -1 for a padding row.
@@ -203,7 +215,7 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
 // 63% to 70% of copy bandwidth on the H200 (results/README.md, session 9). 17-32 rows load them half a k-tile
 // at a time (fewer live registers, less spilling under the 80-register bound): 32 rows per expert 817 -> 603 us
 // (session 13).
-template <int RT, int S, int L, bool kBf16>
+template <int RT, int S, int L, bool kBf16, bool kWaitPass = false>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4], int kt0, int nk, const RowsRing& rr) {
   // k-tiles kt0 .. kt0 + nk - 1 (all of K, or one warp's slice of a split launch)
@@ -258,8 +270,13 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // Programmatic dependent launch: above, only the pass (groups: the plan, complete before prep, which is
   // launched normally, began) and weight copies (static data); the rows (x_frag from prep, h_frag from
   // gate/up) and every store only after this wait. (So prep must not become a programmatic dependent of the
-  // plan kernel: `groups` would be read while it may still be written.)
-  dev::grid_dependency_wait();
+  // plan kernel: `groups` would be read while it may still be written.) With per-pass readiness (down launches
+  // with ready_need, expert launches: blockIdx.y is the pass) the block's rows come only through the ring that
+  // thread 0 fills, so thread 0 alone waits, for its pass's count; the other warps wait on the ring's mbarrier, and
+  // the epilogue's stores (out) are read by no kernel before this grid ends. (Launch parameters only, so the main
+  // loops keep their registers.)
+  if (!kWaitPass || p.ready_need == 0) dev::grid_dependency_wait();
+  else if (threadIdx.x == 0) dev::wait_count(p.ready + blockIdx.y, p.ready_need, kReadyTimeoutNs);
   // The rows (x_frag, h_frag): the NVFP4 instances copy them with bulk copies (volatile asm, so they stay after
   // the wait's volatile asm) and read them from shared memory after the ring's mbarrier; the BF16 instances read
   // them through __ldg, which the compiler may move above the wait unless the address depends on something after
@@ -608,7 +625,7 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
   char* smem_warp = smem + warp * warp_smem<S, kBf16>();
   if constexpr (!kSplit) {
-    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk, rr);
+    mainloop<RT, S, L, kBf16, !kSwiglu && !kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk, rr);
   } else {
     const int P = p.split_k, slice = warp % P;
     const int kt0 = slice * p.nk / P, kt1 = (slice + 1) * p.nk / P;
@@ -637,8 +654,15 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
           for (int c = 0; c < 4; ++c)
             acc[i][rt][c] = __fadd_rn(acc[i][rt][c], part[((w * kFT + i) * RT * 4 + rt * 4 + c) * 32]);
   }
-  if constexpr (kSwiglu) epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
-  else epilogue_down<RT>(p, grp.y, fg, lane, acc);
+  if constexpr (kSwiglu) {
+    epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
+    // per-pass readiness (expert launches: blockIdx.y is the pass): this warp's h_frag rows are stored
+    if constexpr (!kBf16 && !kSplit) {
+      if (p.ready != nullptr) dev::warp_release_add(p.ready + blockIdx.y, lane);
+    }
+  } else {
+    epilogue_down<RT>(p, grp.y, fg, lane, acc);
+  }
 }
 
 template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
@@ -709,9 +733,10 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
 __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows, int64_t x_ld_words,
                                  const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
                                  int dense_rows, int n_tiles, int hidden, int pairs, int direct_k,
-                                 uint4* __restrict__ frag) {
+                                 uint4* __restrict__ frag, int* __restrict__ ready, int n_ready) {
   dev::launch_dependents();  // ROCKET_EXPERTS_PDL=1: gate/up may start its weight copies now (it waits for these rows)
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx < n_ready) ready[idx] = 0;  // ROCKET_EXPERTS_PDL=3: the passes' counts (the grid has >= n_ready threads)
   if (idx >= int64_t(n_tiles) * pairs * 32) return;
   const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
   const int64_t rest = idx >> 5;
@@ -804,10 +829,11 @@ void launch_gemm(const GemmParams& p, bool bf16, bool pdl, cudaStream_t stream) 
 }
 
 // A tuning switch, read from the environment at each launch (A/B runs without rebuilding; a CUDA graph keeps
-// what it was at capture): ROCKET_EXPERTS_PDL = 0 (off), 1 (gate/up a dependent of prep, down of gate/up) or 2
-// (down only); unset: 2 for launches of more than kPdlOffRows rows of x (tokens), 0 up to that (see pdl_for). It
-// does not change what any row computes, only when the weight copies start (tests/test_kernels.py checks the bits);
-// a bad value is one error naming it.
+// what it was at capture): ROCKET_EXPERTS_PDL = 0 (off), 1 (gate/up a dependent of prep, down of gate/up), 2
+// (down only) or 3 (down only, each pass of down waiting for its own pass of gate/up; BF16 tiles: as 2); unset: 3
+// for launches of more than kPdlOffRows rows of x (tokens), 0 up to that (see pdl_for). It does not change what any
+// row computes, only when the weight copies and the rows start (tests/test_kernels.py checks the bits); a bad value
+// is one error naming it.
 int env_knob(const char* name, int dflt, int lo, int hi) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return dflt;
@@ -818,16 +844,19 @@ int env_knob(const char* name, int dflt, int lo, int hi) {
   return static_cast<int>(x);
 }
 
-int pdl_mode() { return env_knob("ROCKET_EXPERTS_PDL", -1, 0, 2); }  // 0 off, 1 gate/up and down, 2 down only
+// 0 off, 1 gate/up and down, 2 down only, 3 down only, each pass waiting for its own gate/up warps (GemmParams::ready)
+int pdl_mode() { return env_knob("ROCKET_EXPERTS_PDL", -1, 0, 3); }
 
-// The default: down as gate/up's dependent except for launches of a few tokens. H200, air8 NVFP4, graphed, one
-// process (results/README.md, session 23): PDL off made the step 1.9 / 1.0 / 1.5 % faster at 1 / 2 / 4 streams and
-// 0.7 / 0.4 / 0.4 % slower at 8 / 16 / 64 (at a few rows the dependent's early blocks cost gate/up more than its
-// weight copies gain).
-constexpr int64_t kPdlOffRows = 4;
+// The default: down as gate/up's dependent, each pass waiting for its own (3), except for launches of a few tokens.
+// H200, air8 NVFP4, graphed, one process (results/README.md): PDL off made the step 1.9 / 1.0 / 1.5 % faster at 1 /
+// 2 / 4 streams than 2 and 0.7 / 0.4 / 0.4 % slower at 8 / 16 / 64 (session 23: at a few rows the dependent's early
+// blocks cost gate/up more than its weight copies gain; all of gate/up fits one wave there). 3 (session 24), against
+// off at 1 / 2 / 4 streams +1.3 / 0.0 / -3.3 %, against 2 at 8 / 16 / 32 / 64 -4.4 / -2.8 / -1.5 / -0.6 % (down's
+// passes run in the SM slots gate/up's last wave leaves).
+constexpr int64_t kPdlOffRows = 2;
 int pdl_for(int64_t rows) {
   const int mode = pdl_mode();
-  return mode >= 0 ? mode : (rows <= kPdlOffRows ? 0 : 2);
+  return mode >= 0 ? mode : (rows <= kPdlOffRows ? 0 : 3);
 }
 
 
@@ -883,6 +912,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && (dense || a.n_groups <= 65535), "groups " << a.n_groups);
   if (a.n_tiles == 0 || a.n_groups == 0) return;
   const int pdl = pdl_for(dense ? a.dense_rows : a.x_rows);
+  // per-pass readiness: NVFP4 expert launches (their down kernel reads h_frag only through the rows ring)
+  const bool ready = pdl == 3 && !dense && !a.bf16 && a.ready != nullptr;
+  ROCKET_CHECK(!ready || a.n_groups <= a.n_tiles, "groups " << a.n_groups << " > tiles " << a.n_tiles);
 
   ROCKET_CHECK(!a.direct_k || (dense && a.row_index == nullptr), "direct_k_order: dense rows of x only");
   const bool direct = a.direct_k && rows_direct(a.x, a.dense_rows, a.hidden);
@@ -892,7 +924,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     const int threads = 256;
     prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
         static_cast<const uint32_t*>(a.x), a.x_rows, a.hidden / 2, a.row_index, a.pad_rows, a.dense_rows, a.n_tiles,
-        a.hidden, pairs, a.direct_k, a.x_frag);
+        a.hidden, pairs, a.direct_k, a.x_frag, ready ? a.ready : nullptr, ready ? a.n_groups : 0);
     ROCKET_LAUNCH_CHECK();
   }
   {  // gate/up + SwiGLU: N = 2 inter_pad (tiles of 8 gate + 8 up), K = hidden_pad
@@ -916,6 +948,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.has_limit = a.has_limit;
     p.h_frag = reinterpret_cast<uint32_t*>(a.h_frag);
     p.h_pairs = a.inter_pad / 32;
+    p.ready = ready ? a.ready : nullptr;
     pass_params(p, a);
     launch_gemm<true>(p, a.bf16 != 0, pdl == 1, stream);
   }
@@ -933,6 +966,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.n_fgroups = tiles / kFT;
     p.out = static_cast<__nv_bfloat16*>(a.out);
     p.hidden = a.hidden;
+    p.ready = ready ? a.ready : nullptr;
+    p.ready_need = ready ? 2 * a.inter_pad / kTileN / kFT : 0;  // gate/up's feature groups: one count per warp
     pass_params(p, a);
     p.n_res = a.n_res;
     for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
@@ -959,7 +994,7 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
     const int threads = 256;
     prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
         static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs, 1,
-        a.x_frag);
+        a.x_frag, nullptr, 0);
     ROCKET_LAUNCH_CHECK();
   }
   GemmParams p{};

@@ -100,6 +100,7 @@ struct ExpertsLaunch {
   // scratch and result
   uint4* x_frag;               // [tiles][hidden_pad/32][32] uint4
   uint4* h_frag;               // [tiles][inter_pad/32][32] uint4
+  int* ready;                  // [n_groups] int32 scratch (nullable): the passes' counts of ROCKET_EXPERTS_PDL=3
   void* out;                   // bf16 [out_rows, hidden]
   int64_t out_rows;
   // dense rows only: residuals bf16 [rows, hidden] added to the output in order, each add torch's `r + y` of two

@@ -660,8 +660,8 @@ def _check_batch_invariance(p, seed):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_gpu_scheduling_switches_keep_bits(bf16):
     """Programmatic dependent launch (ROCKET_EXPERTS_PDL, csrc/nvfp4_experts.cu) only moves when the weight
-    copies start: on and off give the same bits, on every row-tile path (1-4 tiles, a second weight pass), and
-    a bad setting is one clear error."""
+    copies and the rows start (3: each pass of down waits for its own pass of gate/up): every mode gives the same
+    bits, on every row-tile path (1-4 tiles, a second weight pass), and a bad setting is one clear error."""
     h, i = 4096, 2048
     counts = {0: 1, 1: 5, 2: 8, 3: 13, 4: 24, 5: 32, 6: 40}
     ids = sorted(counts)
@@ -676,12 +676,12 @@ def test_gpu_scheduling_switches_keep_bits(bf16):
     saved = os.environ.get(name)
     outs = {}
     try:
-        for v in ("0", "1", "2", "0", "1"):
+        for v in ("0", "1", "2", "3", "0", "1", "3"):
             os.environ[name] = v
             outs[(len(outs), v)] = kernels.nvfp4_experts(x, segs, p)
         torch.cuda.synchronize()
-        os.environ[name] = "3"
-        with pytest.raises(RuntimeError, match="ROCKET_EXPERTS_PDL=3"):
+        os.environ[name] = "4"
+        with pytest.raises(RuntimeError, match="ROCKET_EXPERTS_PDL=4"):
             kernels.nvfp4_experts(x, segs, p)
     finally:
         if saved is None:
@@ -692,6 +692,41 @@ def test_gpu_scheduling_switches_keep_bits(bf16):
     for k, v in outs.items():
         assert torch.equal(v.view(torch.int16), outs[first].view(torch.int16)), f"knobs {k} differ from {first}"
     print(f"\n[scheduling switches] {'BF16' if bf16 else 'NVFP4'}: {len(outs)} settings, identical bits")
+
+
+@gpu
+def test_gpu_per_pass_wait_across_waves():
+    """ROCKET_EXPERTS_PDL=3: a pass of down starts once its own gate/up warps have published h_frag (counters, not
+    the whole grid). With more blocks than the GPU holds at once (several waves of both kernels, passes finishing
+    out of order), repeated launches give exactly the bits of launches with no overlap at all (mode 0): a pass
+    read before its rows were complete would differ."""
+    h, i, n_exp = 512, 1024, 64
+    ids = list(range(n_exp))
+    p = pack.pack_experts(make_experts(ids, h, i, seed=21), h, i).to("cuda")
+    rng = random.Random(5)
+    counts = {e: rng.choice((1, 2, 3, 7, 8, 9, 16, 24, 33, 40)) for e in ids}
+    segs = segments_for(counts, base=0)
+    x = (torch.randn(sum(counts.values()), h, generator=torch.Generator().manual_seed(8)) * 2).to(
+        torch.bfloat16).cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    name = "ROCKET_EXPERTS_PDL"
+    saved = os.environ.get(name)
+    try:
+        os.environ[name] = "0"
+        ref = kernels.nvfp4_experts(x, segs, p)
+        os.environ[name] = "3"
+        outs = [kernels.nvfp4_experts(x, segs, p) for _ in range(6)]
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+    passes = sum((c + 31) // 32 for c in counts.values())
+    for k, out in enumerate(outs):
+        differ = out.view(torch.int16) != ref.view(torch.int16)
+        assert not differ.any(), f"launch {k} with per-pass waits differs from mode 0 in {int(differ.sum())} values"
+    print(f"\n[per-pass waits] {passes} passes, {passes * (2 * i // 32 // 8)} gate/up blocks for {3 * sms} slots: "
+          f"{len(outs)} launches identical to mode 0")
 
 
 def make_bf16_experts(ids, hidden, inter, seed=0):

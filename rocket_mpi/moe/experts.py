@@ -157,10 +157,10 @@ def check_pdl_switch() -> None:
     one error line from the command instead of a failed kernel launch mid-step."""
     import os
     v = os.environ.get("ROCKET_EXPERTS_PDL", "")
-    if v not in ("", "0", "1", "2"):
+    if v not in ("", "0", "1", "2", "3"):
         from rocket_mpi.errors import RocketError
-        raise RocketError(f"ROCKET_EXPERTS_PDL={v!r}: expected 0 (off), 1 (gate/up and down) or 2 (down only; "
-                          f"unset: 2 above 4 tokens, 0 up to 4)")
+        raise RocketError(f"ROCKET_EXPERTS_PDL={v!r}: expected 0 (off), 1 (gate/up and down), 2 (down only) or 3 "
+                          f"(down only, waiting per pass; unset: 3 above 2 tokens, 0 up to 2)")
 
 
 def check_stack_split() -> None:

@@ -698,32 +698,34 @@ def test_gpu_scheduling_switches_keep_bits(bf16):
 def test_gpu_per_pass_wait_across_waves():
     """ROCKET_EXPERTS_PDL=3: a pass of down starts once its own gate/up warps have published h_frag (counters, not
     the whole grid). With more blocks than the GPU holds at once (several waves of both kernels, passes finishing
-    out of order), repeated launches give exactly the bits of launches with no overlap at all (mode 0): a pass
-    read before its rows were complete would differ."""
+    out of order), launches give exactly the bits of launches with no overlap at all (mode 0). Two inputs
+    alternate, so the scratch a launch reuses holds the other input's h_frag: a pass read before its rows were
+    complete would differ."""
     h, i, n_exp = 512, 1024, 64
     ids = list(range(n_exp))
     p = pack.pack_experts(make_experts(ids, h, i, seed=21), h, i).to("cuda")
     rng = random.Random(5)
     counts = {e: rng.choice((1, 2, 3, 7, 8, 9, 16, 24, 33, 40)) for e in ids}
     segs = segments_for(counts, base=0)
-    x = (torch.randn(sum(counts.values()), h, generator=torch.Generator().manual_seed(8)) * 2).to(
-        torch.bfloat16).cuda()
+    gen = torch.Generator().manual_seed(8)
+    xs = [(torch.randn(sum(counts.values()), h, generator=gen) * 2).to(torch.bfloat16).cuda() for _ in range(2)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     name = "ROCKET_EXPERTS_PDL"
     saved = os.environ.get(name)
     try:
         os.environ[name] = "0"
-        ref = kernels.nvfp4_experts(x, segs, p)
+        refs = [kernels.nvfp4_experts(x, segs, p) for x in xs]
         os.environ[name] = "3"
-        outs = [kernels.nvfp4_experts(x, segs, p) for _ in range(6)]
+        outs = [kernels.nvfp4_experts(xs[k % 2], segs, p) for k in range(6)]
     finally:
         if saved is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+    assert not torch.equal(refs[0], refs[1])
     passes = sum((c + 31) // 32 for c in counts.values())
     for k, out in enumerate(outs):
-        differ = out.view(torch.int16) != ref.view(torch.int16)
+        differ = out.view(torch.int16) != refs[k % 2].view(torch.int16)
         assert not differ.any(), f"launch {k} with per-pass waits differs from mode 0 in {int(differ.sum())} values"
     print(f"\n[per-pass waits] {passes} passes, {passes * (2 * i // 32 // 8)} gate/up blocks for {3 * sms} slots: "
           f"{len(outs)} launches identical to mode 0")

@@ -103,8 +103,8 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
   a.swiglu_limit = swiglu_limit.has_value() ? static_cast<float>(*swiglu_limit) : 0.0f;
   a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
   a.h_frag = reinterpret_cast<uint4*>(h_frag.data_ptr<int>());
-  torch::Tensor ready;  // per-pass counts (ROCKET_EXPERTS_PDL=3; prep zeroes them): plan launches only
-  if (pad_rows != nullptr) {
+  torch::Tensor ready;  // per-pass counts (ROCKET_EXPERTS_PDL=3; prep zeroes them): NVFP4 plan launches only
+  if (pad_rows != nullptr && !a.bf16) {
     ready = torch::empty({n_groups}, x.options().dtype(torch::kInt));
     a.ready = ready.data_ptr<int>();
   }

@@ -572,6 +572,62 @@ py::object rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps,
   return py::cast(out);
 }
 
+// GLM-5.3-Flash hyper-connections (hc.cu): x [T, n, H] bf16 -> (post [T, n] fp32, comb [T, n, n] fp32, collapsed
+// [T, H] bf16), as glm5_next_hc.hc_pre computes them.
+py::tuple hc_pre(const torch::Tensor& x, const torch::Tensor& fn, const torch::Tensor& base, const torch::Tensor& scale,
+                 int64_t iters, double eps, double norm_eps) {
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 3, dev, 2);
+  const int64_t t = x.size(0), n = x.size(1), h = x.size(2), j = (2 + n) * n;
+  ROCKET_CHECK(n >= 1 && n <= rocket::kHcMaxStreams, "hc_pre: " << n << " streams (1.." << rocket::kHcMaxStreams << ")");
+  expect(fn, "fn", torch::kFloat32, 2, dev, 4);
+  ROCKET_CHECK(fn.size(0) == j && fn.size(1) == n * h, "hc_pre: fn " << fn.sizes() << " for x " << x.sizes());
+  expect(base, "base", torch::kFloat32, 1, dev, 4);
+  expect(scale, "scale", torch::kFloat32, 1, dev, 4);
+  ROCKET_CHECK(base.numel() == j && scale.numel() == 3, "hc_pre: base " << base.sizes() << ", scale " << scale.sizes());
+  const c10::cuda::CUDAGuard guard(dev);
+  const auto f32 = x.options().dtype(torch::kFloat32);
+  auto part = torch::empty({t, rocket::hc_slices(static_cast<int>(n), static_cast<int>(h)), j + 1}, f32);
+  auto post = torch::empty({t, n}, f32), comb = torch::empty({t, n, n}, f32);
+  auto collapsed = torch::empty({t, h}, x.options());
+  rocket::HcPre a{};
+  a.x = x.data_ptr();
+  a.fn = fn.data_ptr<float>();
+  a.base = base.data_ptr<float>();
+  a.scale = scale.data_ptr<float>();
+  a.n = static_cast<int>(n);
+  a.tokens = static_cast<int>(t);
+  a.hidden = static_cast<int>(h);
+  a.iters = static_cast<int>(iters);
+  a.eps = static_cast<float>(eps);
+  a.norm_eps = static_cast<float>(norm_eps);
+  a.part = part.data_ptr<float>();
+  a.post = post.data_ptr<float>();
+  a.comb = comb.data_ptr<float>();
+  a.collapsed = collapsed.data_ptr();
+  rocket::launch_hc_pre(a, c10::cuda::getCurrentCUDAStream().stream());
+  return py::make_tuple(post, comb, collapsed);
+}
+
+// post [T, n], comb [T, n, n] fp32, y [T, H] and x [T, n, H] bf16 -> the new streams [T, n, H] bf16 (hc_post).
+torch::Tensor hc_post(const torch::Tensor& post, const torch::Tensor& comb, const torch::Tensor& y,
+                      const torch::Tensor& x) {
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 3, dev, 2);
+  const int64_t t = x.size(0), n = x.size(1), h = x.size(2);
+  expect(post, "post", torch::kFloat32, 2, dev, 4);
+  expect(comb, "comb", torch::kFloat32, 3, dev, 4);
+  expect(y, "y", torch::kBFloat16, 2, dev, 2);
+  ROCKET_CHECK(post.size(0) == t && post.size(1) == n && comb.size(0) == t && comb.size(1) == n && comb.size(2) == n &&
+               y.size(0) == t && y.size(1) == h, "hc_post: post " << post.sizes() << ", comb " << comb.sizes()
+               << ", y " << y.sizes() << ", x " << x.sizes());
+  const c10::cuda::CUDAGuard guard(dev);
+  auto out = torch::empty_like(x);
+  rocket::launch_hc_post(post.data_ptr<float>(), comb.data_ptr<float>(), y.data_ptr(), x.data_ptr(), static_cast<int>(n),
+                         static_cast<int>(t), static_cast<int>(h), out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
+
 // tokens[r] = argmax(logits[r]) (torch.argmax's choice: the first maximum, a NaN first) of [rows, vocab] bf16, and
 // pos[r] += 1 where pos is given; ticket: one int32 on the device, zero, which the launch leaves zero.
 void argmax_(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& ticket,
@@ -725,6 +781,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "counter (the graphed step's exchange)");
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step); with index, (x[index], its norm) from one launch",
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("index") = py::none());
+  m.def("hc_pre", &hc_pre, "GLM-5.3-Flash hyper-connection collapse: (post, comb, collapsed), two launches");
+  m.def("hc_post", &hc_post, "GLM-5.3-Flash hyper-connection expand: the new streams, one launch");
   m.def("argmax_", &argmax_, "tokens = argmax of each row of bf16 logits (torch's choice), pos += 1, one launch",
         py::arg("logits"), py::arg("tokens"), py::arg("ticket"), py::arg("pos") = py::none());
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");

@@ -251,4 +251,24 @@ void launch_decode_softmax(const void* scores, const int64_t* pos, int streams, 
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,
                       int cap, int d, cudaStream_t stream);
 
+// ---- GLM-5.3-Flash hyper-connections (hc.cu; rocket_mpi/model/glm5_next_hc.py is the reference) ----
+constexpr int kHcMaxStreams = 4;     // hc_mult
+struct HcPre {
+  const void* x;                     // [tokens, n, hidden] bf16: the residual streams
+  const float* fn;                   // [(2 + n) n, n hidden]
+  const float* base;                 // [(2 + n) n]
+  const float* scale;                // [3]: pre, post, comb
+  int n, tokens, hidden, iters;      // iters: Sinkhorn iterations
+  float eps, norm_eps;
+  float* part;                       // [tokens, hc_slices(n, hidden), (2 + n) n + 1] scratch
+  float* post;                       // [tokens, n]
+  float* comb;                       // [tokens, n, n]
+  void* collapsed;                   // [tokens, hidden] bf16
+};
+int hc_slices(int n, int hidden);
+void launch_hc_pre(const HcPre& a, cudaStream_t stream);
+// out [tokens, n, hidden] bf16 = post[j] * y + sum_i comb[i, j] * x[i] (see hc.cu for where it rounds)
+void launch_hc_post(const float* post, const float* comb, const void* y, const void* x, int n, int tokens, int hidden,
+                    void* out, cudaStream_t stream);
+
 }  // namespace rocket

@@ -889,3 +889,58 @@ def test_gpu_graph_decode_bf16_equals_eager_device_step(streams, experts):
         else:
             os.environ["ROCKET_BF16_EXPERTS"] = old
     assert runs["graph"] == runs["device"]
+
+
+def _hc_case(t, n, h, seed):
+    from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection
+    gen = torch.Generator().manual_seed(seed)
+    j = (2 + n) * n
+    hc = HyperConnection(fn=(torch.randn(j, n * h, generator=gen) * 0.02).to(torch.bfloat16).float(),
+                         base=torch.randn(j, generator=gen) * 0.5, scale=torch.rand(3, generator=gen) + 0.5)
+    streams = (torch.randn(t, n, h, generator=gen) * 2).to(torch.bfloat16)
+    y = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    return hc, HcArgs(mult=n, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-5), streams, y
+
+
+@gpu
+@pytest.mark.parametrize("t,n,h", [(1, 4, 4096), (8, 4, 4096), (37, 4, 64), (3, 2, 520), (5, 3, 96), (2, 1, 128)])
+def test_gpu_hc_kernels_match_torch(t, n, h):
+    """csrc/hc.cu against glm5_next_hc's torch ops on the same inputs: post / comb within fp32 rounding of the
+    different sum order, the collapse and the new streams within one bf16 rounding; and a token alone gets the same
+    bits as inside the launch (no token depends on another)."""
+    from dataclasses import replace
+    from rocket_mpi.model.glm5_next_hc import hc_post, hc_pre
+    hc, a, streams, y = _hc_case(t, n, h, seed=t * 31 + n * 7 + h)
+    hc_c = replace(hc, fn=hc.fn.cuda(), base=hc.base.cuda(), scale=hc.scale.cuda())
+    sc, yc = streams.cuda(), y.cuda()
+    ref = [x.cuda() for x in hc_pre(hc_c, sc, a)]
+    got = hc_pre(hc_c, sc, a, fuse=True)
+    for name, g, r, tol in (("post", got[0], ref[0], 1e-5), ("comb", got[1], ref[1], 1e-5)):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        assert torch.allclose(g, r, rtol=tol, atol=tol), (name, float((g - r).abs().max()))
+    # bf16 results: within a couple of roundings of the size of the terms they sum (cancellation makes a result
+    # small, not its error)
+    xs = sc.float().abs()
+    c, cr = got[2].float(), ref[2].float()
+    size = (xs * 2).sum(dim=1)  # every pre weight is below 1 + eps
+    assert ((c - cr).abs() <= size * 2.0 ** -7 + 1e-6).all(), float((c - cr).abs().max())
+    out = hc_post(got[0], got[1], yc, sc, fuse=True).float()
+    out_ref = hc_post(got[0], got[1], yc, sc).float()
+    size = got[0][:, :, None] * yc.float().abs()[:, None, :] + torch.einsum("tij,tih->tjh", got[1], xs)
+    assert ((out - out_ref).abs() <= size * 2.0 ** -6 + 1e-6).all(), float((out - out_ref).abs().max())
+    # row invariance: the last token alone
+    alone = hc_pre(hc_c, sc[-1:].contiguous(), a, fuse=True)
+    for g, al in zip(got, alone):
+        assert torch.equal(g[-1:], al)
+    assert torch.equal(hc_post(got[0][-1:], got[1][-1:], yc[-1:], sc[-1:], fuse=True),
+                       hc_post(got[0], got[1], yc, sc, fuse=True)[-1:])
+
+
+def test_hc_fuse_knob(monkeypatch):
+    from rocket_mpi.errors import RocketError
+    from rocket_mpi.model.glm5_next_hc import fused
+    monkeypatch.setenv("ROCKET_HC_FUSE", "on")
+    with pytest.raises(RocketError, match="ROCKET_HC_FUSE='on'"):
+        fused("cpu")
+    monkeypatch.setenv("ROCKET_HC_FUSE", "1")
+    assert fused("cpu") is False   # GPU kernels only: the CPU step keeps the torch ops

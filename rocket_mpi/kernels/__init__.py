@@ -6,6 +6,7 @@
                                               (optionally summing the rows' checksum as it reads them)
     route(x, weight, bias, cfg)               the router in two kernels (moe/router.py route's result)
     rms_norm / rope_ / kv_append / argmax_    fused ops of the fixed-shape decode step (graph.py), CUDA only
+    hc_pre / hc_post                          GLM-5.3-Flash's hyper-connections in that step, CUDA only
     linear / swiglu_dense                     the replicated stack's linears and MLPs in BF16 tiles (stack.py)
 
 CPU tensors run the reference; CUDA tensors need the extension (csrc/, built by setup.py) and raise a
@@ -153,6 +154,17 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg) -> tup
     w, e = C.moe_route(partial, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob),
                        float(cfg.routed_scaling_factor))
     return w, e
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """glm5_next_hc.hc_pre in two launches (csrc/hc.cu): (post [T, N], comb [T, N, N] fp32, collapsed [T, H] bf16)."""
+    return _ext.require().hc_pre(streams.contiguous(), fn, base, scale, iters, eps, norm_eps)
+
+
+def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """glm5_next_hc.hc_post in one launch (csrc/hc.cu): the new streams [T, N, H] bf16."""
+    return _ext.require().hc_post(post.contiguous(), comb.contiguous(), y.contiguous(), streams.contiguous())
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import CheckpointError, ConfigError
 from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_pre
+from rocket_mpi.model.glm5_next_hc import fused as hc_fused
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
@@ -371,8 +372,9 @@ class Glm5NextModel:
         streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()
         idx = torch.arange(tokens.numel(), device=tokens.device)
         selection = None
+        fuse = hc_fused(x.device)
         for i, L in enumerate(self.layers):
-            post, comb, h = hc_pre(L.attn_hc, streams, hca)
+            post, comb, h = hc_pre(L.attn_hc, streams, hca, fuse)
             h = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
             if L.kda is not None:
                 y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], [], self.kda_args, idx=idx)
@@ -380,11 +382,11 @@ class Glm5NextModel:
             else:
                 y, sel = mla_decode(L.mla, h, cache.mla[i], pos, cache.capacity, self.mla_args, selection)
                 selection = sel if L.shares_next else None
-            streams = hc_post(post, comb, y, streams)
-            post, comb, h = hc_pre(L.ffn_hc, streams, hca)
+            streams = hc_post(post, comb, y, streams, fuse)
+            post, comb, h = hc_pre(L.ffn_hc, streams, hca, fuse)
             h = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
             y = self._mlp(h, *L.mlp) if L.mlp is not None else moe(i, h, L) + self._mlp(h, *L.shared)
-            streams = hc_post(post, comb, y, streams)
+            streams = hc_post(post, comb, y, streams, fuse)
         h = rms_norm(streams.mean(dim=1), self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head)  # bf16, as glm4_moe.forward_static
 

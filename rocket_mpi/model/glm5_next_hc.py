@@ -12,10 +12,13 @@ The weights are fp32 (transformers keeps base and scale in fp32; `fn` is BF16 on
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from rocket_mpi.errors import RocketError
 
 
 @dataclass
@@ -33,9 +36,24 @@ class HcArgs:
     norm_eps: float        # rms_norm_eps of the unweighted input norm
 
 
-def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs
+def fused(device) -> bool:
+    """Whether the fixed-shape step (forward_static) takes csrc/hc.cu's kernels for hc_pre / hc_post: on a GPU with
+    the extension, unless ROCKET_HC_FUSE=0 (A/B runs; read when a step is built, so a captured graph keeps what it
+    had). In torch, hc_pre is ~140 kernels per call (the Sinkhorn loop), the kernels two."""
+    from rocket_mpi import kernels
+    knob = os.environ.get("ROCKET_HC_FUSE", "1")
+    if knob not in ("0", "1"):
+        raise RocketError(f"ROCKET_HC_FUSE={knob!r}: use 1 (the hyper-connection kernels, the default) or 0")
+    return torch.device(device).type == "cuda" and kernels.available() and knob == "1"
+
+
+def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs, fuse: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, N, H] BF16 -> (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] BF16)."""
+    """streams [T, N, H] BF16 -> (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] BF16). fuse: the same in
+    csrc/hc.cu's kernels (sums in their own order: within rounding of this, tests/test_glm5_device.py)."""
+    if fuse:
+        from rocket_mpi import kernels
+        return kernels.hc_pre(streams, hc.fn, hc.base, hc.scale, a.sinkhorn_iters, a.eps, a.norm_eps)
     t, n, _ = streams.shape
     flat = streams.reshape(t, -1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + a.norm_eps)      # unweighted RMSNorm
@@ -54,7 +72,12 @@ def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs
     return post, comb, collapsed
 
 
-def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """post [T, N], comb [T, N, N] fp32; y [T, H] and streams [T, N, H] BF16 -> new streams [T, N, H]."""
+def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, streams: torch.Tensor, fuse: bool = False
+            ) -> torch.Tensor:
+    """post [T, N], comb [T, N, N] fp32; y [T, H] and streams [T, N, H] BF16 -> new streams [T, N, H]. fuse: one
+    kernel (csrc/hc.cu), rounding where these BF16 ops round."""
+    if fuse:
+        from rocket_mpi import kernels
+        return kernels.hc_post(post, comb, y, streams)
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)

@@ -18,7 +18,7 @@ try:
         ext_modules.append(CUDAExtension(
             "rocket_mpi._C",
             sources=["csrc/bindings.cpp", "csrc/nvfp4_experts.cu", "csrc/scatter.cu", "csrc/moe_plan.cu",
-                     "csrc/ipc_bells.cu", "csrc/decode_ops.cu", "csrc/router.cu", "csrc/hc.cu"],
+                     "csrc/ipc_bells.cu", "csrc/decode_ops.cu", "csrc/router.cu", "csrc/hc.cu", "csrc/kda.cu"],
             extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc},
         ))
         cmdclass = {"build_ext": BuildExtension}

@@ -628,6 +628,54 @@ torch::Tensor hc_post(const torch::Tensor& post, const torch::Tensor& comb, cons
   return out;
 }
 
+// One decode token per stream of a GLM-5.3-Flash KDA layer (kda.cu): conv [T, 3 heads dk] bf16 (SiLU(conv) of q|k|v),
+// f / gate [T, heads dk] and b [T, heads] bf16 (the low-rank and beta linears), state [streams, heads, dk, dk] fp32
+// (updated in place at index [T]) -> o_proj's input [T, heads dk] bf16.
+torch::Tensor kda_decode(const torch::Tensor& conv, const torch::Tensor& f, const torch::Tensor& b,
+                         const torch::Tensor& gate, const torch::Tensor& dt_bias, const torch::Tensor& a_log,
+                         const torch::Tensor& o_norm, torch::Tensor& state, const torch::Tensor& index, int64_t heads,
+                         int64_t dk, double q_scale, std::optional<double> lower_bound, double eps) {
+  const c10::Device dev = conv.device();
+  const int64_t t = conv.size(0), d = heads * dk;
+  expect(conv, "conv", torch::kBFloat16, 2, dev, 2);
+  expect(f, "f", torch::kBFloat16, 2, dev, 2);
+  expect(b, "b", torch::kBFloat16, 2, dev, 2);
+  expect(gate, "gate", torch::kBFloat16, 2, dev, 2);
+  expect(dt_bias, "dt_bias", torch::kFloat32, 1, dev, 4);
+  expect(a_log, "A_log", torch::kFloat32, 1, dev, 4);
+  expect(o_norm, "o_norm", torch::kFloat32, 1, dev, 4);
+  expect(state, "state", torch::kFloat32, 4, dev, 4);
+  expect(index, "index", torch::kLong, 1, dev, 8);
+  ROCKET_CHECK(conv.size(1) == 3 * d && f.size(0) == t && f.size(1) == d && b.size(0) == t && b.size(1) == heads &&
+               gate.size(0) == t && gate.size(1) == d && dt_bias.numel() == d && a_log.numel() == heads &&
+               o_norm.numel() == dk && state.size(1) == heads && state.size(2) == dk && state.size(3) == dk &&
+               index.numel() == t, "kda_decode: conv " << conv.sizes() << ", f " << f.sizes() << ", b " << b.sizes()
+               << ", gate " << gate.sizes() << ", state " << state.sizes() << ", index " << index.sizes() << " for "
+               << heads << " heads of " << dk);
+  const c10::cuda::CUDAGuard guard(dev);
+  auto out = torch::empty({t, d}, conv.options());
+  rocket::KdaDecode a{};
+  a.conv = conv.data_ptr();
+  a.f = f.data_ptr();
+  a.b = b.data_ptr();
+  a.gate = gate.data_ptr();
+  a.dt_bias = dt_bias.data_ptr<float>();
+  a.a_log = a_log.data_ptr<float>();
+  a.o_norm = o_norm.data_ptr<float>();
+  a.state = state.data_ptr<float>();
+  a.index = index.data_ptr<int64_t>();
+  a.out = out.data_ptr();
+  a.tokens = static_cast<int>(t);
+  a.heads = static_cast<int>(heads);
+  a.dk = static_cast<int>(dk);
+  a.q_scale = static_cast<float>(q_scale);
+  a.has_lower_bound = lower_bound.has_value();
+  a.lower_bound = lower_bound ? static_cast<float>(*lower_bound) : 0.0f;
+  a.eps = static_cast<float>(eps);
+  rocket::launch_kda_decode(a, c10::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
+
 // tokens[r] = argmax(logits[r]) (torch.argmax's choice: the first maximum, a NaN first) of [rows, vocab] bf16, and
 // pos[r] += 1 where pos is given; ticket: one int32 on the device, zero, which the launch leaves zero.
 void argmax_(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& ticket,
@@ -783,6 +831,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("index") = py::none());
   m.def("hc_pre", &hc_pre, "GLM-5.3-Flash hyper-connection collapse: (post, comb, collapsed), two launches");
   m.def("hc_post", &hc_post, "GLM-5.3-Flash hyper-connection expand: the new streams, one launch");
+  m.def("kda_decode", &kda_decode, "GLM-5.3-Flash KDA: one decode token per stream, conv output to o_proj input, "
+        "the state updated in place (one launch)");
   m.def("argmax_", &argmax_, "tokens = argmax of each row of bf16 logits (torch's choice), pos += 1, one launch",
         py::arg("logits"), py::arg("tokens"), py::arg("ticket"), py::arg("pos") = py::none());
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");

@@ -82,18 +82,22 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
   __shared__ float pre[N];
   if (threadIdx.x <= J) {
     float v = 0.0f;
+#pragma unroll 8
     for (int s = 0; s < slices; ++s) v = __fadd_rn(v, part[(int64_t(t) * slices + s) * (J + 1) + threadIdx.x]);
     mix[threadIdx.x] = v;
   }
   __syncthreads();
+  // warp 0: the RMS scale, pre and post; then the Sinkhorn loop (a latency chain of ~80 dependent steps) while the
+  // other warps collapse the streams with pre
+  const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(mix[J], float(K)), norm_eps));  // torch: rsqrt(mean(x^2) + eps)
+  // torch: linear(x * r, fn) * scale + base, each op rounded (explicit, so nothing contracts to an FMA)
+  auto w = [&](int q, int which) { return __fadd_rn(__fmul_rn(__fmul_rn(mix[q], r), scale[which]), base[q]); };
+  if (threadIdx.x < N) {
+    pre[lane] = __fadd_rn(hc_sigmoid(w(lane, 0)), eps);
+    post[t * N + lane] = __fmul_rn(2.0f, hc_sigmoid(w(N + lane, 1)));
+  }
+  __syncthreads();
   if (threadIdx.x < 32) {
-    const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(mix[J], float(K)), norm_eps));  // torch: rsqrt(mean(x^2) + eps)
-    // torch: linear(x * r, fn) * scale + base, each op rounded (explicit, so nothing contracts to an FMA)
-    auto w = [&](int q, int which) { return __fadd_rn(__fmul_rn(__fmul_rn(mix[q], r), scale[which]), base[q]); };
-    if (lane < N) {
-      pre[lane] = __fadd_rn(hc_sigmoid(w(lane, 0)), eps);
-      post[t * N + lane] = __fmul_rn(2.0f, hc_sigmoid(w(N + lane, 1)));
-    }
     // comb: lane l < N*N is entry (i, j) = (l / N, l % N); row i: lanes iN .. iN + N - 1, column j: j, j + N, ...
     const int l = lane < N * N ? lane : 0, i = l / N, j = l % N;
     float c = w(2 * N + l, 2);
@@ -108,10 +112,10 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
       c = __fdiv_rn(c, __fadd_rn(group_sum<N>(c, j, N), eps));       // columns
     }
     if (lane < N * N) comb[int64_t(t) * N * N + lane] = c;
+    return;
   }
-  __syncthreads();
   const __nv_bfloat16* xt = x + int64_t(t) * K;
-  for (int h = threadIdx.x; h < H; h += kHcThreads) {
+  for (int h = threadIdx.x - 32; h < H; h += kHcThreads - 32) {
     float acc = __fmul_rn(pre[0], __bfloat162float(xt[h]));
 #pragma unroll
     for (int q = 1; q < N; ++q) acc = __fadd_rn(acc, __fmul_rn(pre[q], __bfloat162float(xt[q * H + h])));

@@ -271,4 +271,22 @@ void launch_hc_pre(const HcPre& a, cudaStream_t stream);
 void launch_hc_post(const float* post, const float* comb, const void* y, const void* x, int n, int tokens, int hidden,
                     void* out, cudaStream_t stream);
 
+// ---- GLM-5.3-Flash KDA decode token (kda.cu; rocket_mpi/model/glm5_next_kda.py is the reference) ----
+struct KdaDecode {
+  const void* conv;                  // [tokens, 3, heads, dk] bf16: SiLU(conv) of q | k | v
+  const void* f;                     // [tokens, heads * dk] bf16: the forget gate's low-rank linear
+  const void* b;                     // [tokens, heads] bf16: the beta linear (before its sigmoid)
+  const void* gate;                  // [tokens, heads * dk] bf16: the output gate's low-rank linear
+  const float* dt_bias;              // [heads * dk]
+  const float* a_log;                // [heads]
+  const float* o_norm;               // [dk]
+  float* state;                      // [streams, heads, dk, dk] fp32, updated in place
+  const int64_t* index;              // [tokens]: the stream (state row) of each token
+  void* out;                         // [tokens, heads * dk] bf16: o_proj's input
+  int tokens, heads, dk;
+  float q_scale, lower_bound, eps;
+  int has_lower_bound;
+};
+void launch_kda_decode(const KdaDecode& a, cudaStream_t stream);
+
 }  // namespace rocket

@@ -48,12 +48,8 @@ def step_fused(device) -> bool:
     RMSNorm, RoPE reading its table at pos, each MoE scatter with the next RMSNorm, the argmax with pos += 1
     (kernels: the same bits as the separate ops, GPU tests). ROCKET_STEP_FUSE=0 takes the separate ops (A/B runs;
     read when a step is built, so a captured graph keeps what it had)."""
-    import os
     from rocket_mpi import kernels
-    knob = os.environ.get("ROCKET_STEP_FUSE", "1")
-    if knob not in ("0", "1"):
-        raise RocketError(f"ROCKET_STEP_FUSE={knob!r}: use 1 (fused glue kernels, the default) or 0")
-    return torch.device(device).type == "cuda" and kernels.available() and knob == "1"
+    return kernels.gpu_switch("ROCKET_STEP_FUSE", device, "fused glue kernels")
 
 
 def unsupported(engine, fabric_name: str, graph: bool = True) -> str:

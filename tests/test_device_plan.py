@@ -944,3 +944,61 @@ def test_hc_fuse_knob(monkeypatch):
         fused("cpu")
     monkeypatch.setenv("ROCKET_HC_FUSE", "1")
     assert fused("cpu") is False   # GPU kernels only: the CPU step keeps the torch ops
+
+
+def _kda_case(heads, dk, hidden, streams, seed, lower_bound):
+    from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs
+    gen = torch.Generator().manual_seed(seed)
+    d = heads * dk
+
+    def w(*shape, std=0.05):
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+    a = KDA(qkv=w(3 * d, hidden), conv=torch.randn(3 * d, 4, generator=gen) * 0.3, f_a=w(dk, hidden, std=0.2),
+            f_b=w(d, dk, std=0.2), dt_bias=torch.randn(d, generator=gen) * 0.5, A_log=torch.randn(heads, generator=gen) * 0.5,
+            b=w(heads, hidden, std=0.2), g_a=w(dk, hidden, std=0.2), g_b=w(d, dk, std=0.2),
+            o_norm=(torch.rand(dk, generator=gen) + 0.5).to(torch.bfloat16).float(), o=w(hidden, d))
+    args = KdaArgs(heads=heads, head_dim=dk, conv_kernel=4, lower_bound=lower_bound, eps=1e-5)
+    conv = (torch.randn(streams, 3 * d, 3, generator=gen)).to(torch.bfloat16)
+    rec = torch.randn(streams, heads, dk, dk, generator=gen) * 0.1
+    return a, args, conv, rec
+
+
+@gpu
+@pytest.mark.parametrize("heads,dk,lb", [(4, 16, -5.0), (2, 128, -5.0), (3, 64, None), (2, 32, -5.0)])
+def test_gpu_kda_decode_matches_torch(heads, dk, lb):
+    """csrc/kda.cu against glm5_next_kda's torch ops for decode tokens of 3 of 5 streams, three steps in a row: the
+    layer output within a few bf16 roundings of its size, the recurrent state within fp32 rounding of the other sum
+    orders, the conv state bit for bit (both take the same torch ops there); a token alone gets the same bits."""
+    from dataclasses import fields
+    from rocket_mpi.model.glm5_next_kda import kda_forward
+    hidden = 64
+    a, args, conv, rec = _kda_case(heads, dk, hidden, 5, seed=heads * 100 + dk, lower_bound=lb)
+    a = type(a)(**{f.name: getattr(a, f.name).cuda() for f in fields(a)})
+    idx = torch.tensor([4, 0, 2], device="cuda")
+    gen = torch.Generator().manual_seed(dk)
+    state = {name: (conv.cuda(), rec.cuda()) for name in ("torch", "kernel")}
+    for step in range(3):
+        h = (torch.randn(3, hidden, generator=gen)).to(torch.bfloat16).cuda()
+        ref = kda_forward(a, h, *state["torch"], [], args, idx=idx)
+        got = kda_forward(a, h, *state["kernel"], [], args, idx=idx, fuse=True)
+        size = ref.float().abs().amax(dim=-1, keepdim=True)
+        assert ((got.float() - ref.float()).abs() <= size * 2.0 ** -5).all(), (step, float((got - ref).abs().max()))
+        assert torch.equal(state["kernel"][0], state["torch"][0])
+        s_got, s_ref = state["kernel"][1], state["torch"][1]
+        assert torch.allclose(s_got, s_ref, rtol=1e-4, atol=1e-5), (step, float((s_got - s_ref).abs().max()))
+    # a token alone: the same output and state row as inside the launch
+    conv2, rec2 = state["kernel"][0].clone(), state["kernel"][1].clone()
+    h = (torch.randn(3, hidden, generator=gen)).to(torch.bfloat16).cuda()
+    both = kda_forward(a, h, *state["kernel"], [], args, idx=idx, fuse=True)
+    alone = kda_forward(a, h[1:2].contiguous(), conv2, rec2, [], args, idx=idx[1:2].contiguous(), fuse=True)
+    assert torch.equal(both[1:2], alone) and torch.equal(state["kernel"][1][0], rec2[0])
+
+
+def test_kda_fuse_knob(monkeypatch):
+    from rocket_mpi.errors import RocketError
+    from rocket_mpi.model.glm5_next_kda import fused
+    monkeypatch.setenv("ROCKET_KDA_FUSE", "2")
+    with pytest.raises(RocketError, match="ROCKET_KDA_FUSE='2'"):
+        fused("cpu")
+    monkeypatch.delenv("ROCKET_KDA_FUSE")
+    assert fused("cpu") is False

@@ -6,7 +6,7 @@
                                               (optionally summing the rows' checksum as it reads them)
     route(x, weight, bias, cfg)               the router in two kernels (moe/router.py route's result)
     rms_norm / rope_ / kv_append / argmax_    fused ops of the fixed-shape decode step (graph.py), CUDA only
-    hc_pre / hc_post                          GLM-5.3-Flash's hyper-connections in that step, CUDA only
+    hc_pre / hc_post / kda_decode             GLM-5.3-Flash's hyper-connections and KDA token in that step, CUDA only
     linear / swiglu_dense                     the replicated stack's linears and MLPs in BF16 tiles (stack.py)
 
 CPU tensors run the reference; CUDA tensors need the extension (csrc/, built by setup.py) and raise a
@@ -165,6 +165,27 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """glm5_next_hc.hc_post in one launch (csrc/hc.cu): the new streams [T, N, H] bf16."""
     return _ext.require().hc_post(post.contiguous(), comb.contiguous(), y.contiguous(), streams.contiguous())
+
+
+def gpu_switch(name: str, device, what: str) -> bool:
+    """Whether a step takes a GPU kernel that the environment variable `name` may turn off (A/B runs): on a GPU with
+    the extension, unless name=0; read when a step is built, so a captured graph keeps what it had. A value other
+    than 0 / 1 is one error naming it."""
+    import os
+    from rocket_mpi.errors import RocketError
+    knob = os.environ.get(name, "1")
+    if knob not in ("0", "1"):
+        raise RocketError(f"{name}={knob!r}: use 1 ({what}, the default) or 0")
+    return torch.device(device).type == "cuda" and available() and knob == "1"
+
+
+def kda_decode(conv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, dt_bias: torch.Tensor,
+               a_log: torch.Tensor, o_norm: torch.Tensor, state: torch.Tensor, index: torch.Tensor, heads: int, dk: int,
+               lower_bound: float | None, eps: float) -> torch.Tensor:
+    """glm5_next_kda's decode token from the conv output to o_proj's input in one launch (csrc/kda.cu); the state
+    rows at index are updated in place."""
+    return _ext.require().kda_decode(conv.contiguous(), f.contiguous(), b.contiguous(), gate.contiguous(), dt_bias,
+                                     a_log, o_norm, state, index, heads, dk, dk ** -0.5, lower_bound, eps)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

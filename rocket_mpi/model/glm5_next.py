@@ -27,6 +27,7 @@ from rocket_mpi.errors import CheckpointError, ConfigError
 from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_pre
 from rocket_mpi.model.glm5_next_hc import fused as hc_fused
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
+from rocket_mpi.model.glm5_next_kda import fused as kda_fused
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
 from rocket_mpi.model.layers import load_swiglu, move_stack, rms_norm, unique_nbytes
@@ -372,12 +373,12 @@ class Glm5NextModel:
         streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()
         idx = torch.arange(tokens.numel(), device=tokens.device)
         selection = None
-        fuse = hc_fused(x.device)
+        fuse, kfuse = hc_fused(x.device), kda_fused(x.device)
         for i, L in enumerate(self.layers):
             post, comb, h = hc_pre(L.attn_hc, streams, hca, fuse)
             h = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
             if L.kda is not None:
-                y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], [], self.kda_args, idx=idx)
+                y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], [], self.kda_args, idx=idx, fuse=kfuse)
                 selection = None
             else:
                 y, sel = mla_decode(L.mla, h, cache.mla[i], pos, cache.capacity, self.mla_args, selection)

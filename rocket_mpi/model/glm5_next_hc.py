@@ -12,13 +12,11 @@ The weights are fp32 (transformers keeps base and scale in fp32; `fn` is BF16 on
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.errors import RocketError
 
 
 @dataclass
@@ -38,13 +36,9 @@ class HcArgs:
 
 def fused(device) -> bool:
     """Whether the fixed-shape step (forward_static) takes csrc/hc.cu's kernels for hc_pre / hc_post: on a GPU with
-    the extension, unless ROCKET_HC_FUSE=0 (A/B runs; read when a step is built, so a captured graph keeps what it
-    had). In torch, hc_pre is ~140 kernels per call (the Sinkhorn loop), the kernels two."""
+    the extension, unless ROCKET_HC_FUSE=0. In torch, hc_pre is ~140 kernels per call (the Sinkhorn loop), here two."""
     from rocket_mpi import kernels
-    knob = os.environ.get("ROCKET_HC_FUSE", "1")
-    if knob not in ("0", "1"):
-        raise RocketError(f"ROCKET_HC_FUSE={knob!r}: use 1 (the hyper-connection kernels, the default) or 0")
-    return torch.device(device).type == "cuda" and kernels.available() and knob == "1"
+    return kernels.gpu_switch("ROCKET_HC_FUSE", device, "the hyper-connection kernels")
 
 
 def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs, fuse: bool = False

@@ -1,0 +1,116 @@
+// One decode token of a GLM-5.3-Flash KDA layer (rocket_mpi/model/glm5_next_kda.py has the math and the torch
+// reference), from the short convolution's output to o_proj's input, in one launch: per (token, head) the l2-normed
+// q and k, the forget gate's log decay, beta, the delta-rule update of the recurrent state [dk, dv] fp32 in place,
+// q^T S, its bf16 rounding and the gated RMSNorm. In torch that is ~30 small kernels per layer, and the state
+// (64 KiB per head, 4 MiB per stream and layer) is read and written by about ten of them; here once each.
+//
+// Block (token, head): dk x 4 threads, thread (c, y) owns state column c (a dv index) and rows y R .. y R + R - 1
+// (R = dk / 4). Each row of 4 threads computes the head's per-k vectors (q, k, decay) redundantly, in the same order,
+// so the four agree without a broadcast; sums over dk run in a fixed order (a thread's rows ascending, then the four
+// quarters in order; vector norms: a butterfly within each warp, then the warps in order). Deterministic, and a
+// token's result depends on no other token. Not bitwise torch's (its sums run in cuBLAS / reduction order): tests
+// compare within a tolerance (tests/test_device_plan.py).
+#include "common.cuh"
+
+namespace rocket {
+namespace {
+
+constexpr int kKdaQuarters = 4;
+constexpr int kKdaMaxDk = 128;
+
+__device__ __forceinline__ float kda_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Sum of v over the dk threads of this thread's row (threadIdx.y), every thread of the row gets it. dk: a power of
+// two, 16..128; buf: [kKdaQuarters][kKdaMaxDk / 32] floats.
+__device__ __forceinline__ float row_sum(float v, int dk, float* buf) {
+  const int width = dk < 32 ? dk : 32;
+  for (int d = width / 2; d > 0; d >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, d, width));
+  if (dk <= 32) return v;
+  const int warps = dk / 32, w = threadIdx.x / 32;
+  __syncthreads();  // buf is free (an earlier row_sum's readers are done)
+  if ((threadIdx.x & 31) == 0) buf[threadIdx.y * (kKdaMaxDk / 32) + w] = v;
+  __syncthreads();
+  float s = buf[threadIdx.y * (kKdaMaxDk / 32)];
+  for (int i = 1; i < warps; ++i) s = __fadd_rn(s, buf[threadIdx.y * (kKdaMaxDk / 32) + i]);
+  return s;
+}
+
+__global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters) kda_decode_kernel(const KdaDecode a) {
+  const int h = blockIdx.x, t = blockIdx.y, c = threadIdx.x, y = threadIdx.y;
+  const int dk = a.dk, nh = a.heads, D = nh * dk, R = dk / kKdaQuarters;
+  __shared__ float qs[kKdaMaxDk], ks[kKdaMaxDk], es[kKdaMaxDk];
+  __shared__ float part[2][kKdaQuarters][kKdaMaxDk];
+  __shared__ float buf[kKdaQuarters * (kKdaMaxDk / 32)];
+  // the head's vectors at index c (every row of threads, redundantly)
+  const __nv_bfloat16* conv = static_cast<const __nv_bfloat16*>(a.conv) + int64_t(t) * 3 * D + int64_t(h) * dk + c;
+  float q = __bfloat162float(conv[0]), k = __bfloat162float(conv[D]);
+  const float v = __bfloat162float(conv[2 * D]);
+  // _l2norm: x / sqrt(sum(x * x) + 1e-6); q then * dk^-1/2
+  const float qn = sqrtf(__fadd_rn(row_sum(__fmul_rn(q, q), dk, buf), 1e-6f));
+  const float kn = sqrtf(__fadd_rn(row_sum(__fmul_rn(k, k), dk, buf), 1e-6f));
+  q = __fmul_rn(__fdiv_rn(q, qn), a.q_scale);
+  k = __fdiv_rn(k, kn);
+  // forget gate: f = linear + dt_bias; g = lb * sigmoid(exp(A_log) f), or -exp(A_log) * softplus(f)
+  const float f = __fadd_rn(__bfloat162float(static_cast<const __nv_bfloat16*>(a.f)[int64_t(t) * D + int64_t(h) * dk + c]), a.dt_bias[h * dk + c]);
+  const float rate = expf(a.a_log[h]);
+  float g;
+  if (a.has_lower_bound) g = __fmul_rn(a.lower_bound, kda_sigmoid(__fmul_rn(rate, f)));
+  else g = __fmul_rn(-rate, f > 20.0f ? f : logf(__fadd_rn(1.0f, expf(f))));
+  const float beta = __bfloat162float(__float2bfloat16_rn(kda_sigmoid(__bfloat162float(static_cast<const __nv_bfloat16*>(a.b)[int64_t(t) * nh + h]))));
+  if (y == 0) {
+    qs[c] = q;
+    ks[c] = k;
+    es[c] = expf(g);
+  }
+  __syncthreads();
+  // the state: S <- S * exp(g); kv = k^T S; S <- S + k (beta (v - kv)); o = q^T S
+  float* S = a.state + (a.index[t] * nh + h) * int64_t(dk) * dk + c;
+  float s[kKdaMaxDk / kKdaQuarters];
+  float kv = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
+    if (i < R) {
+      const int r = y * R + i;
+      s[i] = __fmul_rn(S[int64_t(r) * dk], es[r]);
+      kv = __fadd_rn(kv, __fmul_rn(s[i], ks[r]));
+    }
+  }
+  part[0][y][c] = kv;
+  __syncthreads();
+  kv = __fadd_rn(__fadd_rn(__fadd_rn(part[0][0][c], part[0][1][c]), part[0][2][c]), part[0][3][c]);
+  const float delta = __fmul_rn(__fsub_rn(v, kv), beta);
+  float o = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
+    if (i < R) {
+      const int r = y * R + i;
+      s[i] = __fadd_rn(s[i], __fmul_rn(ks[r], delta));
+      S[int64_t(r) * dk] = s[i];
+      o = __fadd_rn(o, __fmul_rn(s[i], qs[r]));
+    }
+  }
+  part[1][y][c] = o;
+  __syncthreads();
+  o = __fadd_rn(__fadd_rn(__fadd_rn(part[1][0][c], part[1][1][c]), part[1][2][c]), part[1][3][c]);
+  // out.to(bf16).float(); out * rsqrt(mean(out^2) + eps) * o_norm * sigmoid(gate), rounded to bf16 for o_proj
+  const float ob = __bfloat162float(__float2bfloat16_rn(o));
+  const float ms = __fdiv_rn(row_sum(__fmul_rn(ob, ob), dk, buf), float(dk));
+  const float rr = __frsqrt_rn(__fadd_rn(ms, a.eps));
+  const float gate = __bfloat162float(static_cast<const __nv_bfloat16*>(a.gate)[int64_t(t) * D + int64_t(h) * dk + c]);
+  const float out = __fmul_rn(__fmul_rn(__fmul_rn(ob, rr), a.o_norm[c]), kda_sigmoid(gate));
+  if (y == 0) static_cast<__nv_bfloat16*>(a.out)[int64_t(t) * D + int64_t(h) * dk + c] = __float2bfloat16_rn(out);
+}
+
+}  // namespace
+
+void launch_kda_decode(const KdaDecode& a, cudaStream_t stream) {
+  ROCKET_CHECK(a.dk == 16 || a.dk == 32 || a.dk == 64 || a.dk == 128, "kda_decode: head dim " << a.dk
+               << " (16, 32, 64 or 128)");
+  ROCKET_CHECK(a.heads > 0 && a.heads <= 65535 && a.tokens >= 0 && a.tokens <= 65535, "kda_decode: " << a.heads
+               << " heads, " << a.tokens << " tokens");
+  if (a.tokens == 0) return;
+  kda_decode_kernel<<<dim3(a.heads, a.tokens), dim3(a.dk, kKdaQuarters), 0, stream>>>(a);
+  ROCKET_LAUNCH_CHECK();
+}
+
+}  // namespace rocket

@@ -628,16 +628,23 @@ torch::Tensor hc_post(const torch::Tensor& post, const torch::Tensor& comb, cons
   return out;
 }
 
-// One decode token per stream of a GLM-5.3-Flash KDA layer (kda.cu): conv [T, 3 heads dk] bf16 (SiLU(conv) of q|k|v),
+// One decode token per stream of a GLM-5.3-Flash KDA layer (kda.cu): mixed [T, 3 heads dk] bf16 (the q|k|v projection),
+// conv_state [streams, 3 heads dk, K] bf16 (shifted in place at index), conv_w [3 heads dk, K] fp32,
 // f / gate [T, heads dk] and b [T, heads] bf16 (the low-rank and beta linears), state [streams, heads, dk, dk] fp32
 // (updated in place at index [T]) -> o_proj's input [T, heads dk] bf16.
-torch::Tensor kda_decode(const torch::Tensor& conv, const torch::Tensor& f, const torch::Tensor& b,
+torch::Tensor kda_decode(const torch::Tensor& mixed, torch::Tensor& conv_state, const torch::Tensor& conv_w,
+                         const torch::Tensor& f, const torch::Tensor& b,
                          const torch::Tensor& gate, const torch::Tensor& dt_bias, const torch::Tensor& a_log,
                          const torch::Tensor& o_norm, torch::Tensor& state, const torch::Tensor& index, int64_t heads,
                          int64_t dk, double q_scale, std::optional<double> lower_bound, double eps) {
-  const c10::Device dev = conv.device();
-  const int64_t t = conv.size(0), d = heads * dk;
-  expect(conv, "conv", torch::kBFloat16, 2, dev, 2);
+  const c10::Device dev = mixed.device();
+  const int64_t t = mixed.size(0), d = heads * dk;
+  expect(mixed, "mixed", torch::kBFloat16, 2, dev, 2);
+  expect(conv_state, "conv_state", torch::kBFloat16, 3, dev, 2);
+  expect(conv_w, "conv_w", torch::kFloat32, 2, dev, 4);
+  ROCKET_CHECK(conv_state.size(1) == 3 * d && conv_w.size(0) == 3 * d && conv_w.size(1) == conv_state.size(2),
+               "kda_decode: conv_state " << conv_state.sizes() << ", conv weights " << conv_w.sizes() << " for "
+               << heads << " heads of " << dk);
   expect(f, "f", torch::kBFloat16, 2, dev, 2);
   expect(b, "b", torch::kBFloat16, 2, dev, 2);
   expect(gate, "gate", torch::kBFloat16, 2, dev, 2);
@@ -646,16 +653,19 @@ torch::Tensor kda_decode(const torch::Tensor& conv, const torch::Tensor& f, cons
   expect(o_norm, "o_norm", torch::kFloat32, 1, dev, 4);
   expect(state, "state", torch::kFloat32, 4, dev, 4);
   expect(index, "index", torch::kLong, 1, dev, 8);
-  ROCKET_CHECK(conv.size(1) == 3 * d && f.size(0) == t && f.size(1) == d && b.size(0) == t && b.size(1) == heads &&
+  ROCKET_CHECK(mixed.size(1) == 3 * d && f.size(0) == t && f.size(1) == d && b.size(0) == t && b.size(1) == heads &&
                gate.size(0) == t && gate.size(1) == d && dt_bias.numel() == d && a_log.numel() == heads &&
                o_norm.numel() == dk && state.size(1) == heads && state.size(2) == dk && state.size(3) == dk &&
-               index.numel() == t, "kda_decode: conv " << conv.sizes() << ", f " << f.sizes() << ", b " << b.sizes()
+               index.numel() == t, "kda_decode: mixed " << mixed.sizes() << ", f " << f.sizes() << ", b " << b.sizes()
                << ", gate " << gate.sizes() << ", state " << state.sizes() << ", index " << index.sizes() << " for "
                << heads << " heads of " << dk);
   const c10::cuda::CUDAGuard guard(dev);
-  auto out = torch::empty({t, d}, conv.options());
+  auto out = torch::empty({t, d}, mixed.options());
   rocket::KdaDecode a{};
-  a.conv = conv.data_ptr();
+  a.mixed = mixed.data_ptr();
+  a.conv_state = conv_state.data_ptr();
+  a.conv_w = conv_w.data_ptr<float>();
+  a.conv_k = static_cast<int>(conv_w.size(1));
   a.f = f.data_ptr();
   a.b = b.data_ptr();
   a.gate = gate.data_ptr();
@@ -831,8 +841,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("index") = py::none());
   m.def("hc_pre", &hc_pre, "GLM-5.3-Flash hyper-connection collapse: (post, comb, collapsed), two launches");
   m.def("hc_post", &hc_post, "GLM-5.3-Flash hyper-connection expand: the new streams, one launch");
-  m.def("kda_decode", &kda_decode, "GLM-5.3-Flash KDA: one decode token per stream, conv output to o_proj input, "
-        "the state updated in place (one launch)");
+  m.def("kda_decode", &kda_decode, "GLM-5.3-Flash KDA: one decode token per stream, the q|k|v projection to o_proj's "
+        "input, the conv and recurrent states updated in place (one launch)");
   m.def("argmax_", &argmax_, "tokens = argmax of each row of bf16 logits (torch's choice), pos += 1, one launch",
         py::arg("logits"), py::arg("tokens"), py::arg("ticket"), py::arg("pos") = py::none());
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");

@@ -1,5 +1,6 @@
 // One decode token of a GLM-5.3-Flash KDA layer (rocket_mpi/model/glm5_next_kda.py has the math and the torch
-// reference), from the short convolution's output to o_proj's input, in one launch: per (token, head) the l2-normed
+// reference), from the q|k|v projection's output to o_proj's input, in one launch: per (token, head) the short causal
+// convolution (its state shifted in place), SiLU, the l2-normed
 // q and k, the forget gate's log decay, beta, the delta-rule update of the recurrent state [dk, dv] fp32 in place,
 // q^T S, its bf16 rounding and the gated RMSNorm. In torch that is ~30 small kernels per layer, and the state
 // (64 KiB per head, 4 MiB per stream and layer) is read and written by about ten of them; here once each.
@@ -17,6 +18,7 @@ namespace {
 
 constexpr int kKdaQuarters = 4;
 constexpr int kKdaMaxDk = 128;
+constexpr int kKdaMaxConv = 8;  // the short convolution's kernel size
 
 __device__ __forceinline__ float kda_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -41,10 +43,24 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters) kda_decode_kernel(co
   __shared__ float qs[kKdaMaxDk], ks[kKdaMaxDk], es[kKdaMaxDk];
   __shared__ float part[2][kKdaQuarters][kKdaMaxDk];
   __shared__ float buf[kKdaQuarters * (kKdaMaxDk / 32)];
-  // the head's vectors at index c (every row of threads, redundantly)
-  const __nv_bfloat16* conv = static_cast<const __nv_bfloat16*>(a.conv) + int64_t(t) * 3 * D + int64_t(h) * dk + c;
-  float q = __bfloat162float(conv[0]), k = __bfloat162float(conv[D]);
-  const float v = __bfloat162float(conv[2 * D]);
+  // the head's vectors at index c (every row of threads, redundantly): the causal depthwise conv of q | k | v over the
+  // last K inputs (conv state) and this one, SiLU, rounded to bf16 as the torch step rounds them
+  const int64_t s_row = a.index[t];
+  const __nv_bfloat16* mixed = static_cast<const __nv_bfloat16*>(a.mixed) + int64_t(t) * 3 * D;
+  __nv_bfloat16* cst = static_cast<__nv_bfloat16*>(a.conv_state) + s_row * 3 * D * a.conv_k;
+  float qkv[3];
+#pragma unroll
+  for (int p = 0; p < 3; ++p) {
+    const int64_t ch = p * D + h * dk + c;
+    float acc = 0.0f;
+    for (int j = 0; j < a.conv_k; ++j) {  // the window: state j + 1 .. K - 1, then this token's input
+      const __nv_bfloat16 x = j + 1 < a.conv_k ? cst[ch * a.conv_k + j + 1] : mixed[ch];
+      acc = __fmaf_rn(a.conv_w[ch * a.conv_k + j], __bfloat162float(x), acc);
+    }
+    qkv[p] = __bfloat162float(__float2bfloat16_rn(__fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)))));  // SiLU
+  }
+  float q = qkv[0], k = qkv[1];
+  const float v = qkv[2];
   // _l2norm: x / sqrt(sum(x * x) + 1e-6); q then * dk^-1/2
   const float qn = sqrtf(__fadd_rn(row_sum(__fmul_rn(q, q), dk, buf), 1e-6f));
   const float kn = sqrtf(__fadd_rn(row_sum(__fmul_rn(k, k), dk, buf), 1e-6f));
@@ -62,7 +78,15 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters) kda_decode_kernel(co
     ks[c] = k;
     es[c] = expf(g);
   }
-  __syncthreads();
+  __syncthreads();  // every row has read the conv state: row 0 shifts it by this token
+  if (y == 0) {
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      __nv_bfloat16* w = cst + int64_t(p * D + h * dk + c) * a.conv_k;
+      for (int j = 0; j + 1 < a.conv_k; ++j) w[j] = w[j + 1];
+      w[a.conv_k - 1] = mixed[p * D + h * dk + c];
+    }
+  }
   // the state: S <- S * exp(g); kv = k^T S; S <- S + k (beta (v - kv)); o = q^T S
   float* S = a.state + (a.index[t] * nh + h) * int64_t(dk) * dk + c;
   float s[kKdaMaxDk / kKdaQuarters];
@@ -108,6 +132,8 @@ void launch_kda_decode(const KdaDecode& a, cudaStream_t stream) {
                << " (16, 32, 64 or 128)");
   ROCKET_CHECK(a.heads > 0 && a.heads <= 65535 && a.tokens >= 0 && a.tokens <= 65535, "kda_decode: " << a.heads
                << " heads, " << a.tokens << " tokens");
+  ROCKET_CHECK(a.conv_k >= 1 && a.conv_k <= kKdaMaxConv, "kda_decode: conv kernel " << a.conv_k << " (1.."
+               << kKdaMaxConv << ")");
   if (a.tokens == 0) return;
   kda_decode_kernel<<<dim3(a.heads, a.tokens), dim3(a.dk, kKdaQuarters), 0, stream>>>(a);
   ROCKET_LAUNCH_CHECK();

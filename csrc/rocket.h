@@ -273,7 +273,10 @@ void launch_hc_post(const float* post, const float* comb, const void* y, const v
 
 // ---- GLM-5.3-Flash KDA decode token (kda.cu; rocket_mpi/model/glm5_next_kda.py is the reference) ----
 struct KdaDecode {
-  const void* conv;                  // [tokens, 3, heads, dk] bf16: SiLU(conv) of q | k | v
+  const void* mixed;                 // [tokens, 3 heads dk] bf16: the q | k | v projection (before the conv)
+  void* conv_state;                  // [streams, 3 heads dk, conv_k] bf16: the last conv_k inputs, shifted in place
+  const float* conv_w;               // [3 heads dk, conv_k] the depthwise conv's weights
+  int conv_k;
   const void* f;                     // [tokens, heads * dk] bf16: the forget gate's low-rank linear
   const void* b;                     // [tokens, heads] bf16: the beta linear (before its sigmoid)
   const void* gate;                  // [tokens, heads * dk] bf16: the output gate's low-rank linear

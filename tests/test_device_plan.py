@@ -958,7 +958,7 @@ def _kda_case(heads, dk, hidden, streams, seed, lower_bound):
             b=w(heads, hidden, std=0.2), g_a=w(dk, hidden, std=0.2), g_b=w(d, dk, std=0.2),
             o_norm=(torch.rand(dk, generator=gen) + 0.5).to(torch.bfloat16).float(), o=w(hidden, d))
     args = KdaArgs(heads=heads, head_dim=dk, conv_kernel=4, lower_bound=lower_bound, eps=1e-5)
-    conv = (torch.randn(streams, 3 * d, 3, generator=gen)).to(torch.bfloat16)
+    conv = (torch.randn(streams, 3 * d, 4, generator=gen)).to(torch.bfloat16)   # the last K = 4 inputs
     rec = torch.randn(streams, heads, dk, dk, generator=gen) * 0.1
     return a, args, conv, rec
 

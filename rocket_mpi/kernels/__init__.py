@@ -179,13 +179,14 @@ def gpu_switch(name: str, device, what: str) -> bool:
     return torch.device(device).type == "cuda" and available() and knob == "1"
 
 
-def kda_decode(conv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, dt_bias: torch.Tensor,
-               a_log: torch.Tensor, o_norm: torch.Tensor, state: torch.Tensor, index: torch.Tensor, heads: int, dk: int,
-               lower_bound: float | None, eps: float) -> torch.Tensor:
-    """glm5_next_kda's decode token from the conv output to o_proj's input in one launch (csrc/kda.cu); the state
-    rows at index are updated in place."""
-    return _ext.require().kda_decode(conv.contiguous(), f.contiguous(), b.contiguous(), gate.contiguous(), dt_bias,
-                                     a_log, o_norm, state, index, heads, dk, dk ** -0.5, lower_bound, eps)
+def kda_decode(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+               gate: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, o_norm: torch.Tensor, state: torch.Tensor,
+               index: torch.Tensor, heads: int, dk: int, lower_bound: float | None, eps: float) -> torch.Tensor:
+    """glm5_next_kda's decode token from the q|k|v projection to o_proj's input in one launch (csrc/kda.cu); the
+    conv and recurrent state rows at index are updated in place."""
+    return _ext.require().kda_decode(mixed.contiguous(), conv_state, conv_w, f.contiguous(), b.contiguous(),
+                                     gate.contiguous(), dt_bias, a_log, o_norm, state, index, heads, dk, dk ** -0.5,
+                                     lower_bound, eps)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

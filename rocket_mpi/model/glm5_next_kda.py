@@ -76,8 +76,8 @@ def kda_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch
 
 
 def fused(device) -> bool:
-    """Whether the fixed-shape step takes csrc/kda.cu's kernel for a KDA token (from the conv output to o_proj's
-    input: ~30 torch kernels, and the state read and written once instead of ~10 times): on a GPU with the
+    """Whether the fixed-shape step takes csrc/kda.cu's kernel for a KDA token (from the q|k|v projection to o_proj's
+    input: ~35 torch kernels, and the recurrent state read and written once instead of ~10 times): on a GPU with the
     extension, unless ROCKET_KDA_FUSE=0."""
     from rocket_mpi import kernels
     return kernels.gpu_switch("ROCKET_KDA_FUSE", device, "the KDA decode kernel")
@@ -89,11 +89,17 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     """h [T, H] BF16 (streams' new tokens packed); segments (stream, offset, n). Advances conv_state
     [M, 3D, K] BF16 and rec_state [M, h, dk, dv] fp32 of those streams in place. Returns [T, H] BF16.
     idx [M] on the device instead of segments: one token for each of those streams (the fixed-shape step); with
-    fuse, the rest of that token after the convolution in one kernel (kernels.kda_decode: the same math, its sums in
-    their own order)."""
+    fuse, the rest of that token after the q|k|v projection in one kernel (kernels.kda_decode: the same math, its
+    sums in their own order)."""
     t = h.shape[0]
     nh, dk, kk = args.heads, args.head_dim, args.conv_kernel
     mixed = F.linear(h, a.qkv)                                        # [T, 3D] BF16, pre-conv
+    if fuse and idx is not None:
+        from rocket_mpi import kernels
+        y = kernels.kda_decode(mixed, conv_state, a.conv, F.linear(F.linear(h, a.f_a), a.f_b), F.linear(h, a.b),
+                               F.linear(F.linear(h, a.g_a), a.g_b), a.dt_bias, a.A_log, a.o_norm, rec_state, idx, nh,
+                               dk, args.lower_bound, args.eps)
+        return F.linear(y, a.o)
     conv_w = a.conv[:, None, :]                                       # [3D, 1, K]
     conv = torch.empty_like(mixed)
     decode = idx is not None or (all(n == 1 for _, _, n in segments) and len(segments) > 0)
@@ -109,12 +115,6 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
             conv_state[s] = win[:, -kk:]
             y = F.conv1d(win.float()[None], conv_w, groups=win.shape[0])[0, :, -n:]  # zeros before the start
             conv[off:off + n] = F.silu(y).to(DT).t()
-    if fuse and idx is not None:
-        from rocket_mpi import kernels
-        y = kernels.kda_decode(conv, F.linear(F.linear(h, a.f_a), a.f_b), F.linear(h, a.b),
-                               F.linear(F.linear(h, a.g_a), a.g_b), a.dt_bias, a.A_log, a.o_norm, rec_state, idx, nh,
-                               dk, args.lower_bound, args.eps)
-        return F.linear(y, a.o)
     q, k, v = conv.float().view(t, 3, nh, dk).unbind(1)
     q = _l2norm(q) * dk ** -0.5
     k = _l2norm(k)

@@ -14,7 +14,7 @@
 //
 // Deterministic (fixed sum orders, no atomics), and a token's result depends on no other token. Not bitwise torch's
 // (the sum orders differ, and the RMS scale multiplies the dot products instead of the inputs): tests compare them
-// within a tolerance (tests/test_glm5_device.py).
+// within a tolerance (tests/test_device_plan.py).
 #include "common.cuh"
 
 namespace rocket {

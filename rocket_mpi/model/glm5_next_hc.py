@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass
 class HyperConnection:
     fn: torch.Tensor       # [(2+N)*N, N*H] fp32 (BF16 values)
@@ -44,7 +43,7 @@ def fused(device) -> bool:
 def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs, fuse: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, H] BF16 -> (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] BF16). fuse: the same in
-    csrc/hc.cu's kernels (sums in their own order: within rounding of this, tests/test_glm5_device.py)."""
+    csrc/hc.cu's kernels (sums in their own order: within rounding of this, tests/test_device_plan.py)."""
     if fuse:
         from rocket_mpi import kernels
         return kernels.hc_pre(streams, hc.fn, hc.base, hc.scale, a.sinkhorn_iters, a.eps, a.norm_eps)

@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--sweep", default="1,8,16")
     ap.add_argument("--tokens", type=int, default=40, help="steps per run (the first 3 are not timed)")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="cache positions per stream (default: prompt + tokens); the graphed step's fixed shapes "
+                         "span the whole capacity, so this times a long run's step without its prefill")
     a = ap.parse_args()
     variants = [parse_variant(v) for v in a.variants]
     dev = _pick_device("cuda", None)  # as `rocket_mpi decode`: this GPU, deterministic settings
@@ -54,8 +57,8 @@ def main() -> int:
     eng.set_decode_path("graph", "local")
     gbps = measure_copy_bandwidth(dev)
     base_env = dict(os.environ)
-    print(f"{a.checkpoint}: {len(variants)} variants x {a.rounds} rounds, {a.tokens} steps per run; copy "
-          f"{gbps:.0f} GB/s")
+    print(f"{a.checkpoint}: {len(variants)} variants x {a.rounds} rounds, {a.tokens} steps per run"
+          f"{f', cache capacity {a.capacity}' if a.capacity else ''}; copy {gbps:.0f} GB/s")
     for m in (int(x) for x in a.sweep.split(",")):
         prompts = default_prompts(m, eng.cfg.vocab_size)
         times: dict[str, list[list[float]]] = {n: [] for n, _ in variants}
@@ -67,7 +70,7 @@ def main() -> int:
                 os.environ.clear()
                 os.environ.update(base_env)
                 os.environ.update(env)
-                res = eng.generate(prompts, a.tokens)
+                res = eng.generate(prompts, a.tokens, capacity=a.capacity)
                 if res.path != "graph" or res.note:
                     raise SystemExit(f"variant {name}: path {res.path} {res.note}")
                 steps = res.steps[3:]

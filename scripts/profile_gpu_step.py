@@ -3,6 +3,7 @@ under torch.profiler, kernels summed per step.
 
     python scripts/profile_gpu_step.py preset:air8:nvfp4 [M]
     mpirun -n 2 python scripts/profile_gpu_step.py preset:air8 [M] [fabric]    # one table per rank, one GPU each
+    ROCKET_PROFILE_CAPACITY=4096 python scripts/profile_gpu_step.py preset:glm5-flash-4l:nvfp4 1   # a long run's cache
 
 Under mpirun each rank loads its share of the experts and exchanges rows over the fabric (default cuda-ipc),
 as `rocket_mpi decode` does; a rank's exchange kernel time includes its wait for the slower rank."""
@@ -38,7 +39,8 @@ prompts = default_prompts(m, eng.cfg.vocab_size)
 if size > 1:
     eng.fabric = make_fabric(fabric, comm, eng.max_rows([prompts]), eng.cfg.hidden_size, 60.0, device=dev)
 eng.set_decode_path("device", fabric if size > 1 else "local")
-eng.generate(prompts, 4)
+capacity = int(os.environ.get("ROCKET_PROFILE_CAPACITY", "0"))  # cache positions (the fixed step spans them all)
+eng.generate(prompts, 4, capacity=capacity)
 steps = 6
 prof = profile(activities=[ProfilerActivity.CUDA])
 
@@ -50,10 +52,11 @@ def on_step(step, logits):  # decode steps 2..steps+1 only: no prefill, no first
         prof.stop()
 
 
-eng.generate(prompts, steps + 2, on_step=on_step)
+eng.generate(prompts, steps + 2, on_step=on_step, capacity=capacity)
 rows = sorted(((getattr(e, "self_device_time_total", 0), e.count, e.key) for e in prof.key_averages()), reverse=True)
 total = sum(r[0] for r in rows)
-lines = [f"rank {rank} of {size}, M={m}: device kernel time {total / steps / 1e3:.3f} ms per step "
+cap = f", cache capacity {capacity}" if capacity else ""
+lines = [f"rank {rank} of {size}, M={m}{cap}: device kernel time {total / steps / 1e3:.3f} ms per step "
          f"{sum(r[1] for r in rows) / steps:.0f} kernels per step",
          "(decode steps only, launched eagerly: the graph replays the same kernels without the launch gaps; "
          f"ROCKET_EXPERTS_PDL={os.environ['ROCKET_EXPERTS_PDL']})",

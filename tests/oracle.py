@@ -4,23 +4,25 @@ import torch
 from rocket_mpi.checkpoint import nvfp4
 
 
-def assert_logits_close(ref, ours, tokens, rtol, atol, margin) -> float:
+def assert_logits_close(ref, ours, tokens, rtol, atol, margin, outliers=0, outlier_factor=1.0) -> float:
     """ref[stream][step] and ours[step][stream] are [V] logits; tokens[stream][step] our greedy choices.
-    Every step within atol + rtol * max|ref|, every choice within margin of the reference's best.
-    Returns the worst error as a fraction of its bound."""
-    worst = 0.0
+    Every step within atol + rtol * max|ref| (but up to `outliers` steps within outlier_factor times that),
+    every choice within margin of the reference's best. Returns the worst error as a fraction of its bound."""
+    worst, over = 0.0, []
     for s in range(len(tokens)):
         for step in range(len(tokens[s])):
             r, o = ref[s][step], ours[step][s]
             tol = atol + rtol * r.abs().max().item()
             err = (r - o).abs().max().item()
             worst = max(worst, err / tol)
-            assert err <= tol, f"stream {s} step {step}: max |logit diff| {err:.4f} > {tol:.4f}"
+            if err > tol:
+                over.append(f"stream {s} step {step}: max |logit diff| {err:.4f} > {tol:.4f}")
+                assert len(over) <= outliers and err <= outlier_factor * tol, "; ".join(over)
             chosen = tokens[s][step]
             gap = (r.max() - r[chosen]).item()
             assert gap <= margin * max(1.0, r.abs().max().item()), \
                 f"stream {s} step {step}: chose {chosen}, {gap:.4f} below the reference argmax {int(r.argmax())}"
-    print(f"worst logit error / tolerance: {worst:.2f}")
+    print(f"worst logit error / tolerance: {worst:.2f}" + (f" (allowed outlier: {over[0]})" if over else ""))
     return worst
 
 

@@ -1002,3 +1002,98 @@ def test_kda_fuse_knob(monkeypatch):
         fused("cpu")
     monkeypatch.delenv("ROCKET_KDA_FUSE")
     assert fused("cpu") is False
+
+
+def test_mla_latent_knob(monkeypatch):
+    """ROCKET_MLA_LATENT: a bad value is one error naming it; 0 (GLM-5.3-Flash's selected latents expanded through
+    kv_b) and 1 (the absorbed form, the default) attend to the same tokens with the same weights, so their
+    outputs agree within bf16 rounding on random weights (a wrong half of kv_b, or heads mixed up, would not)."""
+    from rocket_mpi.errors import RocketError
+    from rocket_mpi.model.glm5_next_mla import MLA, MlaArgs, MlaCache, mla_decode
+    from rocket_mpi.model.layers import latent_decode
+    monkeypatch.setenv("ROCKET_MLA_LATENT", "yes")
+    with pytest.raises(RocketError, match="ROCKET_MLA_LATENT='yes'"):
+        latent_decode()
+    gen = torch.Generator().manual_seed(5)
+    heads, dq, dv, kl, ql, hid, m, cap = 4, 16, 24, 32, 48, 64, 3, 20
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(torch.bfloat16)
+    a = MLA(w(ql, hid), None, torch.ones(ql, dtype=torch.bfloat16), w(heads * dq, ql), w(kl, hid), None,
+            torch.ones(kl, dtype=torch.bfloat16), w(heads * (dq + dv), kl), w(hid, heads * dv), None, None)
+    args = MlaArgs(heads, dq, dv, kl, 1e-6, 2, 8, 8, 4, True)
+    cache = MlaCache(m, cap, args, False)
+    cache.latent.copy_(torch.randn(m, cap, kl, generator=gen).to(torch.bfloat16))
+    pos = torch.tensor([5, 11, 17])
+    visible = (torch.rand(m, cap, generator=gen) < 0.6) & (torch.arange(cap)[None, :] <= pos[:, None])
+    visible[torch.arange(m), pos] = True
+    h = torch.randn(m, hid, generator=gen).to(torch.bfloat16)
+    outs = {}
+    for knob in ("0", "1"):
+        monkeypatch.setenv("ROCKET_MLA_LATENT", knob)
+        outs[knob] = mla_decode(a, h, cache, pos, cap, args, visible)[0].float()
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=2e-2, atol=2e-2 * outs["0"].abs().max().item())
+    assert not torch.equal(outs["1"], outs["0"])  # two forms indeed ran
+
+
+@gpu
+@pytest.mark.parametrize("m,heads,d,dv,n", [(1, 64, 512, 512, 2064), (8, 64, 576, 512, 2064), (5, 4, 48, 32, 37)])
+def test_gpu_latent_attention_matches_cpu(m, heads, d, dv, n):
+    """layers.latent_attention (MLA decode over the latent rows) on the GPU, bf16 GEMMs with fp32 scores, against
+    its CPU form (fp32 copies) on the same inputs: within a bf16 rounding of the output (both round the
+    probabilities to bf16; the scores' sums differ in order). Masked rows add nothing: other values there leave
+    every bit as it was."""
+    from rocket_mpi.model.layers import latent_attention
+    gen = torch.Generator().manual_seed(m * 131 + d)
+    q = torch.randn(m, heads, d, generator=gen).to(torch.bfloat16)
+    rows = torch.randn(m, n, d, generator=gen).to(torch.bfloat16)
+    valid = torch.rand(m, n, generator=gen) < 0.8
+    valid[:, 0] = True
+    scale = 256 ** -0.5
+    cpu = latent_attention(q, rows, rows[..., :dv], valid, scale)
+    dev = torch.device("cuda")
+    qg, rg, vg = q.to(dev), rows.to(dev), valid.to(dev)
+    out = latent_attention(qg, rg, rg[..., :dv], vg, scale)
+    assert out.shape == (m, heads, dv) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu().float(), cpu.float(), rtol=1.6e-2, atol=1e-2)
+    noisy = torch.where(vg[..., None], rg, torch.full_like(rg, 1e4))
+    assert torch.equal(latent_attention(qg, noisy, noisy[..., :dv], vg, scale), out)
+
+
+def test_distinct_writes_restores_the_mode():
+    """layers.distinct_writes turns torch's deterministic mode off inside only, and back as it was (warn_only too),
+    also when the block raises."""
+    from rocket_mpi.model.layers import distinct_writes
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.raises(KeyError):
+            with distinct_writes():
+                assert not torch.are_deterministic_algorithms_enabled()
+                raise KeyError("inside")
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+@gpu
+def test_gpu_distinct_writes_same_bits():
+    """A cache write with one row per stream (distinct indices) gives the same bits through the plain kernel
+    (layers.distinct_writes) as through torch's deterministic, sorted one."""
+    from rocket_mpi.model.layers import distinct_writes
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    cache = torch.randn(8, 300, 576, device=dev, generator=gen).to(torch.bfloat16)
+    pos = torch.randperm(300, device=dev, generator=gen)[:8]
+    idx = torch.arange(8, device=dev)
+    x = torch.randn(8, 576, device=dev, generator=gen).to(torch.bfloat16)
+    a, b = cache.clone(), cache.clone()
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        a[idx, pos] = x
+        with distinct_writes():
+            b[idx, pos] = x
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+    assert torch.equal(a, b) and torch.equal(a[idx, pos], x) and not torch.equal(a, cache)

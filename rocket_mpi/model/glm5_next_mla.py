@@ -1,8 +1,10 @@
 """MLA layers of GLM-5.3-Flash with the DSA indexer over k-pools (NoPE: no rotary embedding at all).
 
 Attention: queries through the q LoRA (q_a -> RMSNorm -> q_b); keys and values from one cached latent
-per token (kv_a -> RMSNorm, kv_lora_rank wide) expanded by kv_b. The cache holds the latent only; a
-step expands just the latents its queries select.
+per token (kv_a -> RMSNorm, kv_lora_rank wide) expanded by kv_b. The cache holds the latent only. Prefill
+expands just the latents its queries select; a decode step attends in the absorbed form (kv_b's key half
+folded into the query, its value half applied after the weighted sum), so its cost does not grow with the
+selected latents' expansion.
 
 Which tokens a query at position p sees is decided by the indexer, not by a causal mask:
   - tokens are grouped in pools of `kpool` from position 0; a pool is a candidate once complete and
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.model.layers import rms_norm
+from rocket_mpi.model.layers import distinct_writes, latent_attention, latent_decode, rms_norm
 
 DT = torch.bfloat16
 
@@ -104,7 +106,8 @@ def _choose(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.T
         index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
         chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
         take = torch.zeros(q.shape[0], pools, dtype=torch.bool, device=dev)
-        take.scatter_(1, chosen, candidate.gather(1, chosen))
+        with distinct_writes():
+            take.scatter_(1, chosen, candidate.gather(1, chosen))
         visible[:, :pools * kp] = take.repeat_interleave(kp, dim=1)
     if a.select_tail:
         tail_start = (pos + 1) // kp * kp
@@ -127,7 +130,8 @@ def _select_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, span: int, q: to
     keys = c.index_k[idx[:, None], rows]                             # [M, kp, d]
     logits = c.index_gate[idx[:, None], rows].float() + ix.ape
     pooled = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)        # [M, d]
-    c.pool_k[idx, j] = torch.where(complete[:, None], pooled, c.pool_k[idx, j])
+    with distinct_writes():
+        c.pool_k[idx, j] = torch.where(complete[:, None], pooled, c.pool_k[idx, j])
     pools = span // kp                                               # pools that can be complete in span
     return _choose(q, w, c.pool_k[:, :pools].transpose(-1, -2), pos, pools, span, a)
 
@@ -136,19 +140,24 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
                shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token per stream at positions pos [M] (device), batched over streams with fixed shapes:
     h [M, H] -> ([M, H] BF16, visible [M, span]). Each stream's visible latents (at most index_topk +
-    kpool of them) are gathered in ascending order into a fixed number of columns, the rest masked, then
-    expanded by kv_b and attended: the same tokens and weights as mla_forward's per-stream loop."""
+    kpool of them) are gathered in ascending order into a fixed number of columns, the rest masked, and
+    attended in the absorbed form (layers.latent_decode): the same tokens and weights as mla_forward's per-stream loop,
+    other sum orders."""
     m, dev = h.shape[0], h.device
     q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [M, q_lora]
     q = F.linear(q_resid, a.q_b).view(m, args.heads, args.qk_dim)
     latent = rms_norm(F.linear(h, a.kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)        # [M, kv_lora]
     idx = torch.arange(m, device=dev)
-    c.latent[idx, pos] = latent
+    with distinct_writes():
+        c.latent[idx, pos] = latent
     ix = a.indexer
     if ix is not None:
         iq = F.linear(q_resid, ix.wq_b).view(m, args.index_heads, args.index_dim)
-        c.index_k[idx, pos] = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
-        c.index_gate[idx, pos] = F.linear(h, ix.gate)
+        ik = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
+        ig = F.linear(h, ix.gate)
+        with distinct_writes():
+            c.index_k[idx, pos] = ik
+            c.index_gate[idx, pos] = ig
         iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5
         visible = _select_decode(ix, c, pos, span, iq, iw, args)
     else:
@@ -156,7 +165,18 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     n_cols = min(span, (args.index_topk // args.kpool + 1) * args.kpool)
     cols = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)[:, :n_cols]  # visible first, ascending
     valid = visible.gather(1, cols)                                                   # [M, n_cols]
-    kv = F.linear(c.latent[idx[:, None], cols], a.kv_b).view(m, n_cols, args.heads, args.qk_dim + args.v_dim)
+    rows = c.latent[idx[:, None], cols]                                               # [M, n_cols, kv_lora]
+    if latent_decode():
+        # q . (W_uk l) == (q W_uk) . l and sum_j p_j (W_uv l_j) == W_uv (sum_j p_j l_j): the selected latents are
+        # the keys and values of one shared head, read once per stream; kv_b's halves are applied to 64 heads' q
+        # and output instead of to every selected latent (2064 of them at index_topk 2048: ~69 GFLOP per stream
+        # and MLA layer at the Flash width, against ~0.3 here).
+        w = a.kv_b.view(args.heads, args.qk_dim + args.v_dim, -1)                     # [heads, dq + dv, kv_lora]
+        q_abs = torch.bmm(q.transpose(0, 1), w[:, :args.qk_dim]).transpose(0, 1)      # [M, heads, kv_lora]
+        o_lat = latent_attention(q_abs, rows, rows, valid, args.qk_dim ** -0.5)       # [M, heads, kv_lora]
+        o = torch.bmm(o_lat.transpose(0, 1), w[:, args.qk_dim:].transpose(1, 2))      # [heads, M, dv]
+        return F.linear(o.transpose(0, 1).reshape(m, -1), a.o, a.o_bias), visible
+    kv = F.linear(rows, a.kv_b).view(m, n_cols, args.heads, args.qk_dim + args.v_dim)
     k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
     o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=valid[:, None, None, :], scale=args.qk_dim ** -0.5)

@@ -30,8 +30,8 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
-from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, rms_norm, swiglu_mlp,
-                                     move_stack, unique_nbytes)
+from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_decode, load_embed_head,
+                                     load_ffn, load_swiglu, rms_norm, swiglu_mlp, move_stack, unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -376,15 +376,19 @@ class GlmMoeDsaModel:
         dev = q_cat.device
         kvc, ixc = cache.kv[i], cache.index_k[i]
         idx = torch.arange(pos.numel(), device=dev)
-        kvc[idx, pos] = kv_new
+        with distinct_writes():
+            kvc[idx, pos] = kv_new
+            if a.indexer is not None:
+                ixc[idx, pos] = ik
         if a.indexer is not None:
-            ixc[idx, pos] = ik
             scores = self._index_scores(iq, iw, ixc[:, :span])                            # [M, span]
             scores = scores.masked_fill(torch.arange(span, device=dev)[None, :] > pos[:, None], float("-inf"))
             top, sel = scores.topk(min(self.index_topk, span), dim=-1)                    # [M, k]
             selection = (sel, top > float("-inf"))              # a short stream pads with masked rows
         sel, valid = selection
         rows = kvc[idx[:, None], sel]                                                     # [M, k, c + rope]
+        if latent_decode():
+            return latent_attention(q_cat, rows, rows[..., :c], valid, self.scale), selection
         o = F.scaled_dot_product_attention(q_cat[:, :, None, :], rows[:, None], rows[:, None, :, :c],
                                            attn_mask=valid[:, None, None, :], scale=self.scale,
                                            enable_gqa=True)                               # [M, heads, 1, c]

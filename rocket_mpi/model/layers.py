@@ -1,7 +1,9 @@
 """Small building blocks of the replicated BF16 stack, each the same arithmetic as transformers'."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+@contextlib.contextmanager
+def distinct_writes():
+    """Around index writes whose indices are distinct by construction (one row per stream at its position, topk's
+    picks): torch's deterministic mode (run.py) would sort the indices and check their bounds first, ~14 kernels
+    per write on a GPU (a radix sort, min / max reductions, compares, _assert_async: 8 writes per GLM-5 layer
+    and step were ~50 us of a 2.5 ms step, session 26); with no index twice the plain kernel writes every
+    element once, so the bits are the same (GPU test)."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+def latent_decode() -> bool:
+    """Whether MLA decode steps attend over the cached latent rows with latent_attention (the default) or as
+    before session 26 (ROCKET_MLA_LATENT=0, for A/B runs): GLM-5.3-Flash expanding every selected latent through
+    kv_b, GLM-5 calling SDPA with enable_gqa. Read when a step is built, so a captured graph keeps what it had;
+    every rank reads the same environment, so the choice never splits parity. A value other than 0 / 1 is one
+    error naming it."""
+    from rocket_mpi.errors import RocketError
+    knob = os.environ.get("ROCKET_MLA_LATENT", "1")
+    if knob not in ("0", "1"):
+        raise RocketError(f"ROCKET_MLA_LATENT={knob!r}: use 1 (decode attention over the latent rows, the "
+                          "default) or 0")
+    return knob == "1"
+
+
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Decode attention of MLA's absorbed form: every head of a stream attends over that stream's rows, one
+    shared key / value head. q [M, heads, d], keys [M, n, d], values [M, n, dv], valid [M, n] bool ->
+    [M, heads, dv]. Two batched GEMMs that read each stream's rows once for all its heads, the scores kept in
+    fp32 (bf16 products, fp32 sums; on the CPU from fp32 copies: the same products) for an fp32 softmax.
+    On an H200 at 2064 rows (results/README.md, session 26) 19 / 34 / 58 us at M = 1 / 8 / 16 per call, where
+    SDPA took 200-230 us with the heads as one head's query rows (one block per stream) and 0.6-10 ms with
+    enable_gqa (its math path, the rows repeated per head). A stream with no valid row gets NaN, as SDPA gives."""
+    if q.is_cuda:
+        s = torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
+    else:
+        s = torch.bmm(q.float(), keys.float().transpose(1, 2))
+    p = (s * scale).masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.bmm(p.to(values.dtype), values)
 
 
 def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -177,7 +177,7 @@ def check_stack_split() -> None:
 # Environment switches that change what a rank computes (its bits): every rank must see the same values, so the
 # start-up handshake (run.py) compares them.
 BIT_SWITCHES = ("ROCKET_KERNELS", "ROCKET_STACK", "ROCKET_BF16_EXPERTS", "ROCKET_DECODE_ATTENTION",
-                "ROCKET_STACK_SPLIT")
+                "ROCKET_STACK_SPLIT", "ROCKET_HC_FUSE", "ROCKET_KDA_FUSE", "ROCKET_MLA_LATENT")
 
 
 def bit_switches() -> dict[str, str]:
@@ -195,6 +195,8 @@ def kernels_enabled(device) -> bool:
     from rocket_mpi.kernels.stack import stack_switch
     stack_switch()  # a bad ROCKET_STACK fails at set-up everywhere
     attention_switch()  # and a bad ROCKET_DECODE_ATTENTION
+    from rocket_mpi.model.layers import latent_decode
+    latent_decode()  # and a bad ROCKET_MLA_LATENT
     from rocket_mpi.graph import step_fused
     step_fused("cpu")  # and a bad ROCKET_STEP_FUSE
     if device is None or torch.device(device).type != "cuda" or os.environ.get("ROCKET_KERNELS") == "0":

@@ -174,3 +174,44 @@ def test_cuda_round_trip_is_bitwise(preset, ckpts):
     assert all(not t.is_cuda for _, t in tensors_of(eng.model))
     tokens, logits = decode(eng)
     assert tokens == ref[0] and torch.equal(logits, ref[1])
+
+
+def test_dsa_decode_within_topk_skips_the_scores(ckpts):
+    """GLM-5: a decode step whose span fits index_topk takes every position <= pos without scoring them; that is
+    the scored top-k's choice (the same rows; the attention within bf16 rounding: the rows' order differs)."""
+    model = Engine(ckpts["dsa-tiny"]).model
+    i = next(j for j, L in enumerate(model.layers) if L.attn.indexer is not None)
+    a, m, span = model.layers[i].attn, 3, model.index_topk
+    gen = torch.Generator().manual_seed(2)
+    cache = model.new_cache(m, span)
+    cache.kv[i].copy_(torch.randn(cache.kv[i].shape, generator=gen).to(torch.bfloat16))
+    cache.index_k[i].copy_(torch.randn(cache.index_k[i].shape, generator=gen).to(torch.bfloat16))
+    pos = torch.tensor([2, 5, span - 1])
+    width = cache.kv[i].shape[-1]
+    q_cat = torch.randn(m, model.heads, width, generator=gen).to(torch.bfloat16)
+    kv_new = torch.randn(m, width, generator=gen).to(torch.bfloat16)
+    ik = torch.randn(m, model.index_dim, generator=gen).to(torch.bfloat16)
+    iq = torch.randn(m, model.index_heads, model.index_dim, generator=gen).to(torch.bfloat16)
+    iw = torch.rand(m, model.index_heads, generator=gen)
+    every, (sel_e, val_e) = model._decode_attention(i, a, q_cat, kv_new, ik, None, None, cache, pos, span, None)
+    scored, (sel_s, val_s) = model._decode_attention(i, a, q_cat, kv_new, ik, iq, iw, cache, pos, span, None)
+    for s in range(m):
+        want = set(range(int(pos[s]) + 1))
+        assert set(sel_e[s][val_e[s]].tolist()) == want == set(sel_s[s][val_s[s]].tolist())
+    torch.testing.assert_close(every.float(), scored.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_glm5_next_selection_within_topk_skips_the_scores(tail):
+    """GLM-5.3-Flash: while the span holds at most index_topk // kpool pools the top-k takes every complete pool,
+    so mla_decode answers without scores (_chosen_all): bit for bit _choose's mask on any scores."""
+    from rocket_mpi.model.glm5_next_mla import MlaArgs, _choose, _chosen_all
+    a = MlaArgs(4, 16, 16, 32, 1e-6, 3, 8, 16, 4, tail)
+    gen = torch.Generator().manual_seed(4)
+    span, m = 17, 5                                       # 4 pools <= 16 // 4, and an incomplete one
+    pos = torch.tensor([0, 3, 6, 15, 16])
+    pools = span // a.kpool
+    q = torch.randn(m, a.index_heads, a.index_dim, generator=gen).to(torch.bfloat16)
+    w = torch.rand(m, a.index_heads, generator=gen)
+    keys_t = torch.randn(m, a.index_dim, pools, generator=gen).to(torch.bfloat16)
+    assert torch.equal(_chosen_all(pos, span, a), _choose(q, w, keys_t, pos, pools, span, a))

@@ -116,13 +116,9 @@ def _choose(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.T
     return visible
 
 
-def _select_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, span: int, q: torch.Tensor, w: torch.Tensor,
-                   a: MlaArgs) -> torch.Tensor:
-    """_select for one new token per stream, batched: positions pos [M] (device), q [M, ih, d], w [M, ih]
-    -> visible [M, span] over the first `span` positions. A pool that this token completes gets its key
-    first; pools past a stream's position are never candidates, so any span >= the longest stream + 1
-    selects the same tokens."""
-    m, kp, dev = q.shape[0], a.kpool, q.device
+def _pool_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, a: MlaArgs) -> None:
+    """The key of every pool that this step's token completes (one token per stream at pos [M])."""
+    m, kp, dev = pos.shape[0], a.kpool, pos.device
     idx = torch.arange(m, device=dev)
     j = pos // kp                                                    # the pool this token falls in
     complete = (pos + 1) % kp == 0
@@ -132,8 +128,14 @@ def _select_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, span: int, q: to
     pooled = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)        # [M, d]
     with distinct_writes():
         c.pool_k[idx, j] = torch.where(complete[:, None], pooled, c.pool_k[idx, j])
-    pools = span // kp                                               # pools that can be complete in span
-    return _choose(q, w, c.pool_k[:, :pools].transpose(-1, -2), pos, pools, span, a)
+
+
+def _chosen_all(pos: torch.Tensor, span: int, a: MlaArgs) -> torch.Tensor:
+    """_choose's answer where its top-k takes every pool (span // kpool <= index_topk // kpool): the complete
+    pools up to pos, and the tail -> visible [M, span]."""
+    col = torch.arange(span, device=pos.device)[None, :]
+    visible = col < ((pos + 1) // a.kpool * a.kpool)[:, None]
+    return visible | (col <= pos[:, None]) if a.select_tail else visible
 
 
 def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: int, args: MlaArgs,
@@ -141,8 +143,9 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     """One new token per stream at positions pos [M] (device), batched over streams with fixed shapes:
     h [M, H] -> ([M, H] BF16, visible [M, span]). Each stream's visible latents (at most index_topk +
     kpool of them) are gathered in ascending order into a fixed number of columns, the rest masked, and
-    attended in the absorbed form (layers.latent_decode): the same tokens and weights as mla_forward's per-stream loop,
-    other sum orders."""
+    attended in the absorbed form (layers.latent_decode): the same tokens and weights as mla_forward's
+    per-stream loop, other sum orders. While span // kpool <= index_topk // kpool the indexer's top-k takes
+    every complete pool, so it is not scored (its keys and pools are still kept for later steps)."""
     m, dev = h.shape[0], h.device
     q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [M, q_lora]
     q = F.linear(q_resid, a.q_b).view(m, args.heads, args.qk_dim)
@@ -150,21 +153,30 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     idx = torch.arange(m, device=dev)
     with distinct_writes():
         c.latent[idx, pos] = latent
-    ix = a.indexer
+    ix, every = a.indexer, False
     if ix is not None:
-        iq = F.linear(q_resid, ix.wq_b).view(m, args.index_heads, args.index_dim)
         ik = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
         ig = F.linear(h, ix.gate)
         with distinct_writes():
             c.index_k[idx, pos] = ik
             c.index_gate[idx, pos] = ig
-        iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5
-        visible = _select_decode(ix, c, pos, span, iq, iw, args)
+        _pool_decode(ix, c, pos, args)
+        pools = span // args.kpool                                    # pools that can be complete in span
+        every = pools <= args.index_topk // args.kpool                # the top-k takes them all: no scores needed
+        if every:
+            visible = _chosen_all(pos, span, args)
+        else:  # pools past a stream's position are never candidates: any span >= the longest stream + 1 will do
+            iq = F.linear(q_resid, ix.wq_b).view(m, args.index_heads, args.index_dim)
+            iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5
+            visible = _choose(iq, iw, c.pool_k[:, :pools].transpose(-1, -2), pos, pools, span, args)
     else:
         visible = shared
     n_cols = min(span, (args.index_topk // args.kpool + 1) * args.kpool)
-    cols = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)[:, :n_cols]  # visible first, ascending
-    valid = visible.gather(1, cols)                                                   # [M, n_cols]
+    if every:  # span <= n_cols: every column in order (visible ones first where they are a prefix, as the tail makes)
+        cols, valid = torch.arange(span, device=dev).expand(m, span), visible
+    else:
+        cols = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)[:, :n_cols]  # visible first, ascending
+        valid = visible.gather(1, cols)                                                   # [M, n_cols]
     rows = c.latent[idx[:, None], cols]                                               # [M, n_cols, kv_lora]
     if latent_decode():
         # q . (W_uk l) == (q W_uk) . l and sum_j p_j (W_uv l_j) == W_uv (sum_j p_j l_j): the selected latents are

@@ -293,16 +293,20 @@ class GlmMoeDsaModel:
             h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
             return F.linear(h, self.lm_head).float()
 
-    def _indexer_qkw(self, ix: Indexer, h, q_resid, cos, sin):
-        """-> queries [T, index_heads, index_dim], keys [T, index_dim] (BF16, roped on the first rope
-        channels), head weights [T, index_heads] fp32."""
+    def _indexer_k(self, ix: Indexer, h, cos, sin):
+        """-> the indexer's keys [T, index_dim] (BF16, roped on the first rope channels), which the cache keeps."""
+        r = self.rope_dim
+        k = F.layer_norm(F.linear(h, ix.wk), (self.index_dim,), ix.k_norm, ix.k_norm_bias, LATENT_NORM_EPS)
+        return torch.cat((rope_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]), dim=-1)
+
+    def _indexer_qw(self, ix: Indexer, h, q_resid, cos, sin):
+        """-> the indexer's queries [T, index_heads, index_dim] (roped as the keys), head weights [T, index_heads]
+        fp32: what scoring needs."""
         t, r = h.shape[0], self.rope_dim
         q = F.linear(q_resid, ix.wq_b).view(t, self.index_heads, self.index_dim)
         q = torch.cat((rope_interleaved(q[..., :r], cos, sin), q[..., r:]), dim=-1)
-        k = F.layer_norm(F.linear(h, ix.wk), (self.index_dim,), ix.k_norm, ix.k_norm_bias, LATENT_NORM_EPS)
-        k = torch.cat((rope_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]), dim=-1)
         w = F.linear(h.float(), ix.weights_proj) * self.index_heads ** -0.5
-        return q, k, w
+        return q, w
 
     def _index_scores(self, q, w, keys) -> torch.Tensor:
         """q [B, heads, d], w [B, heads] fp32, keys [B or 1, S, d] -> [B, S] fp32:
@@ -324,8 +328,9 @@ class GlmMoeDsaModel:
         q_cat = torch.cat((torch.einsum("thd,hdc->thc", q_nope, a.w_uk), rope_interleaved(q_rot, cos, sin)), dim=-1)
         kv_new = torch.cat((latent, k_rot), dim=-1)                                      # [T, c + rope]
         kvc, ixc = cache.kv[i], cache.index_k[i]
-        if a.indexer is not None:
-            iq, ik, iw = self._indexer_qkw(a.indexer, h, q_resid, cos, sin)
+        own = a.indexer is not None
+        if own:
+            ik = self._indexer_k(a.indexer, h, cos, sin)
         elif selection is None:
             raise ConfigError(f"layer {i}: a 'shared' indexer layer needs an earlier 'full' one")
 
@@ -334,10 +339,14 @@ class GlmMoeDsaModel:
                 pos, span = torch.tensor(starts, device=dev), max(starts) + 1
             else:
                 span = cache.capacity
-            own = a.indexer is not None
-            o_lat, selection = self._decode_attention(i, a, q_cat, kv_new, ik if own else None, iq if own else None,
-                                                      iw if own else None, cache, pos, span, selection)
+            # within index_topk positions the top-k of every query is all of its positions: no scores needed
+            iq, iw = self._indexer_qw(a.indexer, h, q_resid, cos, sin) if own and span > self.index_topk \
+                else (None, None)
+            o_lat, selection = self._decode_attention(i, a, q_cat, kv_new, ik if own else None, iq, iw, cache, pos,
+                                                      span, selection)
         else:
+            if own:
+                iq, iw = self._indexer_qw(a.indexer, h, q_resid, cos, sin)
             outs, masks, off = [], [], 0
             for s, (p0, n) in enumerate(zip(starts, seqlens)):
                 if n == 0:
@@ -369,7 +378,8 @@ class GlmMoeDsaModel:
                           selection):
         """One new token per stream at positions `pos` [M] (device), batched over streams: write the
         cache rows, score the first `span` cached positions with the indexer (positions past a stream's
-        own are masked), attend over the top-k rows only. span = the longest stream + 1 on the host path,
+        own are masked), attend over the top-k rows only. Where span <= index_topk (iq None) the top-k is
+        every position <= pos, taken in order without scores. span = the longest stream + 1 on the host path,
         the cache's whole capacity on the fixed-shape step (no host value depends on the lengths; the
         extra positions are masked and never chosen over a real one). -> ([M, heads, c], selection)."""
         c = self.latent
@@ -380,7 +390,10 @@ class GlmMoeDsaModel:
             kvc[idx, pos] = kv_new
             if a.indexer is not None:
                 ixc[idx, pos] = ik
-        if a.indexer is not None:
+        if a.indexer is not None and iq is None:  # span <= index_topk: every position <= pos, in order
+            sel = torch.arange(span, device=dev).expand(pos.numel(), span)
+            selection = (sel, sel <= pos[:, None])
+        elif a.indexer is not None:
             scores = self._index_scores(iq, iw, ixc[:, :span])                            # [M, span]
             scores = scores.masked_fill(torch.arange(span, device=dev)[None, :] > pos[:, None], float("-inf"))
             top, sel = scores.topk(min(self.index_topk, span), dim=-1)                    # [M, k]

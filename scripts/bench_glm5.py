@@ -14,10 +14,11 @@
         Weight bytes per section against the measured copy bandwidth give the roofline column.
         Runs at a short context (the default prompts, 3..13 tokens) and a long one (--contexts).
 
-        NVFP4 would not shrink anything here: the engine holds NVFP4 experts dequantised to BF16, so a
-        `:nvfp4` preset has the same resident bytes and kernels. When the BF16 preset does not fit
-        --max-gib (or the free GPU memory), the routed experts per layer are cut instead, and the
-        output says so (per-step expert reads depend on the experts touched, at most M x top-k).
+        The presets run in BF16 on the host (eager) path, where the timers can bracket each layer; the
+        graphed step with NVFP4 experts is timed by scripts/ab_decode.py (preset:glm5-flash-4l:nvfp4,
+        preset:glm5-4l:nvfp4). When the BF16 preset does not fit --max-gib (or the free GPU memory), the
+        routed experts per layer are cut, and the output says so (per-step expert reads depend on the
+        experts touched, at most M x top-k).
 
         `--device cpu --preset glm5-tiny` runs the same code on the CPU (host clocks instead of events):
         the check that the GPU path works before a GPU run.

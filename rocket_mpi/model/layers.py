@@ -45,6 +45,9 @@ def latent_decode() -> bool:
     return knob == "1"
 
 
+_BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype=): bf16 in, fp32 out (CUDA)
+
+
 def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Decode attention of MLA's absorbed form: every head of a stream attends over that stream's rows, one
@@ -54,9 +57,9 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     On an H200 at 2064 rows (results/README.md, session 26) 19 / 34 / 58 us at M = 1 / 8 / 16 per call, where
     SDPA took 200-230 us with the heads as one head's query rows (one block per stream) and 0.6-10 ms with
     enable_gqa (its math path, the rows repeated per head). A stream with no valid row gets NaN, as SDPA gives."""
-    if q.is_cuda:
+    if q.is_cuda and _BMM_FP32_OUT:
         s = torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
-    else:
+    else:  # the CPU, or a torch without bmm's out_dtype (before 2.8): the same products, a slower GEMM
         s = torch.bmm(q.float(), keys.float().transpose(1, 2))
     p = (s * scale).masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.bmm(p.to(values.dtype), values)

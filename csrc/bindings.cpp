@@ -773,26 +773,27 @@ void rope_kv_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const 
                          c10::cuda::getCurrentCUDAStream().stream(), table ? static_cast<int>(cos.size(0)) : 0);
 }
 
-// q [M, hq, d] and caches [M, hkv, span, d] -> attention output [M, hq, d] over keys 0..pos (decode_ops.cu); None
-// where the kernel does not take the shape (more streams or a longer span than it does; the caller takes the
-// matmuls).
+// q [M, hq, d] and caches [M, hkv, cap, d] -> attention output [M, hq, d] over keys 0..pos (decode_ops.cu), pos <
+// span <= cap (span < 0: the caches' whole capacity); None where the kernel does not take the shape (more streams
+// or a longer span than it does; the caller takes the matmuls).
 std::optional<torch::Tensor> decode_attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                                              const torch::Tensor& pos, double scale) {
+                                              const torch::Tensor& pos, double scale, int64_t span) {
   const c10::Device dev = q.device();
   expect(q, "q", torch::kBFloat16, 3, dev, 2);
   expect(kc, "kc", torch::kBFloat16, 4, dev, 16);
   expect(vc, "vc", torch::kBFloat16, 4, dev, 2);
   expect(pos, "pos", torch::kLong, 1, dev, 8);
-  const int64_t m = q.size(0), hq = q.size(1), d = q.size(2), hkv = kc.size(1), span = kc.size(2);
+  const int64_t m = q.size(0), hq = q.size(1), d = q.size(2), hkv = kc.size(1), cap = kc.size(2);
+  if (span < 0) span = cap;
   ROCKET_CHECK(kc.size(0) == m && kc.size(3) == d && vc.sizes() == kc.sizes() && pos.numel() == m && hkv > 0 &&
-               hq % hkv == 0 && d % 8 == 0, "decode_attention: q " << q.sizes() << ", caches " << kc.sizes()
-               << ", pos " << pos.sizes());
+               hq % hkv == 0 && d % 8 == 0 && span > 0 && span <= cap, "decode_attention: q " << q.sizes()
+               << ", caches " << kc.sizes() << ", pos " << pos.sizes() << ", span " << span);
   if (rocket::decode_attention_smem(int(m), int(hq), int(hkv), int(span), int(d)) < 0) return std::nullopt;
   const c10::cuda::CUDAGuard guard(dev);
   auto out = torch::empty_like(q);
   rocket::launch_decode_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr<int64_t>(), int(m),
-                                  int(hq), int(hkv), int(span), int(d), static_cast<float>(scale), out.data_ptr(),
-                                  c10::cuda::getCurrentCUDAStream().stream());
+                                  int(hq), int(hkv), int(span), int(cap), int(d), static_cast<float>(scale),
+                                  out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
   return out;
 }
 

@@ -333,7 +333,8 @@ constexpr int kAttnMaxD = 128;
 constexpr int kAttnKeys = 16;
 __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
-    const int64_t* __restrict__ pos, int hq, int hkv, int span, int d, float scale, __nv_bfloat16* __restrict__ out) {
+    const int64_t* __restrict__ pos, int hq, int hkv, int span, int cap, int d, float scale,
+    __nv_bfloat16* __restrict__ out) {
   extern __shared__ float attn_smem[];
   __shared__ float red[kAttnThreads / 32];
   const int h = blockIdx.x, m = blockIdx.y, kvh = h / (hq / hkv), tid = threadIdx.x;
@@ -343,8 +344,8 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
   const int64_t p = pos[m];
   const int n = int(p < 0 ? 0 : (p >= span ? span : p + 1));  // keys 0..pos
   const __nv_bfloat16* qh = q + (int64_t(m) * hq + h) * d;
-  const __nv_bfloat16* kh = kc + (int64_t(m) * hkv + kvh) * int64_t(span) * d;
-  const __nv_bfloat16* vh = vc + (int64_t(m) * hkv + kvh) * int64_t(span) * d;
+  const __nv_bfloat16* kh = kc + (int64_t(m) * hkv + kvh) * int64_t(cap) * d;  // cap: the caches' positions
+  const __nv_bfloat16* vh = vc + (int64_t(m) * hkv + kvh) * int64_t(cap) * d;
   for (int i = tid; i < d; i += kAttnThreads) qs[i] = __bfloat162float(qh[i]);
   __syncthreads();
   const int d8 = d / 8;
@@ -404,15 +405,16 @@ int decode_attention_smem(int streams, int hq, int hkv, int span, int d) {
 }
 
 void launch_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* pos, int streams, int hq,
-                             int hkv, int span, int d, float scale, void* out, cudaStream_t stream) {
+                             int hkv, int span, int cap, int d, float scale, void* out, cudaStream_t stream) {
   const int bytes = decode_attention_smem(streams, hq, hkv, span, d);
+  ROCKET_CHECK(span <= cap, "decode_attention: span " << span << " past the caches' " << cap << " positions");
   ROCKET_CHECK(bytes > 0, "decode_attention: " << streams << " streams (at most " << kDecodeAttentionMaxStreams
                << "), " << hq << " query heads, " << hkv << " kv heads, head dim " << d << " (a multiple of 8, at "
                << "most " << kAttnMaxD << "), span " << span << " (at most " << kDecodeAttentionMaxSpan << ")");
   if (streams == 0) return;
   decode_attention_kernel<<<dim3(hq, streams), kAttnThreads, bytes, stream>>>(
       static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kc),
-      static_cast<const __nv_bfloat16*>(vc), pos, hq, hkv, span, d, scale, static_cast<__nv_bfloat16*>(out));
+      static_cast<const __nv_bfloat16*>(vc), pos, hq, hkv, span, cap, d, scale, static_cast<__nv_bfloat16*>(out));
   ROCKET_LAUNCH_CHECK();
 }
 

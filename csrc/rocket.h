@@ -237,15 +237,15 @@ void launch_rope_kv(void* q, void* k, const void* v, const void* cos, const void
 void launch_argmax(const void* logits, int rows, int vocab, float* part_v, int* part_i, int chunks,
                    unsigned* ticket, int64_t* tokens, int64_t* pos, cudaStream_t stream);
 int argmax_chunks(int rows, int vocab);
-// Fused decode attention (decode_ops.cu): one query per stream [M, hq, d] over keys 0..pos of caches
-// [M, hkv, span, d] -> [M, hq, d]; for at most kDecodeAttentionMaxStreams streams, spans up to
+// Fused decode attention (decode_ops.cu): one query per stream [M, hq, d] over keys 0..min(pos, span - 1) of
+// caches [M, hkv, cap, d] (span <= cap) -> [M, hq, d]; for at most kDecodeAttentionMaxStreams streams, spans up to
 // kDecodeAttentionMaxSpan, head dim <= 128 (decode_attention_smem returns -1 otherwise, and the caller takes the
 // two matmuls around decode_softmax).
 constexpr int kDecodeAttentionMaxStreams = 16;
 constexpr int kDecodeAttentionMaxSpan = 2048;
 int decode_attention_smem(int streams, int hq, int hkv, int span, int d);
 void launch_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* pos, int streams, int hq,
-                             int hkv, int span, int d, float scale, void* out, cudaStream_t stream);
+                             int hkv, int span, int cap, int d, float scale, void* out, cudaStream_t stream);
 void launch_decode_softmax(const void* scores, const int64_t* pos, int streams, int heads, int span, float scale,
                            void* probs, cudaStream_t stream);
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,

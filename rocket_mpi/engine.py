@@ -46,6 +46,7 @@ class RunResult:
     steps: list[StepLog] = field(default_factory=list)
     path: str = "host"       # the decode steps' path: host, device or graph (rocket_mpi/graph.py)
     note: str = ""           # why a wanted graph did not capture, if it did not
+    spans: list = field(default_factory=list)  # the fixed-shape step's (first step, span) pairs (graph.span_for)
 
     def timed(self) -> list[StepLog]:
         """Decode steps after the warm-up (step 0 is the prefill)."""
@@ -172,7 +173,8 @@ class Engine:
     def set_decode_path(self, want: str, fabric_name: str) -> str:
         """auto | graph | device | host (rocket_mpi/graph.py): where decode steps plan their rows and
         whether they run as one CUDA graph. auto takes graph where it can run. Returns the path taken."""
-        from rocket_mpi.graph import unsupported
+        from rocket_mpi.graph import span_switch, unsupported
+        span_switch()  # a bad ROCKET_GRAPH_SPANS fails at set-up on every path
         why = unsupported(self, fabric_name, graph=want != "device")
         self.decode_path_auto = want == "auto"
         if want == "auto":  # graph where it runs and its capture has been checked on a GPU for this family
@@ -299,6 +301,7 @@ class Engine:
                 chosen, c = static.run(step)
                 dt = time.perf_counter() - t0
                 cache.lengths += 1
+                result.spans = static.spans
                 logits = static.logits
                 log = StepLog(dt, 0.0, c["rows_mine"], c["rows_total"], c["bytes_sent"], c["crc"],
                               c["experts_mine"] * per_expert + self.stack_read_bytes())

@@ -10,9 +10,18 @@ routing back once per MoE layer (the host plan). Here every MoE layer is
        with group ends counted on the device
     -> exchange -> moe_scatter_add, which also sums the rows' checksum (folded by the host after the step)
 
-with shapes fixed by (streams, top-k, ranks), so the whole decode step (attention over the cache's full
-capacity with a length mask, MoE layers, lm_head, argmax, the next positions) is captured once in a
-CUDA graph and replayed: one launch and one small device-to-host read (tokens + plan counters) per step.
+with shapes fixed by (streams, top-k, ranks), so the whole decode step (attention over a span of the cache
+with a length mask, MoE layers, lm_head, argmax, the next positions) is captured in a CUDA graph and
+replayed: one launch and one small device-to-host read (tokens + plan counters) per step.
+
+Spans: a step attends over the cache's first `span` positions, the smallest of SPAN_MIN, 2 SPAN_MIN, 4 SPAN_MIN,
+... (capped at the capacity) that holds every stream's new token (span_for). The host knows the lengths (every
+stream advances one position per step), so no device value picks it. A run asking for 4000 tokens starts at
+span 256, not 4096: its early steps cost what a short run's do (the MLA / DSA models' attention, top-k and
+length masks grow with the span). A new span drops the graph, runs one step eagerly and captures the next
+(one graph held at a time); ROCKET_GRAPH_SPANS picks SPAN_MIN or the capacity throughout. The span changes the
+shapes of the attention's sums, so it is one of the switches every rank must share (the lengths are the same
+on every rank).
 
 Exchange per fabric (rows of rank r's block live at slot space r * cap + i on every rank):
     local     one rank: the block is the row set
@@ -26,9 +35,10 @@ Exchange per fabric (rows of rank r's block live at slot space r * cap + i on ev
 Parity: canonical order, the kernel's weight passes and the scatter order are the host plan's
 (tests/test_device_plan.py checks moe_plan against its reference), so the split and one rank compute the
 same bits; grouped_mm rows are checked the same whichever experts and rows share the launch (a GPU
-test) as the DESIGN asks of the expert kernel. The graphed step attends over the whole capacity where the eager step attends over the
-longest stream: its tokens can differ from the eager GPU step's in the last bit of a softmax sum, never
-between ranks, since every rank takes the same path (the handshake checks --graph).
+test) as the DESIGN asks of the expert kernel. The graphed step attends over its span where the eager step attends
+over the longest stream: its tokens can differ from the eager GPU step's in the last bit of a softmax sum, never
+between ranks, since every rank takes the same path and spans (the handshake checks --graph and
+ROCKET_GRAPH_SPANS).
 """
 from __future__ import annotations
 
@@ -41,6 +51,37 @@ from rocket_mpi.kernels import plan as kplan
 from rocket_mpi.moe.router import route
 
 PUSH_BLOCKS = 32  # blocks of the exchange kernel: one flag word each (fabric/cuda_ipc.py IPC_MAX_BLOCKS)
+SPAN_MIN = 256    # the first span of the fixed-shape step (span_for)
+
+
+def span_switch() -> int:
+    """ROCKET_GRAPH_SPANS: 'auto' (default: spans from SPAN_MIN up, doubling), 'capacity' (the cache's whole
+    capacity at every step, as before session 27) or a positive integer (the smallest span: small values make short
+    test runs cross spans) -> the smallest span, 0 for 'capacity'."""
+    import os
+    v = os.environ.get("ROCKET_GRAPH_SPANS", "auto")
+    if v == "auto":
+        return SPAN_MIN
+    if v == "capacity":
+        return 0
+    if v.isdigit() and int(v) > 0:
+        return int(v)
+    raise RocketError(f"ROCKET_GRAPH_SPANS={v!r}: expected 'auto' (default), 'capacity' or a positive integer "
+                      f"(the smallest span)")
+
+
+def span_for(longest: int, capacity: int, smallest: int) -> int:
+    """The positions a step attends over when the longest stream holds `longest` (its new token goes to position
+    `longest`): smallest * 2^k for the least k that holds it, capped at the capacity; the capacity where
+    smallest = 0."""
+    if longest >= capacity:
+        raise RocketError(f"a decode step at position {longest} past the cache's {capacity} positions")
+    if smallest <= 0:
+        return capacity
+    span = smallest
+    while span <= longest:
+        span *= 2
+    return min(span, capacity)
 
 
 def step_fused(device) -> bool:
@@ -246,7 +287,8 @@ def _merge(segs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 
 
 class GraphStep:
-    """One decode step for M streams at device positions, run eagerly once, then captured and replayed.
+    """One decode step for M streams at device positions, run eagerly once, then captured and replayed; again at
+    each new span (span_for: the host's lengths pick it).
 
     tokens/pos are the graph's inputs and outputs: the step writes the chosen tokens into `tokens` and
     advances `pos`, so consecutive replays need nothing from the host."""
@@ -264,11 +306,14 @@ class GraphStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error = ""
         self.ran = False
+        self.smallest = span_switch()
+        self.span = 0
+        self.spans: list[tuple[int, int]] = []  # (first step, span) of each span the run took
 
     def _body(self):
         m = self.moe
         m.calls = 0
-        logits = self.engine.model.forward_static(self.tokens, self.pos, self.cache, m)  # bf16
+        logits = self.engine.model.forward_static(self.tokens, self.pos, self.cache, m, self.span)  # bf16
         if self.fused:  # the next step's input, written in place, and pos += 1: one launch
             from rocket_mpi import kernels
             kernels.argmax_(logits, self.tokens, self.ticket, self.pos)
@@ -284,6 +329,10 @@ class GraphStep:
         fault = self.engine.fault
         if fault and fault[0] in ("stall", "die") and fault[1] == self.engine.rank and fault[2] == step:
             self.engine._inject(fault[0], torch.empty(0))  # a dead or stalled rank: it never runs this step
+        span = span_for(int(self.cache.lengths.max()), self.cache.capacity, self.smallest)
+        if span != self.span:  # the former graph's shapes no longer hold every stream: run eagerly, then capture
+            self.span, self.graph, self.ran = span, None, False
+            self.spans.append((step, span))
         if not self.ran or not self.want_graph or (self.graph is None and self.graph_error):
             self._body()
         else:

@@ -111,7 +111,7 @@ def _decode(args, comm) -> int:
     tok = load_tokenizer(args.checkpoint)
     out_runs = []
     for i, r in enumerate(results):
-        run = {"streams": r.streams, "tokens": r.tokens, "path": r.path, "note": r.note,
+        run = {"streams": r.streams, "tokens": r.tokens, "path": r.path, "note": r.note, "spans": r.spans,
                "row_checksums": {str(g[0]["rank"]): g[2][i] for g in gathered},
                "per_rank": [g[1][i] for g in gathered]}
         run.update(split_ceiling(run["per_rank"], [g[0]["stack_bytes"] for g in gathered]))
@@ -230,6 +230,8 @@ def print_report(doc: dict, cfg) -> None:
         print(f"\nM={run['streams']}: {steps} timed decode steps after warm-up, decode path {run['path']}")
         if run.get("note"):
             print(f"  note: {run['note']}")
+        if len(run.get("spans", ())) > 1:  # graph.span_for: each new span runs a step eagerly and captures anew
+            print("  attention spans: " + ", ".join(f"{sp} from step {st}" for st, sp in run["spans"]))
         print(hdr)
         for s in run["per_rank"]:
             host = s.get("path", "host") == "host"  # the fixed-shape step does not time the exchange apart

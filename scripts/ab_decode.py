@@ -48,8 +48,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=40, help="steps per run (the first 3 are not timed)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--capacity", type=int, default=0,
-                    help="cache positions per stream (default: prompt + tokens); the graphed step's fixed shapes "
-                         "span the whole capacity, so this times a long run's step without its prefill")
+                    help="cache positions per stream (default: prompt + tokens); with ROCKET_GRAPH_SPANS=capacity "
+                         "the graphed step's fixed shapes span all of it (a long run's step without its prefill); "
+                         "by default they span the positions held, rounded up (graph.span_for)")
+    ap.add_argument("--prompt-len", type=int, default=0,
+                    help="every stream's prompt repeated to this many tokens (default: the short default prompts): "
+                         "times the steps late in a long run, after the prefill")
     a = ap.parse_args()
     variants = [parse_variant(v) for v in a.variants]
     dev = _pick_device("cuda", None)  # as `rocket_mpi decode`: this GPU, deterministic settings
@@ -58,9 +62,12 @@ def main() -> int:
     gbps = measure_copy_bandwidth(dev)
     base_env = dict(os.environ)
     print(f"{a.checkpoint}: {len(variants)} variants x {a.rounds} rounds, {a.tokens} steps per run"
-          f"{f', cache capacity {a.capacity}' if a.capacity else ''}; copy {gbps:.0f} GB/s")
+          f"{f', cache capacity {a.capacity}' if a.capacity else ''}"
+          f"{f', prompts of {a.prompt_len} tokens' if a.prompt_len else ''}; copy {gbps:.0f} GB/s")
     for m in (int(x) for x in a.sweep.split(",")):
         prompts = default_prompts(m, eng.cfg.vocab_size)
+        if a.prompt_len:
+            prompts = [(p * (a.prompt_len // len(p) + 1))[:a.prompt_len] for p in prompts]
         times: dict[str, list[list[float]]] = {n: [] for n, _ in variants}
         tokens: dict[str, list] = {}
         gb = 0.0
@@ -73,6 +80,8 @@ def main() -> int:
                 res = eng.generate(prompts, a.tokens, capacity=a.capacity)
                 if res.path != "graph" or res.note:
                     raise SystemExit(f"variant {name}: path {res.path} {res.note}")
+                if r == 0:
+                    print(f"  M={m} {name}: attention spans {res.spans} ((first step, span) pairs)")
                 steps = res.steps[3:]
                 times[name].append([s.seconds * 1e3 for s in steps])
                 gb = statistics.median(s.weight_bytes for s in steps) / 1e9

@@ -5,7 +5,8 @@ CPU tests (always run):
   - the plan's reference (kernels/plan.py) against the host plan: rows placed in slot space and
     scattered through its by_token give the host plan's scatter bit for bit; each rank's padded rows
     and weight passes cover exactly its block; sets alternate with seq;
-  - glm4_moe forward_static (attends over the whole cache capacity) against forward, teacher-forced.
+  - glm4_moe forward_static (attends over the whole cache capacity) against forward, teacher-forced;
+  - the fixed-shape step's spans (graph.span_for, ROCKET_GRAPH_SPANS): the rule, and a run crossing spans.
 GPU tests (skip, saying why, without a GPU or the extension):
   - the router kernels (router_logits, moe_route) against moe/router.py: logits within 2^-20 and
     row-invariant, the same experts chosen from the same logits (with and without group limits), weights
@@ -175,22 +176,54 @@ def test_model_and_stream_limits_of_the_fixed_shape_step(tiny_ckpt, monkeypatch)
     assert eng.generate(default_prompts(3, eng.cfg.vocab_size), 3).path == "host"  # ...but not for this step
 
 
+@pytest.mark.parametrize("spans", ["auto", "4"])
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt", "dsa_ckpt", "glm5_ckpt"])
-def test_cpu_device_path_matches_host_path(ckpt_name, request):
+def test_cpu_device_path_matches_host_path(ckpt_name, spans, request, monkeypatch):
     """The fixed-shape step on a CPU (graph.py's reference mode: device plan by its reference, the block by
-    ExpertStore.compute over the rows the plan gives, slot-space scatter) decodes the host path's tokens."""
+    ExpertStore.compute over the rows the plan gives, slot-space scatter) decodes the host path's tokens; with
+    ROCKET_GRAPH_SPANS=4 it crosses spans 16 -> 21 (the capacity) mid-run, taking them where the rule says."""
     from rocket_mpi.engine import Engine
     from rocket_mpi.prompts import default_prompts
     torch.set_num_threads(1)
+    monkeypatch.setenv("ROCKET_GRAPH_SPANS", spans)
     ckpt = request.getfixturevalue(ckpt_name)
-    out = {}
+    out, n = {}, 8
     for path in ("host", "device"):
         eng = Engine(ckpt)
         assert eng.set_decode_path(path, "local") == path
-        r = eng.generate(default_prompts(8, eng.cfg.vocab_size), 8)
+        prompts = default_prompts(8, eng.cfg.vocab_size)
+        r = eng.generate(prompts, n)
         assert r.path == path
         out[path] = r.tokens
+    longest, cap = max(len(p) for p in prompts), max(len(p) for p in prompts) + n
+    want = []  # (first step, span): at step s the longest stream's new token goes to position longest + s - 1
+    for step in range(1, n):
+        span = 4 if spans == "4" else 256
+        while span < longest + step:
+            span *= 2
+        if not want or want[-1][1] != min(span, cap):
+            want.append((step, min(span, cap)))
+    assert r.spans == want and (spans == "auto" or len(want) == 2), (r.spans, want)
     assert out["device"] == out["host"]
+
+
+def test_graph_spans_rule_and_switch(monkeypatch):
+    import rocket_mpi.graph as graph
+    from rocket_mpi.errors import RocketError
+    assert [graph.span_for(n, 1000, 256) for n in (0, 255, 256, 511, 512, 999)] == [256, 256, 512, 512, 1000, 1000]
+    assert graph.span_for(5, 4096, 0) == 4096 and graph.span_for(3, 4, 4) == 4 and graph.span_for(4, 9, 4) == 8
+    with pytest.raises(RocketError, match="position 9 past the cache's 9 positions"):
+        graph.span_for(9, 9, 4)
+    monkeypatch.delenv("ROCKET_GRAPH_SPANS", raising=False)
+    assert graph.span_switch() == graph.SPAN_MIN == 256
+    monkeypatch.setenv("ROCKET_GRAPH_SPANS", "capacity")
+    assert graph.span_switch() == 0
+    monkeypatch.setenv("ROCKET_GRAPH_SPANS", "12")
+    assert graph.span_switch() == 12
+    for bad in ("0", "-4", "pow2", ""):
+        monkeypatch.setenv("ROCKET_GRAPH_SPANS", bad)
+        with pytest.raises(RocketError, match=f"ROCKET_GRAPH_SPANS={bad!r}"):
+            graph.span_switch()
 
 
 def test_step_fuse_knob_bad_value_is_one_error(monkeypatch):
@@ -391,13 +424,18 @@ def test_gpu_ipc_exchange_flags_one_process(blocks):
 
 
 @gpu
-@pytest.mark.parametrize("streams,preset", [(1, "default"), (8, "default"), (8, "dsa-tiny"), (8, "glm5-tiny")])
-def test_gpu_graph_decode_equals_eager_device_step(streams, preset):
+@pytest.mark.parametrize("streams,preset,spans", [(1, "default", "auto"), (8, "default", "auto"),
+                                                  (8, "dsa-tiny", "auto"), (8, "glm5-tiny", "auto"),
+                                                  (1, "default", "4"), (8, "default", "4"), (8, "dsa-tiny", "4"),
+                                                  (8, "glm5-tiny", "4")])
+def test_gpu_graph_decode_equals_eager_device_step(streams, preset, spans, monkeypatch):
     """The captured step replays exactly what the same step computes when launched eagerly (dsa-tiny:
-    GLM-5's architecture, MLA + DSA indexer; glm5-tiny: GLM-5.3-Flash's, KDA + MLA)."""
+    GLM-5's architecture, MLA + DSA indexer; glm5-tiny: GLM-5.3-Flash's, KDA + MLA); with ROCKET_GRAPH_SPANS=4
+    the run crosses spans, each captured anew."""
     from rocket_mpi.checkpoint.synthetic import SyntheticReader
     from rocket_mpi.engine import Engine
     from rocket_mpi.prompts import default_prompts
+    monkeypatch.setenv("ROCKET_GRAPH_SPANS", spans)
     runs = {}
     ckpt = f"preset:{preset}:nvfp4"
     for path in ("device", "graph"):
@@ -407,6 +445,7 @@ def test_gpu_graph_decode_equals_eager_device_step(streams, preset):
         prompts = default_prompts(streams, eng.cfg.vocab_size)
         r = eng.generate(prompts, 10)
         assert r.path == path and not r.note, r.note
+        assert len(r.spans) == (1 if spans == "auto" else 2 if streams == 8 else 3), r.spans
         runs[path] = (r.tokens, [s.row_crc for s in r.steps])
     assert runs["graph"] == runs["device"]
 
@@ -537,6 +576,12 @@ def test_gpu_decode_attention(m, hq, hkv, d, span, monkeypatch):
         assert torch.equal(kernels.decode_attention(q, kn, vn, pos, scale), got)
     long = torch.zeros(1, hkv, kernels.DECODE_ATTENTION_MAX_SPAN + 1, d, dtype=torch.bfloat16, device="cuda")
     assert kernels.decode_attention(q[:1], long, long, pos[:1], scale) is None
+    # the same keys inside caches of a longer capacity (NaN past the span), the step's span given: the same bits,
+    # also where the capacity is past what the kernel takes as a span
+    for cap in (span + 37, kernels.DECODE_ATTENTION_MAX_SPAN + 64):
+        kl, vl = (torch.full((m, hkv, cap, d), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        kl[:, :, :span], vl[:, :, :span] = kc, vc
+        assert torch.equal(kernels.decode_attention(q, kl, vl, pos, scale, span), got)
 
 
 @gpu

@@ -240,18 +240,20 @@ def attention_switch() -> str:
 
 
 def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
-                     scale: float) -> torch.Tensor | None:
-    """q [M, hq, d] (one query per stream) over the keys 0..pos[m] of its caches [M, hkv, span, d] -> [M, hq, d]
+                     scale: float, span: int = -1) -> torch.Tensor | None:
+    """q [M, hq, d] (one query per stream) over the keys 0..pos[m] of its caches [M, hkv, capacity, d] -> [M, hq, d]
     bf16 in one kernel (csrc/decode_ops.cu): q.k in fp32 rounded to bf16, then decode_softmax's arithmetic, then the
     bf16 probabilities times v summed in fp32, rounded once; what glm4_moe's _attend does in three kernels but for
-    the order of the sums. None where the caller takes the matmuls: more than DECODE_ATTENTION_MAX_STREAMS streams
-    (more than DECODE_ATTENTION_AUTO_STREAMS under 'auto'), a span past DECODE_ATTENTION_MAX_SPAN, a head dim past
-    128, or ROCKET_DECODE_ATTENTION=matmul. (H200, air8 NVFP4, graphed, one process: 3.2 / 0.8 / 2.0 % faster steps
-    at 1 / 2 / 4 streams, 0.2 / 0.8 % slower at 8 / 16: results/README.md, session 23.)"""
+    the order of the sums. span (-1: the capacity) bounds the positions the step can hold (pos < span); it sizes the
+    kernel's shared memory and picks it, never its sums: the keys past pos are not read. None where the caller takes
+    the matmuls: more than DECODE_ATTENTION_MAX_STREAMS streams (more than DECODE_ATTENTION_AUTO_STREAMS under
+    'auto'), a span past DECODE_ATTENTION_MAX_SPAN, a head dim past 128, or ROCKET_DECODE_ATTENTION=matmul. (H200,
+    air8 NVFP4, graphed, one process: 3.2 / 0.8 / 2.0 % faster steps at 1 / 2 / 4 streams, 0.2 / 0.8 % slower at
+    8 / 16: results/README.md, session 23.)"""
     mode = attention_switch()
     if mode == "matmul" or (mode == "auto" and q.shape[0] > DECODE_ATTENTION_AUTO_STREAMS):
         return None
-    return _ext.require().decode_attention(q.contiguous(), kc, vc, pos, scale)
+    return _ext.require().decode_attention(q.contiguous(), kc, vc, pos, scale, span)
 
 
 DECODE_ATTENTION_MAX_SPAN = 2048    # csrc/rocket.h kDecodeAttentionMaxSpan

@@ -153,12 +153,14 @@ class Glm4MoeModel:
         h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
-    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, moe) -> torch.Tensor:
+    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, moe,
+                       span: int | None = None) -> torch.Tensor:
         """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe); returns
         the logits [M, V] in the lm_head's bf16 (the step's argmax picks the same token as on their fp32 copy, an
         exact cast, so the copy is left to whoever wants it: engine.generate's on_step):
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
-        over the cache's whole capacity under a length mask. The caller advances pos and cache.lengths.
+        over the cache's first `span` positions (None: its whole capacity; every pos < span, graph.span_for) under
+        a length mask. The caller advances pos and cache.lengths.
         On a GPU with the extension, RMSNorm, RoPE with the cache write, and the attention (one kernel for spans up
         to kernels.DECODE_ATTENTION_MAX_SPAN and steps of at most DECODE_ATTENTION_AUTO_STREAMS streams, as
         ROCKET_DECODE_ATTENTION picks, else two matmuls around the scaled, masked softmax) run as fused kernels
@@ -181,7 +183,7 @@ class Glm4MoeModel:
             x, h = kernels.embed_rms_norm(self.embed, tokens, self.layers[0].input_norm, cfg.rms_norm_eps)
         else:
             x = self.embed[tokens]
-        span = cache.capacity
+        span = cache.capacity if span is None else span
         if fused:  # rope_kv_ writes the caches at pos, decode_softmax hides the keys past it
             decode = ("table" if glue else None, pos, span, None)
         else:
@@ -241,7 +243,7 @@ class Glm4MoeModel:
         if fused:  # the fixed-shape decode step on a GPU: RoPE and the cache write in one kernel, the softmax in one
             tab, pos, span, _ = decode  # tab: cos / sin are the Rope.table halves, read at pos
             kernels.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos, table=tab is not None)
-            out = kernels.decode_attention(q, kc, vc, pos, self.scale) if span == kc.shape[2] else None
+            out = kernels.decode_attention(q, kc, vc, pos, self.scale, span)
             if out is None:  # more streams or a longer span than the fused kernel takes (kernels.decode_attention)
                 out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], None, self.scale, pos)
             out = out.reshape(t, -1)

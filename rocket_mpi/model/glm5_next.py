@@ -362,17 +362,19 @@ class Glm5NextModel:
             h = rms_norm(streams[last].mean(dim=1), self.norm, cfg.rms_norm_eps)
             return F.linear(h, self.lm_head).float()
 
-    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: Glm5NextCache, moe) -> torch.Tensor:
+    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: Glm5NextCache, moe,
+                       span: int | None = None) -> torch.Tensor:
         """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
         tokens [M] and pos [M] (what each stream's cache holds) on the device. KDA layers step their
-        states; MLA layers select over the cache's whole capacity (mla_decode: positions past a stream's
-        own are never chosen). The caller advances pos and cache.lengths. Returns
+        states; MLA layers select over the cache's first `span` positions (None: its whole capacity; every
+        pos < span, graph.span_for; mla_decode: positions past a stream's own are never chosen). The caller advances pos and cache.lengths. Returns
         the logits [M, V] in bf16 (see glm4_moe.forward_static)."""
         cfg, hca = self.cfg, self.hc_args
         x = self.embed[tokens]
         streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()
         idx = torch.arange(tokens.numel(), device=tokens.device)
         selection = None
+        span = cache.capacity if span is None else span
         fuse, kfuse = hc_fused(x.device), kda_fused(x.device)
         for i, L in enumerate(self.layers):
             post, comb, h = hc_pre(L.attn_hc, streams, hca, fuse)
@@ -381,7 +383,7 @@ class Glm5NextModel:
                 y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], [], self.kda_args, idx=idx, fuse=kfuse)
                 selection = None
             else:
-                y, sel = mla_decode(L.mla, h, cache.mla[i], pos, cache.capacity, self.mla_args, selection)
+                y, sel = mla_decode(L.mla, h, cache.mla[i], pos, span, self.mla_args, selection)
                 selection = sel if L.shares_next else None
             streams = hc_post(post, comb, y, streams, fuse)
             post, comb, h = hc_pre(L.ffn_hc, streams, hca, fuse)

@@ -314,8 +314,10 @@ class GlmMoeDsaModel:
         s = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.index_scale)   # [B, heads, S]
         return torch.matmul(w[:, None, :], s)[:, 0]
 
-    def _attention(self, i, a: Attention, h, cos, sin, cache: LatentCache, starts, seqlens, selection, pos=None):
-        """pos [M] on the device: the fixed-shape decode step (forward_static), starts/seqlens unused."""
+    def _attention(self, i, a: Attention, h, cos, sin, cache: LatentCache, starts, seqlens, selection, pos=None,
+                   span: int | None = None):
+        """pos [M] on the device: the fixed-shape decode step (forward_static) over the cache's first `span`
+        positions (None: its capacity), starts/seqlens unused."""
         t, nh, c = h.shape[0], self.heads, self.latent
         dev = h.device
         q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, LATENT_NORM_EPS)   # [T, q_lora]
@@ -337,7 +339,7 @@ class GlmMoeDsaModel:
         if pos is not None or all(n == 1 for n in seqlens):
             if pos is None:   # the host knows the lengths: attend over the longest stream's span only
                 pos, span = torch.tensor(starts, device=dev), max(starts) + 1
-            else:
+            elif span is None:
                 span = cache.capacity
             # within index_topk positions the top-k of every query is all of its positions: no scores needed
             iq, iw = self._indexer_qw(a.indexer, h, q_resid, cos, sin) if own and span > self.index_topk \
@@ -380,8 +382,8 @@ class GlmMoeDsaModel:
         cache rows, score the first `span` cached positions with the indexer (positions past a stream's
         own are masked), attend over the top-k rows only. Where span <= index_topk (iq None) the top-k is
         every position <= pos, taken in order without scores. span = the longest stream + 1 on the host path,
-        the cache's whole capacity on the fixed-shape step (no host value depends on the lengths; the
-        extra positions are masked and never chosen over a real one). -> ([M, heads, c], selection)."""
+        the step's span on the fixed-shape step (graph.span_for: a power-of-two multiple of its smallest, or the
+        capacity; no device value picks it; the extra positions are masked and never chosen over a real one). -> ([M, heads, c], selection)."""
         c = self.latent
         dev = q_cat.device
         kvc, ixc = cache.kv[i], cache.index_k[i]
@@ -407,10 +409,12 @@ class GlmMoeDsaModel:
                                            enable_gqa=True)                               # [M, heads, 1, c]
         return o[:, :, 0], selection
 
-    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: LatentCache, moe) -> torch.Tensor:
+    def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: LatentCache, moe,
+                       span: int | None = None) -> torch.Tensor:
         """One decode step, one new token per stream, with fixed shapes and no host read (CUDA-graph safe):
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. The
-        indexer scores the cache's whole capacity under a length mask (_decode_attention); everything else
+        indexer scores the cache's first `span` positions (None: its whole capacity; every pos < span,
+        graph.span_for) under a length mask (_decode_attention); everything else
         is forward's decode step. The caller advances pos and cache.lengths. Returns
         the logits [M, V] in bf16 (see glm4_moe.forward_static)."""
         cfg = self.cfg
@@ -419,7 +423,8 @@ class GlmMoeDsaModel:
         selection = None
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
-            out, selection = self._attention(i, L.attn, h, cos, sin, cache, None, None, selection, pos=pos)
+            out, selection = self._attention(i, L.attn, h, cos, sin, cache, None, None, selection, pos=pos,
+                                             span=span)
             x = x + out
             h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
             if L.mlp is not None:

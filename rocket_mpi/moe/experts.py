@@ -177,7 +177,8 @@ def check_stack_split() -> None:
 # Environment switches that change what a rank computes (its bits): every rank must see the same values, so the
 # start-up handshake (run.py) compares them.
 BIT_SWITCHES = ("ROCKET_KERNELS", "ROCKET_STACK", "ROCKET_BF16_EXPERTS", "ROCKET_DECODE_ATTENTION",
-                "ROCKET_STACK_SPLIT", "ROCKET_HC_FUSE", "ROCKET_KDA_FUSE", "ROCKET_MLA_LATENT")
+                "ROCKET_STACK_SPLIT", "ROCKET_HC_FUSE", "ROCKET_KDA_FUSE", "ROCKET_MLA_LATENT",
+                "ROCKET_GRAPH_SPANS")
 
 
 def bit_switches() -> dict[str, str]:

@@ -181,7 +181,7 @@ def test_model_and_stream_limits_of_the_fixed_shape_step(tiny_ckpt, monkeypatch)
 def test_cpu_device_path_matches_host_path(ckpt_name, spans, request, monkeypatch):
     """The fixed-shape step on a CPU (graph.py's reference mode: device plan by its reference, the block by
     ExpertStore.compute over the rows the plan gives, slot-space scatter) decodes the host path's tokens; with
-    ROCKET_GRAPH_SPANS=4 it crosses spans 16 -> 21 (the capacity) mid-run, taking them where the rule says."""
+    ROCKET_GRAPH_SPANS=4 it crosses spans 16 -> 32 mid-run, taking them where the rule says."""
     from rocket_mpi.engine import Engine
     from rocket_mpi.prompts import default_prompts
     torch.set_num_threads(1)
@@ -195,7 +195,8 @@ def test_cpu_device_path_matches_host_path(ckpt_name, spans, request, monkeypatc
         r = eng.generate(prompts, n)
         assert r.path == path
         out[path] = r.tokens
-    longest, cap = max(len(p) for p in prompts), max(len(p) for p in prompts) + n
+    longest = max(len(p) for p in prompts)
+    cap = -(-(longest + n) // 64) * 64  # Engine.generate: positions rounded up to a multiple of 64
     want = []  # (first step, span): at step s the longest stream's new token goes to position longest + s - 1
     for step in range(1, n):
         span = 4 if spans == "4" else 256
@@ -542,15 +543,18 @@ def test_gpu_decode_softmax(m, heads, span):
     assert ((sums - 1).abs() < 2e-2).all(), sums
 
 
+ATTN_CASES = [(2, 96, 8, 128, 40), (8, 8, 2, 64, 100), (3, 4, 2, 16, 7), (1, 12, 1, 128, 1000), (2, 4, 4, 128, 2048),
+              (5, 16, 1, 24, 33), (16, 96, 8, 128, 24)]
+
+
 @gpu
-@pytest.mark.parametrize("m,hq,hkv,d,span", [(2, 96, 8, 128, 40), (8, 8, 2, 64, 100), (3, 4, 2, 16, 7),
-                                             (1, 12, 1, 128, 1000), (2, 4, 4, 128, 2048), (5, 16, 1, 24, 33),
-                                             (16, 96, 8, 128, 24)])
+@pytest.mark.parametrize("m,hq,hkv,d,span", ATTN_CASES)
 def test_gpu_decode_attention(m, hq, hkv, d, span, monkeypatch):
     """The fused decode attention against glm4_moe's torch path (two matmuls around scale, mask, fp32 softmax):
     within a bf16 rounding or two of the output scale (the sums' order differs); a stream's output the same bits
-    alone as beside the others; keys past pos never read (NaN there changes nothing); a span past the kernel's
-    gives None (the caller takes the matmuls), and so does ROCKET_DECODE_ATTENTION=matmul."""
+    alone as beside the others; keys past pos never read (NaN there changes nothing); the same keys inside caches
+    of a longer capacity, the span given, the same bits; a span past the kernel's gives None (the caller takes the
+    matmuls)."""
     from rocket_mpi.model.glm4_moe import _attend
     monkeypatch.setenv("ROCKET_DECODE_ATTENTION", "fused")  # every stream count the kernel takes
     gen = torch.Generator().manual_seed(span + d)
@@ -577,8 +581,8 @@ def test_gpu_decode_attention(m, hq, hkv, d, span, monkeypatch):
     long = torch.zeros(1, hkv, kernels.DECODE_ATTENTION_MAX_SPAN + 1, d, dtype=torch.bfloat16, device="cuda")
     assert kernels.decode_attention(q[:1], long, long, pos[:1], scale) is None
     # the same keys inside caches of a longer capacity (NaN past the span), the step's span given: the same bits,
-    # also where the capacity is past what the kernel takes as a span
-    for cap in (span + 37, kernels.DECODE_ATTENTION_MAX_SPAN + 64):
+    # also where the capacity is past what the fused kernel takes as a span
+    for cap in (span + 37, max(span, kernels.DECODE_ATTENTION_MAX_SPAN) + 64):
         kl, vl = (torch.full((m, hkv, cap, d), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
         kl[:, :, :span], vl[:, :, :span] = kc, vc
         assert torch.equal(kernels.decode_attention(q, kl, vl, pos, scale, span), got)
@@ -586,25 +590,27 @@ def test_gpu_decode_attention(m, hq, hkv, d, span, monkeypatch):
 
 @gpu
 def test_gpu_decode_attention_switch(monkeypatch):
-    """ROCKET_DECODE_ATTENTION: 'auto' (default) takes the fused kernel up to DECODE_ATTENTION_AUTO_STREAMS streams,
-    'fused' up to what the kernel takes, 'matmul' never (None: the caller's matmuls); a bad value is one error."""
+    """ROCKET_DECODE_ATTENTION: 'fused' takes the one-block-per-head kernel up to what it takes, 'auto' (default)
+    and 'matmul' never (None: the caller's matmuls); a bad value is one error."""
     from rocket_mpi.errors import RocketError
     kc = torch.zeros(1, 1, 4, 16, dtype=torch.bfloat16, device="cuda")
 
-    def fused(m):
-        q = torch.zeros(m, 2, 16, dtype=torch.bfloat16, device="cuda")
-        kv = kc.expand(m, -1, -1, -1).contiguous()
+    def takes(m, hq=2, span=4):
+        q = torch.zeros(m, hq, 16, dtype=torch.bfloat16, device="cuda")
+        kv = torch.zeros(m, 1, span, 16, dtype=torch.bfloat16, device="cuda")
         return kernels.decode_attention(q, kv, kv, torch.zeros(m, dtype=torch.long, device="cuda"), 0.25) is not None
 
-    auto = kernels.DECODE_ATTENTION_AUTO_STREAMS
-    monkeypatch.delenv("ROCKET_DECODE_ATTENTION", raising=False)
-    assert fused(1) and fused(auto) and not fused(auto + 1)
+    big = kernels.DECODE_ATTENTION_MAX_SPAN + 1
     monkeypatch.setenv("ROCKET_DECODE_ATTENTION", "fused")
-    assert fused(auto + 1) and fused(kernels.DECODE_ATTENTION_MAX_STREAMS)
-    assert not fused(kernels.DECODE_ATTENTION_MAX_STREAMS + 1)  # more streams than the kernel takes: the matmuls
+    assert takes(1) and takes(kernels.DECODE_ATTENTION_MAX_STREAMS) and takes(1, hq=17)
+    assert not takes(kernels.DECODE_ATTENTION_MAX_STREAMS + 1)  # more streams than the kernel takes: the matmuls
+    assert not takes(1, span=big)
     q = torch.zeros(1, 2, 16, dtype=torch.bfloat16, device="cuda")
     pos = torch.zeros(1, dtype=torch.long, device="cuda")
-    monkeypatch.setenv("ROCKET_DECODE_ATTENTION", "matmul")
+    for mode in ("matmul", "auto"):
+        monkeypatch.setenv("ROCKET_DECODE_ATTENTION", mode)
+        assert kernels.decode_attention(q, kc, kc, pos, 0.25) is None
+    monkeypatch.delenv("ROCKET_DECODE_ATTENTION", raising=False)
     assert kernels.decode_attention(q, kc, kc, pos, 0.25) is None
     monkeypatch.setenv("ROCKET_DECODE_ATTENTION", "flash")
     with pytest.raises(RocketError, match="ROCKET_DECODE_ATTENTION='flash'"):

@@ -227,10 +227,11 @@ def rope_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tenso
 
 
 def attention_switch() -> str:
-    """ROCKET_DECODE_ATTENTION: 'auto' (default: decode_attention for steps of at most DECODE_ATTENTION_AUTO_STREAMS
-    streams, the two matmuls around decode_softmax above), 'fused' (decode_attention wherever it takes the step) or
-    'matmul' (the matmuls always). The two differ in the sums' order, so it is one of the switches every rank must
-    share (moe/experts.py BIT_SWITCHES); 'auto' picks by the step's stream count, the same on every rank."""
+    """ROCKET_DECODE_ATTENTION: 'auto' (default) or 'matmul': the two matmuls around decode_softmax (glm4_moe._attend;
+    on the H200 the fastest at every span from 256 to 3072 positions at 1 and 8 streams once the span is a multiple
+    of 64, session 27); 'fused': the one-block-per-query-head kernel (csrc/decode_ops.cu; auto's choice for steps of
+    at most 4 streams before session 27) wherever it takes the step. They differ in the order of their sums, so it
+    is one of the switches every rank must share (moe/experts.py BIT_SWITCHES)."""
     import os
     v = os.environ.get("ROCKET_DECODE_ATTENTION", "auto")
     if v not in ("auto", "fused", "matmul"):
@@ -241,23 +242,24 @@ def attention_switch() -> str:
 
 def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
                      scale: float, span: int = -1) -> torch.Tensor | None:
-    """q [M, hq, d] (one query per stream) over the keys 0..pos[m] of its caches [M, hkv, capacity, d] -> [M, hq, d]
-    bf16 in one kernel (csrc/decode_ops.cu): q.k in fp32 rounded to bf16, then decode_softmax's arithmetic, then the
-    bf16 probabilities times v summed in fp32, rounded once; what glm4_moe's _attend does in three kernels but for
-    the order of the sums. span (-1: the capacity) bounds the positions the step can hold (pos < span); it sizes the
-    kernel's shared memory and picks it, never its sums: the keys past pos are not read. None where the caller takes
-    the matmuls: more than DECODE_ATTENTION_MAX_STREAMS streams (more than DECODE_ATTENTION_AUTO_STREAMS under
-    'auto'), a span past DECODE_ATTENTION_MAX_SPAN, a head dim past 128, or ROCKET_DECODE_ATTENTION=matmul. (H200,
-    air8 NVFP4, graphed, one process: 3.2 / 0.8 / 2.0 % faster steps at 1 / 2 / 4 streams, 0.2 / 0.8 % slower at
-    8 / 16: results/README.md, session 23.)"""
+    """Under ROCKET_DECODE_ATTENTION=fused: q [M, hq, d] (one query per stream) over the keys 0..pos[m] of its caches
+    [M, hkv, capacity, d] -> [M, hq, d] bf16 in one kernel (csrc/decode_ops.cu), one block per (query head, stream)
+    walking all of the stream's keys: q.k in fp32 rounded to bf16, then decode_softmax's arithmetic, then the bf16
+    probabilities times v summed in fp32, rounded once; what glm4_moe's _attend does in three kernels but for the
+    order of the sums (a stream's output never depends on the other streams). span (-1: the capacity) bounds the
+    positions the step can hold (pos < span); keys past pos are never read. None where the caller takes the
+    matmuls: 'auto' (default) and 'matmul', more than DECODE_ATTENTION_MAX_STREAMS streams, a span past
+    DECODE_ATTENTION_MAX_SPAN, a head dim past 128. (Session 23, air8 at spans of ~30: 3.2 / 0.8 / 2.0 % faster
+    steps than the matmuls at 1 / 2 / 4 streams; session 27, spans of 256 and more: slower at 1 and 8 streams, ~100 us
+    per layer at 1024-2047 positions. A kernel split over the keys, flash-decoding style, was slower than the
+    matmuls at every span measured: results/h200_s27_split_attention_not_kept.diff.)"""
     mode = attention_switch()
-    if mode == "matmul" or (mode == "auto" and q.shape[0] > DECODE_ATTENTION_AUTO_STREAMS):
+    if mode in ("auto", "matmul"):
         return None
     return _ext.require().decode_attention(q.contiguous(), kc, vc, pos, scale, span)
 
 
 DECODE_ATTENTION_MAX_SPAN = 2048    # csrc/rocket.h kDecodeAttentionMaxSpan
-DECODE_ATTENTION_AUTO_STREAMS = 4   # 'auto': the fused kernel up to this many streams
 DECODE_ATTENTION_MAX_STREAMS = 16   # kDecodeAttentionMaxStreams
 
 

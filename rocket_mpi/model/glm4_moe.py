@@ -161,9 +161,9 @@ class Glm4MoeModel:
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
         over the cache's first `span` positions (None: its whole capacity; every pos < span, graph.span_for) under
         a length mask. The caller advances pos and cache.lengths.
-        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the attention (one kernel for spans up
-        to kernels.DECODE_ATTENTION_MAX_SPAN and steps of at most DECODE_ATTENTION_AUTO_STREAMS streams, as
-        ROCKET_DECODE_ATTENTION picks, else two matmuls around the scaled, masked softmax) run as fused kernels
+        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the attention (by default two matmuls
+        around the scaled, masked softmax, or a kernel of kernels.decode_attention as ROCKET_DECODE_ATTENTION picks)
+        run as fused kernels
         (kernels.rms_norm / rope_kv_ / decode_attention / decode_softmax), the residual adds in the packed linears'
         epilogues: fewer launches in the graph, the same math (the sums in the kernels' own order). With the step's glue fused (graph.step_fused): the embedding with
         the first RMSNorm, RoPE reading the table at pos in rope_kv_, each MoE scatter with the next RMSNorm

@@ -275,7 +275,7 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None, capacity: int = 0) -> RunResult:
         """capacity: cache positions per stream if more than the longest prompt + n_tokens (benchmarks: the
-        graphed step's cost at a long run's cache, whose fixed shapes span the whole capacity)."""
+        graphed step's cost at a long run's cache, with ROCKET_GRAPH_SPANS=capacity its fixed shapes span all of it)."""
         self.check_prompts(prompts, n_tokens)
         m = len(prompts)
         # positions rounded up to a multiple of CACHE_QUANTUM: a span that is the capacity keeps the attention's

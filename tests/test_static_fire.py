@@ -50,13 +50,16 @@ def assert_really_split(stdout: str, ranks: int) -> None:
 def test_static_fire_fixed_shape_path(ranks, fabric, placement, ckpt_name, tmp_path, request):
     """--decode-path device on CPU: the GPU step's plan, slot layout and checksum through the torch
     references, rows through the CPU fabric at fixed offsets: the split still decodes the one-rank tokens.
-    dsa_ckpt: GLM-5's architecture (MLA + DSA indexer over the cache's whole capacity); glm5_ckpt:
-    GLM-5.3-Flash's (KDA + MLA with the k-pool indexer)."""
+    dsa_ckpt: GLM-5's architecture (MLA + DSA indexer over the step's span of the cache); glm5_ckpt:
+    GLM-5.3-Flash's (KDA + MLA with the k-pool indexer). ROCKET_GRAPH_SPANS=4: the runs cross spans mid-run (the
+    report names them), the reference and the split at the same steps."""
     ckpt = request.getfixturevalue(ckpt_name)
     extra = ["--placement", scrambled(tmp_path / "pl.json", 16, ranks, seed=5)] if placement == "scrambled" else []
     r = rocket("static-fire", "--checkpoint", ckpt, "--ranks", str(ranks), "--sweep", "1,8", "--tokens", TOKENS,
-               "--fabric", fabric, "--fabric-timeout", "20", "--decode-path", "device", *extra)
+               "--fabric", fabric, "--fabric-timeout", "20", "--decode-path", "device", *extra,
+               env={"ROCKET_GRAPH_SPANS": "4"})
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "attention spans: 4 from step 1, 8 from step 2" in r.stdout, r.stdout
     assert f"STATIC FIRE PASS: 0/8 streams mismatched ({ranks} ranks, fabric {fabric}" in r.stdout
     assert "decode path device" in r.stdout
     assert_really_split(r.stdout, ranks)

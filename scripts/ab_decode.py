@@ -40,11 +40,37 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def variant_args(doc: str, sweep: str) -> argparse.ArgumentParser:
+    """The arguments every variant script takes: checkpoint, variants, --sweep."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("checkpoint")
-    ap.add_argument("variants", nargs="+")
-    ap.add_argument("--sweep", default="1,8,16")
+    ap.add_argument("variants", nargs="+", help="NAME[:ENV=VALUE[,ENV=VALUE...]]")
+    ap.add_argument("--sweep", default=sweep)
+    return ap
+
+
+def rotated_runs(variants: list[tuple[str, dict[str, str]]], rounds: int, run, path: str):
+    """Yields (round, name, result of run()) for every variant in every round, the order rotated from round to
+    round, each under its environment (restored after); a run off `path` or with a note ends the script."""
+    base_env = dict(os.environ)
+    try:
+        for r in range(rounds):
+            for j in range(len(variants)):
+                name, env = variants[(j + r) % len(variants)]
+                os.environ.clear()
+                os.environ.update(base_env)
+                os.environ.update(env)
+                res = run()
+                if res.path != path or res.note:
+                    raise SystemExit(f"variant {name}: path {res.path} {res.note}")
+                yield r, name, res
+    finally:
+        os.environ.clear()
+        os.environ.update(base_env)
+
+
+def main() -> int:
+    ap = variant_args(__doc__, "1,8,16")
     ap.add_argument("--tokens", type=int, default=40, help="steps per run (the first 3 are not timed)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--capacity", type=int, default=0,
@@ -60,7 +86,6 @@ def main() -> int:
     eng = Engine(a.checkpoint, reader=SyntheticReader(a.checkpoint, str(dev)), device=str(dev))
     eng.set_decode_path("graph", "local")
     gbps = measure_copy_bandwidth(dev)
-    base_env = dict(os.environ)
     print(f"{a.checkpoint}: {len(variants)} variants x {a.rounds} rounds, {a.tokens} steps per run"
           f"{f', cache capacity {a.capacity}' if a.capacity else ''}"
           f"{f', prompts of {a.prompt_len} tokens' if a.prompt_len else ''}; copy {gbps:.0f} GB/s")
@@ -71,23 +96,14 @@ def main() -> int:
         times: dict[str, list[list[float]]] = {n: [] for n, _ in variants}
         tokens: dict[str, list] = {}
         gb = 0.0
-        for r in range(a.rounds):
-            for j in range(len(variants)):
-                name, env = variants[(j + r) % len(variants)]
-                os.environ.clear()
-                os.environ.update(base_env)
-                os.environ.update(env)
-                res = eng.generate(prompts, a.tokens, capacity=a.capacity)
-                if res.path != "graph" or res.note:
-                    raise SystemExit(f"variant {name}: path {res.path} {res.note}")
-                if r == 0:
-                    print(f"  M={m} {name}: attention spans {res.spans} ((first step, span) pairs)")
-                steps = res.steps[3:]
-                times[name].append([s.seconds * 1e3 for s in steps])
-                gb = statistics.median(s.weight_bytes for s in steps) / 1e9
-                tokens.setdefault(name, res.tokens)
-        os.environ.clear()
-        os.environ.update(base_env)
+        for r, name, res in rotated_runs(variants, a.rounds,
+                                         lambda: eng.generate(prompts, a.tokens, capacity=a.capacity), "graph"):
+            if r == 0:
+                print(f"  M={m} {name}: attention spans {res.spans} ((first step, span) pairs)")
+            steps = res.steps[3:]
+            times[name].append([s.seconds * 1e3 for s in steps])
+            gb = statistics.median(s.weight_bytes for s in steps) / 1e9
+            tokens.setdefault(name, res.tokens)
         first = variants[0][0]
         ref = statistics.median(t for rr in times[first] for t in rr)
         print(f"\nM={m}: {gb:.3f} GB read per step, roofline {gb / gbps * 1e3:.3f} ms")

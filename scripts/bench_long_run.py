@@ -13,14 +13,13 @@ eagerly or captured (the first two of each span, summed, mean over rounds).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ab_decode import parse_variant  # noqa: E402
+from ab_decode import parse_variant, rotated_runs, variant_args  # noqa: E402
 
 from rocket_mpi.checkpoint.synthetic import SyntheticReader  # noqa: E402
 from rocket_mpi.engine import Engine  # noqa: E402
@@ -38,10 +37,7 @@ def windows(n: int) -> list[tuple[int, int]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint")
-    ap.add_argument("variants", nargs="+")
-    ap.add_argument("--sweep", default="1,8")
+    ap = variant_args(__doc__, "1,8")
     ap.add_argument("--tokens", type=int, default=2000, help="tokens generated per stream")
     ap.add_argument("--rounds", type=int, default=2, help="runs per variant, the order rotated from round to round")
     ap.add_argument("--device", default="cuda", help="cuda (graphed) or cpu (the fixed-shape step uncaptured: a "
@@ -51,24 +47,13 @@ def main() -> int:
     dev = _pick_device(a.device, None)
     eng = Engine(a.checkpoint, reader=SyntheticReader(a.checkpoint, str(dev)), device=str(dev))
     path = eng.set_decode_path("graph" if dev.type == "cuda" else "device", "local")
-    base_env = dict(os.environ)
     wins = windows(a.tokens)
     print(f"{a.checkpoint}: {a.tokens} tokens per stream, {path} path, {a.rounds} rounds in one process")
     for m in (int(x) for x in a.sweep.split(",")):
         prompts = default_prompts(m, eng.cfg.vocab_size)
         runs: dict[str, list] = {n: [] for n, _ in variants}
-        for r in range(a.rounds):
-            for j in range(len(variants)):
-                name, env = variants[(j + r) % len(variants)]
-                os.environ.clear()
-                os.environ.update(base_env)
-                os.environ.update(env)
-                res = eng.generate(prompts, a.tokens)
-                if res.path != path or res.note:
-                    raise SystemExit(f"variant {name}: path {res.path} {res.note}")
-                runs[name].append(res)
-        os.environ.clear()
-        os.environ.update(base_env)
+        for _, name, res in rotated_runs(variants, a.rounds, lambda: eng.generate(prompts, a.tokens), path):
+            runs[name].append(res)
         first = runs[variants[0][0]][0].tokens
         print(f"\nM={m}: prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; median ms per step "
               f"over the same steps in every variant (all rounds)")

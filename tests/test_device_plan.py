@@ -91,6 +91,59 @@ def test_plan_reference_matches_host_plan(tokens, topk, n_exp, ranks, scrambled)
                 assert meta[kplan.META_EXPERTS] == sum(1 for _, a, b in host.segments[rank] if b > a)
 
 
+def test_prefill_blocks_cover_the_rows(monkeypatch):
+    from rocket_mpi.model import layers
+    assert layers.prefill_blocks(0) == [] and layers.prefill_blocks(5) == [(0, 5)]
+    monkeypatch.setattr(layers, "PREFILL_ROWS", 4)
+    assert layers.prefill_blocks(10) == [(0, 4), (4, 8), (8, 10)] and layers.prefill_blocks(8) == [(0, 4), (4, 8)]
+
+
+def _cache_tensors(c) -> list[torch.Tensor]:
+    """Every state tensor of a model's cache (KVCache, LatentCache, Glm5NextCache)."""
+    if hasattr(c, "mla"):
+        return list(c.conv.values()) + list(c.rec.values()) + [t for m in c.mla.values() for t in m.tensors()]
+    if hasattr(c, "kv"):
+        return c.kv + [t for t in c.index_k if t is not None]
+    return c.k + c.v
+
+
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt"])
+def test_prefill_in_row_blocks_matches_one_block(ckpt_name, request, monkeypatch):
+    """A prefill in blocks of 4 query rows (layers.PREFILL_ROWS; 512 in use) against the same prefill in one block:
+    prompts of 13, 7 and 22 tokens after the streams already hold 1, 5 and 1 positions; logits within 2^-8 of their
+    scale (a bf16 rounding: the CPU gives the same bits for glm4_moe and GLM-5.3-Flash, one ulp for GLM-5, whose
+    top-k runs over a block's width), the same next tokens, every cache state within 2^-7 of its scale (GLM-5's
+    indexer keys, GLM-5.3-Flash's pools and KDA states too). Planted by hand, each fails it: glm4_moe's blocks all
+    taking the first block's queries (logits off by 2^-6, states by 2^-5.7), GLM-5.3-Flash's selection taking the
+    first block's positions (2^-6), GLM-5's blocks seeing one key too many (a shape error)."""
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.model import layers
+    torch.set_num_threads(1)
+    eng = Engine(request.getfixturevalue(ckpt_name))
+    gen = torch.Generator().manual_seed(7)
+    first = [torch.randint(2, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 5, 1)]
+    prompts = [torch.randint(2, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (13, 7, 22)]
+
+    def prefill():
+        with torch.inference_mode():
+            cache = eng.model.new_cache(3, 40)
+            for ps in (first, prompts):
+                logits = eng.model.forward(torch.tensor([t for p in ps for t in p]), cache, [len(p) for p in ps],
+                                           eng.moe)
+            return logits, _cache_tensors(cache)
+
+    want, states_w = prefill()
+    monkeypatch.setattr(layers, "PREFILL_ROWS", 4)
+    got, states_g = prefill()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    err = float((got - want).abs().max())
+    assert err <= 2.0 ** -8 * float(want.abs().max()), f"max |diff| {err:.3e} of {float(want.abs().max()):.3e}"
+    assert len(states_w) == len(states_g) > 0
+    for a, b in zip(states_w, states_g):
+        scale = max(float(a.float().abs().max()), 1.0)
+        assert float((a.float() - b.float()).abs().max()) <= 2.0 ** -7 * scale
+
+
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt"])
 def test_forward_static_matches_forward(ckpt_name, request):
     """The fixed-shape step (whole-capacity attention, device positions; for glm_moe_dsa and glm5_next the

@@ -18,7 +18,7 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
 from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, mlp_forward, move_stack,
-                                     pack_mlps, rms_norm, stack_kernel_enabled, unique_nbytes)
+                                     pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -262,11 +262,12 @@ class Glm4MoeModel:
                     continue
                 kc[s, :, p0:p0 + n] = k[off:off + n].transpose(0, 1)
                 vc[s, :, p0:p0 + n] = v[off:off + n].transpose(0, 1)
-                qs = q[off:off + n].transpose(0, 1)[None]                 # [1, heads, n, d]
-                ks, vs = kc[s:s + 1, :, :p0 + n], vc[s:s + 1, :, :p0 + n]
-                hide = (torch.arange(p0 + n)[None, :] > torch.arange(p0, p0 + n)[:, None]).to(h.device)
-                o = _attend(qs, ks, vs, hide, self.scale)
-                outs.append(o[0].transpose(0, 1).reshape(n, -1))
+                for r0, r1 in prefill_blocks(n):  # rows r0..r1 - 1 see the keys up to p0 + r1 - 1
+                    qs = q[off + r0:off + r1].transpose(0, 1)[None]       # [1, heads, rows, d]
+                    ks, vs = kc[s:s + 1, :, :p0 + r1], vc[s:s + 1, :, :p0 + r1]
+                    hide = (torch.arange(p0 + r1)[None, :] > torch.arange(p0 + r0, p0 + r1)[:, None]).to(h.device)
+                    o = _attend(qs, ks, vs, hide, self.scale)
+                    outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))
                 off += n
             out = torch.cat(outs)
         if packed:

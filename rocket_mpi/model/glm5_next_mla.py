@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.model.layers import distinct_writes, latent_attention, latent_decode, rms_norm
+from rocket_mpi.model.layers import distinct_writes, latent_attention, latent_decode, prefill_blocks, rms_norm
 
 DT = torch.bfloat16
 
@@ -88,7 +88,8 @@ def _select(ix: Indexer, c: MlaCache, s: int, p0: int, q: torch.Tensor, w: torch
         keys = c.index_k[s, done * kp:pools * kp].view(pools - done, kp, -1)
         logits = c.index_gate[s, done * kp:pools * kp].view(pools - done, kp, -1).float() + ix.ape
         c.pool_k[s, done:pools] = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)
-    return _choose(q, w, c.pool_k[s, :pools].t(), torch.arange(p0, end, device=dev), pools, end, a)
+    keys_t, pos = c.pool_k[s, :pools].t(), torch.arange(p0, end, device=dev)
+    return torch.cat([_choose(q[r0:r1], w[r0:r1], keys_t, pos[r0:r1], pools, end, a) for r0, r1 in prefill_blocks(n)])
 
 
 def _choose(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Tensor, pools: int, width: int,
@@ -228,9 +229,10 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
         cols = vis.any(dim=0).nonzero().squeeze(1)                                   # the latents used
         kv = F.linear(c.latent[s, cols], a.kv_b).view(-1, args.heads, args.qk_dim + args.v_dim)
         k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
-        o = F.scaled_dot_product_attention(q[off:off + n].transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=vis[:, cols],
-                                           scale=args.qk_dim ** -0.5)                # [1, heads, n, dv]
-        outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                       # [1, heads, cols, .]
+        for r0, r1 in prefill_blocks(n):  # [heads, rows, cols] scores at a time
+            o = F.scaled_dot_product_attention(q[off + r0:off + r1].transpose(0, 1)[None], k, v,
+                                               attn_mask=vis[r0:r1, cols], scale=args.qk_dim ** -0.5)
+            outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))                   # [rows, heads * dv]
         off += n
     return F.linear(torch.cat(outs), a.o, a.o_bias), masks

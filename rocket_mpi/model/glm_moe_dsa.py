@@ -31,7 +31,8 @@ from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
 from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_decode, load_embed_head,
-                                     load_ffn, load_swiglu, rms_norm, swiglu_mlp, move_stack, unique_nbytes)
+                                     load_ffn, load_swiglu, prefill_blocks, rms_norm, swiglu_mlp, move_stack,
+                                     unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -355,21 +356,25 @@ class GlmMoeDsaModel:
                     masks.append(None)
                     continue
                 kvc[s, p0:p0 + n] = kv_new[off:off + n]
-                causal = (torch.arange(p0 + n, device=dev)[None, :]
-                          <= torch.arange(p0, p0 + n, device=dev)[:, None])                 # [n, p0 + n]
                 if a.indexer is not None:
                     ixc[s, p0:p0 + n] = ik[off:off + n]
-                    scores = self._index_scores(iq[off:off + n], iw[off:off + n], ixc[s:s + 1, :p0 + n])
-                    sel = scores.masked_fill(~causal, float("-inf")).topk(min(self.index_topk, p0 + n), dim=-1)[1]
-                    mask = torch.zeros_like(causal).scatter_(1, sel, True) & causal
+                    mask = torch.zeros(n, p0 + n, dtype=torch.bool, device=dev)           # [n, p0 + n]
                 else:
                     mask = selection[s]
+                for r0, r1 in prefill_blocks(n):  # rows r0..r1 - 1 (positions p0 + r0..) see keys < p0 + r1
+                    w = p0 + r1
+                    if a.indexer is not None:
+                        causal = (torch.arange(w, device=dev)[None, :]
+                                  <= torch.arange(p0 + r0, w, device=dev)[:, None])         # [rows, w]
+                        scores = self._index_scores(iq[off + r0:off + r1], iw[off + r0:off + r1], ixc[s:s + 1, :w])
+                        sel = scores.masked_fill(~causal, float("-inf")).topk(min(self.index_topk, w), dim=-1)[1]
+                        mask[r0:r1, :w] = torch.zeros_like(causal).scatter_(1, sel, True) & causal
+                    rows = kvc[s:s + 1, :w][:, None]                                      # [1, 1, w, c + rope]
+                    qs = q_cat[off + r0:off + r1].transpose(0, 1)[None]                   # [1, heads, rows, c + rope]
+                    o = F.scaled_dot_product_attention(qs, rows, rows[..., :c], attn_mask=mask[r0:r1, :w].contiguous(),
+                                                       scale=self.scale, enable_gqa=True)
+                    outs.append(o[0].transpose(0, 1))                                     # [rows, heads, c]
                 masks.append(mask)
-                rows = kvc[s:s + 1, :p0 + n][:, None]                                     # [1, 1, S, c + rope]
-                qs = q_cat[off:off + n].transpose(0, 1)[None]                             # [1, heads, n, c + rope]
-                o = F.scaled_dot_product_attention(qs, rows, rows[..., :c], attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=True)
-                outs.append(o[0].transpose(0, 1))                                         # [n, heads, c]
                 off += n
             o_lat = torch.cat(outs)
             selection = masks

@@ -16,6 +16,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+PREFILL_ROWS = 512  # query rows per attention block of a prefill (prefill_blocks)
+
+
+def prefill_blocks(n: int) -> list[tuple[int, int]]:
+    """A prefill of n query rows in blocks [r0, r1) of at most PREFILL_ROWS: each block attends over the keys up to
+    its own last row, so a prompt's scores are [heads, PREFILL_ROWS, keys] at a time, not [heads, n, n] (an 8192-token
+    prompt over 96 heads: 12 GiB of bf16 scores and 24 GiB of fp32 probabilities per layer at once, about 0.75 +
+    1.5 GiB per block). Every row keeps its own keys, mask and sums; the matmuls' shapes are the block's (the same on
+    every rank: the blocks depend on n only)."""
+    return [(r0, min(r0 + PREFILL_ROWS, n)) for r0 in range(0, n, PREFILL_ROWS)]
+
+
 @contextlib.contextmanager
 def distinct_writes():
     """Around index writes whose indices are distinct by construction (one row per stream at its position, topk's

@@ -1140,6 +1140,29 @@ def test_mla_latent_knob(monkeypatch):
     assert not torch.equal(outs["1"], outs["0"])  # two forms indeed ran
 
 
+def test_dsa_prefill_block_forms_agree(dsa_ckpt, monkeypatch):
+    """GLM-5's prefill block: latent_attention over the stream's latent rows with one mask per query row (default)
+    against SDPA with enable_gqa (ROCKET_MLA_LATENT=0): within bf16 rounding on random rows and a random causal
+    selection (a row's mask applied to another row's heads, or heads mixed up, would not agree), and not the same
+    bits (both forms ran)."""
+    from rocket_mpi.engine import Engine
+    model = Engine(dsa_ckpt).model
+    gen = torch.Generator().manual_seed(11)
+    r, p0, nh, d = 6, 9, model.heads, model.latent + model.rope_dim
+    w = p0 + r
+    q = torch.randn(r, nh, d, generator=gen).to(torch.bfloat16)
+    rows = torch.randn(w, d, generator=gen).to(torch.bfloat16)
+    mask = (torch.rand(r, w, generator=gen) < 0.5) & (torch.arange(w)[None, :] <= torch.arange(p0, w)[:, None])
+    mask[torch.arange(r), torch.arange(p0, w)] = True
+    outs = {}
+    for knob in ("0", "1"):
+        monkeypatch.setenv("ROCKET_MLA_LATENT", knob)
+        outs[knob] = model._prefill_block(q, rows, mask).float()
+    assert outs["1"].shape == (r, nh, model.latent)
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=2e-2, atol=2e-2 * outs["0"].abs().max().item())
+    assert not torch.equal(outs["1"], outs["0"])
+
+
 @gpu
 @pytest.mark.parametrize("m,heads,d,dv,n", [(1, 64, 512, 512, 2064), (8, 64, 576, 512, 2064), (5, 4, 48, 32, 37)])
 def test_gpu_latent_attention_matches_cpu(m, heads, d, dv, n):

@@ -369,17 +369,27 @@ class GlmMoeDsaModel:
                         scores = self._index_scores(iq[off + r0:off + r1], iw[off + r0:off + r1], ixc[s:s + 1, :w])
                         sel = scores.masked_fill(~causal, float("-inf")).topk(min(self.index_topk, w), dim=-1)[1]
                         mask[r0:r1, :w] = torch.zeros_like(causal).scatter_(1, sel, True) & causal
-                    rows = kvc[s:s + 1, :w][:, None]                                      # [1, 1, w, c + rope]
-                    qs = q_cat[off + r0:off + r1].transpose(0, 1)[None]                   # [1, heads, rows, c + rope]
-                    o = F.scaled_dot_product_attention(qs, rows, rows[..., :c], attn_mask=mask[r0:r1, :w].contiguous(),
-                                                       scale=self.scale, enable_gqa=True)
-                    outs.append(o[0].transpose(0, 1))                                     # [rows, heads, c]
+                    outs.append(self._prefill_block(q_cat[off + r0:off + r1], kvc[s, :w], mask[r0:r1, :w]))
                 masks.append(mask)
                 off += n
             o_lat = torch.cat(outs)
             selection = masks
         o = torch.einsum("thc,hvc->thv", o_lat, a.w_uv).reshape(t, nh * self.v_dim)
         return F.linear(o, a.o, a.o_bias), selection
+
+    def _prefill_block(self, q, rows, mask) -> torch.Tensor:
+        """A prefill block's queries q [r, heads, c + rope] over its stream's latent rows [w, c + rope] under its
+        selection mask [r, w] -> [r, heads, c]: the r x heads queries as one stream's query rows of
+        latent_attention (fp32 scores, the rows read once for every head), or, with ROCKET_MLA_LATENT=0, SDPA with
+        enable_gqa (its math path on a GPU: the shared latent repeated for each head)."""
+        c, (r, nh) = self.latent, q.shape[:2]
+        if latent_decode():
+            valid = mask[:, None, :].expand(r, nh, mask.shape[1]).reshape(1, r * nh, -1)
+            return latent_attention(q.reshape(1, r * nh, -1), rows[None], rows[None, :, :c], valid,
+                                    self.scale).view(r, nh, c)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], rows[None, None], rows[None, None, :, :c],
+                                           attn_mask=mask.contiguous(), scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1)                                                       # [r, heads, c]
 
     def _decode_attention(self, i, a: Attention, q_cat, kv_new, ik, iq, iw, cache: LatentCache, pos, span: int,
                           selection):

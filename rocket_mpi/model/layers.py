@@ -44,9 +44,9 @@ def distinct_writes():
 
 
 def latent_decode() -> bool:
-    """Whether MLA decode steps attend over the cached latent rows with latent_attention (the default) or as
-    before session 26 (ROCKET_MLA_LATENT=0, for A/B runs): GLM-5.3-Flash expanding every selected latent through
-    kv_b, GLM-5 calling SDPA with enable_gqa. Read when a step is built, so a captured graph keeps what it had;
+    """Whether MLA decode steps (and GLM-5's prefill) attend over the cached latent rows with latent_attention (the
+    default) or as before session 26 (ROCKET_MLA_LATENT=0, for A/B runs): GLM-5.3-Flash expanding every selected
+    latent through kv_b, GLM-5 calling SDPA with enable_gqa. Read when a step is built, so a captured graph keeps what it had;
     every rank reads the same environment, so the choice never splits parity. A value other than 0 / 1 is one
     error naming it."""
     from rocket_mpi.errors import RocketError
@@ -62,10 +62,11 @@ _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype
 
 def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Decode attention of MLA's absorbed form: every head of a stream attends over that stream's rows, one
-    shared key / value head. q [M, heads, d], keys [M, n, d], values [M, n, dv], valid [M, n] bool ->
-    [M, heads, dv]. Two batched GEMMs that read each stream's rows once for all its heads, the scores kept in
-    fp32 (bf16 products, fp32 sums; on the CPU from fp32 copies: the same products) for an fp32 softmax.
+    """Attention of MLA's absorbed form (decode steps; GLM-5's prefill blocks): every head of a stream attends over
+    that stream's rows, one shared key / value head. q [M, heads, d], keys [M, n, d], values [M, n, dv], valid
+    [M, n] bool (or [M, heads, n]: a mask per query row, a prefill's rows x heads) -> [M, heads, dv]. Two batched
+    GEMMs that read each stream's rows once for all its heads, the scores kept in fp32 (bf16 products, fp32 sums;
+    on the CPU from fp32 copies: the same products) for an fp32 softmax.
     On an H200 at 2064 rows (results/README.md, session 26) 19 / 34 / 58 us at M = 1 / 8 / 16 per call, where
     SDPA took 200-230 us with the heads as one head's query rows (one block per stream) and 0.6-10 ms with
     enable_gqa (its math path, the rows repeated per head). A stream with no valid row gets NaN, as SDPA gives."""
@@ -73,7 +74,7 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         s = torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
     else:  # the CPU, or a torch without bmm's out_dtype (before 2.8): the same products, a slower GEMM
         s = torch.bmm(q.float(), keys.float().transpose(1, 2))
-    p = (s * scale).masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    p = (s * scale).masked_fill(~(valid[:, None, :] if valid.dim() == 2 else valid), float("-inf")).softmax(dim=-1)
     return torch.bmm(p.to(values.dtype), values)
 
 

@@ -65,7 +65,9 @@ class RunResult:
                 "bytes_per_step": sum(s.bytes_sent for s in t) / n,
                 "rows_per_step": sum(s.rows_owned for s in t) / n,
                 "rows_total_per_step": sum(s.rows_total for s in t) / n,
-                "weight_bytes_per_step": sum(s.weight_bytes for s in t) / n, "path": self.path}
+                "weight_bytes_per_step": sum(s.weight_bytes for s in t) / n, "path": self.path,
+                "prefill_s": self.steps[0].seconds if self.steps else 0.0,
+                "decode_steps": len(self.steps[1:]), "decode_s": sum(s.seconds for s in self.steps[1:])}
 
 
 def row_checksum(rows: torch.Tensor, acc):

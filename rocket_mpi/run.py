@@ -216,6 +216,7 @@ def gpu_sharing(ids: list[tuple[str, str, int]]) -> str:
 
 
 def print_report(doc: dict, cfg) -> None:
+    from rocket_mpi.engine import TIMED_STEPS, WARMUP_STEPS
     n = doc["ranks"]
     print(f"rocket_mpi decode: {doc['model_type']} {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts "
           f"top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}; {n} rank(s), fabric {doc['fabric']}")
@@ -239,6 +240,11 @@ def print_report(doc: dict, cfg) -> None:
             print(f"{s['rank']:>4} {s['M']:>3} {s['ms_per_step']:>9.2f} {s['tok_per_s']:>8.1f} {fab_ms:>9} "
                   f"{fab_pct:>8} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f} "
                   f"{s['weight_bytes_per_step'] / 1e9:>12.3f} {_roofline(s, bw.get(s['rank'])):>10}")
+        r0 = run["per_rank"][0]
+        if r0.get("decode_steps", 0) > WARMUP_STEPS + TIMED_STEPS:  # steps past the timed window: the whole run too
+            print(f"whole run (rank 0): prefill {r0['prefill_s']:.2f} s, {r0['decode_steps']} decode steps in "
+                  f"{r0['decode_s']:.2f} s ({1e3 * r0['decode_s'] / r0['decode_steps']:.2f} ms per step, "
+                  f"{r0['M'] * r0['decode_steps'] / r0['decode_s']:.1f} tok/s)")
         if any(bw.values()):
             print("roofline % = (GB read/step / measured copy GB/s) / ms per step; copy GB/s counts read + write: "
                   + ", ".join(f"rank {r}: {v:.0f}" for r, v in bw.items() if v))

@@ -21,6 +21,22 @@ def test_out_holds_generated_tokens_only(tiny_ckpt, tmp_path):
     assert "rank   M   ms/step" in r.stdout  # the per-rank table
 
 
+def test_long_run_reports_its_whole_time(tiny_ckpt, tmp_path):
+    """A run longer than the timed window (3 warm-up + 10 timed decode steps) also reports all its decode steps:
+    their count, seconds and rate, consistent with the per-rank summary in --out; a short run does not."""
+    import re
+    r, doc = _decode(tiny_ckpt, tmp_path / "o.json", "--tokens", "20")
+    s = doc["runs"][0]["per_rank"][0]
+    assert s["steps"] == 10 and s["decode_steps"] == 19 and s["decode_s"] > 0 and s["prefill_s"] > 0
+    m = re.search(r"whole run \(rank 0\): prefill [0-9.]+ s, (\d+) decode steps in ([0-9.]+) s \(([0-9.]+) ms per step, "
+                  r"([0-9.]+) tok/s\)", r.stdout)
+    assert m, r.stdout
+    assert int(m[1]) == 19 and abs(float(m[2]) - s["decode_s"]) < 0.01
+    assert abs(float(m[4]) - 3 * 19 / s["decode_s"]) / float(m[4]) < 0.01
+    r, _ = _decode(tiny_ckpt, tmp_path / "o2.json")  # 5 tokens: no decode step past the timed window
+    assert "whole run" not in r.stdout
+
+
 def test_text_prompts_and_text_output(tiny_ckpt, tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps(["The expert split", "Hello, world!"]))

@@ -184,10 +184,12 @@ def test_ranks_sharing_a_gpu_are_named():
 
 @pytest.mark.parametrize("name,value", [("ROCKET_BF16_EXPERTS", "fast"), ("ROCKET_STACK", "cublas"),
                                         ("ROCKET_DECODE_ATTENTION", "flash"), ("ROCKET_STACK_SPLIT", "3"),
-                                        ("ROCKET_EXPERTS_PDL", "on"), ("ROCKET_STEP_FUSE", "yes")])
+                                        ("ROCKET_EXPERTS_PDL", "on"), ("ROCKET_STEP_FUSE", "yes"),
+                                        ("ROCKET_GRAPH_SPANS", "pow2")])
 def test_bad_kernel_switch(capsys, ckpt, monkeypatch, name, value):
     """A kernel switch with a value it does not take (ROCKET_BF16_EXPERTS kernel | grouped, ROCKET_STACK kernel |
     torch, ROCKET_DECODE_ATTENTION auto | fused | matmul, ROCKET_STACK_SPLIT 1 | 2 | 4 | 8, ROCKET_EXPERTS_PDL 0 | 1 |
-    2 | 3, ROCKET_STEP_FUSE 0 | 1): one line naming it at set-up, on any device."""
+    2 | 3, ROCKET_STEP_FUSE 0 | 1, ROCKET_GRAPH_SPANS auto | capacity | N): one line naming it at set-up, on any
+    device."""
     monkeypatch.setenv(name, value)
     assert_one_line(*decode(capsys, ckpt), name, repr(value))

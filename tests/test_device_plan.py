@@ -107,19 +107,22 @@ def _cache_tensors(c) -> list[torch.Tensor]:
     return c.k + c.v
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", id="gpu", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason=f"the GPU form needs a CUDA device (torch {torch.__version__})"))])
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt"])
-def test_prefill_in_row_blocks_matches_one_block(ckpt_name, request, monkeypatch):
+def test_prefill_in_row_blocks_matches_one_block(ckpt_name, device, request, monkeypatch):
     """A prefill in blocks of 4 query rows (layers.PREFILL_ROWS; 512 in use) against the same prefill in one block:
     prompts of 13, 7 and 22 tokens after the streams already hold 1, 5 and 1 positions; logits within 2^-8 of their
     scale (a bf16 rounding: the CPU gives the same bits for glm4_moe and GLM-5.3-Flash, one ulp for GLM-5, whose
     top-k runs over a block's width), the same next tokens, every cache state within 2^-7 of its scale (GLM-5's
     indexer keys, GLM-5.3-Flash's pools and KDA states too). Planted by hand, each fails it: glm4_moe's blocks all
     taking the first block's queries (logits off by 2^-6, states by 2^-5.7), GLM-5.3-Flash's selection taking the
-    first block's positions (2^-6), GLM-5's blocks seeing one key too many (a shape error)."""
+    first block's positions (2^-6), GLM-5's blocks seeing one key too many (a shape error). On a GPU (gpu) the
+    same bounds, with the extension's kernels where the engine takes them."""
     from rocket_mpi.engine import Engine
     from rocket_mpi.model import layers
     torch.set_num_threads(1)
-    eng = Engine(request.getfixturevalue(ckpt_name))
+    eng = Engine(request.getfixturevalue(ckpt_name), device=device)
     gen = torch.Generator().manual_seed(7)
     first = [torch.randint(2, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 5, 1)]
     prompts = [torch.randint(2, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (13, 7, 22)]
@@ -128,8 +131,8 @@ def test_prefill_in_row_blocks_matches_one_block(ckpt_name, request, monkeypatch
         with torch.inference_mode():
             cache = eng.model.new_cache(3, 40)
             for ps in (first, prompts):
-                logits = eng.model.forward(torch.tensor([t for p in ps for t in p]), cache, [len(p) for p in ps],
-                                           eng.moe)
+                logits = eng.model.forward(torch.tensor([t for p in ps for t in p], device=eng.device), cache,
+                                           [len(p) for p in ps], eng.moe)
             return logits, _cache_tensors(cache)
 
     want, states_w = prefill()
@@ -1096,6 +1099,56 @@ def test_gpu_kda_decode_matches_torch(heads, dk, lb):
     both = kda_forward(a, h, *state["kernel"], [], args, idx=idx, fuse=True)
     alone = kda_forward(a, h[1:2].contiguous(), conv2, rec2, [], args, idx=idx[1:2].contiguous(), fuse=True)
     assert torch.equal(both[1:2], alone) and torch.equal(state["kernel"][1][0], rec2[0])
+
+
+@gpu
+@pytest.mark.parametrize("heads,dk,lb", [(4, 16, -5.0), (2, 128, -5.0), (3, 64, None)])
+def test_gpu_kda_prefill_in_one_launch(heads, dk, lb):
+    """A prefill's KDA tokens in one launch of csrc/kda.cu (each stream's tokens in order, the state in registers):
+    the same bits as one launch per token (outputs, conv state, recurrent state), for 4 of 5 streams with 1, 11, 2
+    and 37 tokens (fewer and more than the conv's window); and within the decode test's bounds of glm5_next_kda's
+    torch loop. Streams not in the launch keep their states bit for bit."""
+    from dataclasses import fields
+
+    import torch.nn.functional as F
+
+    from rocket_mpi.model.glm5_next_kda import kda_forward
+    hidden, counts, streams = 64, [1, 11, 2, 37], [3, 0, 4, 1]
+    a, args, conv, rec = _kda_case(heads, dk, hidden, 5, seed=heads * 10 + dk, lower_bound=lb)
+    a = type(a)(**{f.name: getattr(a, f.name).cuda() for f in fields(a)})
+    offs = [sum(counts[:i]) for i in range(len(counts))]
+    segments = list(zip(streams, offs, counts))
+    h = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(dk)).to(torch.bfloat16).cuda()
+    state = {name: (conv.cuda(), rec.cuda()) for name in ("torch", "one", "tokens", "layer")}
+    # the kernel's inputs once (a GEMM of 1 row need not give a GEMM of 52 rows' bits), then the segments in one
+    # launch against the same tokens one launch (one token of one stream) each
+    lin = (F.linear(h, a.qkv), F.linear(F.linear(h, a.f_a), a.f_b), F.linear(h, a.b), F.linear(F.linear(h, a.g_a), a.g_b))
+    tail = (a.dt_bias, a.A_log, a.o_norm)
+    one = kernels.kda_decode(lin[0], state["one"][0], a.conv, *lin[1:], *tail, state["one"][1],
+                             torch.tensor(streams, device="cuda"), heads, dk, lb, args.eps, counts)
+    steps = torch.empty_like(one)
+    for s, off, n in segments:
+        for j in range(off, off + n):
+            steps[j] = kernels.kda_decode(*(x[j:j + 1] for x in lin[:1]), state["tokens"][0], a.conv,
+                                          *(x[j:j + 1] for x in lin[1:]), *tail, state["tokens"][1],
+                                          torch.tensor([s], device="cuda"), heads, dk, lb, args.eps)[0]
+    assert torch.equal(one, steps)
+    assert torch.equal(state["one"][0], state["tokens"][0]) and torch.equal(state["one"][1], state["tokens"][1])
+    # the layer (kda_forward with fuse: the kernel, then o_proj) against the torch loop
+    ref = kda_forward(a, h, *state["torch"], segments, args)
+    got = kda_forward(a, h, *state["layer"], segments, args, fuse=True)
+    assert torch.equal(state["layer"][1], state["one"][1])
+    size = ref.float().abs().amax(dim=-1, keepdim=True)
+    assert ((got.float() - ref.float()).abs() <= size * 2.0 ** -5).all(), float((got - ref).abs().max())
+    assert torch.equal(state["layer"][0], state["torch"][0])
+    s_got, s_ref = state["layer"][1], state["torch"][1]
+    assert torch.allclose(s_got, s_ref, rtol=1e-3, atol=1e-4), float((s_got - s_ref).abs().max())
+    assert torch.equal(state["one"][1][2], rec[2].cuda()) and torch.equal(state["one"][0][2], conv[2].cuda())
+    with pytest.raises(ValueError, match="not packed one after another"):
+        kda_forward(a, h, *state["one"], [(s, off + 1, n) for s, off, n in segments], args, fuse=True)
+    with pytest.raises(ValueError, match="counts"):
+        kernels.kda_decode(lin[0], state["one"][0], a.conv, *lin[1:], *tail, state["one"][1],
+                           torch.tensor(streams, device="cuda"), heads, dk, lb, args.eps, [1, 11, 2, 36])
 
 
 def test_kda_fuse_knob(monkeypatch):

@@ -636,7 +636,8 @@ torch::Tensor kda_decode(const torch::Tensor& mixed, torch::Tensor& conv_state, 
                          const torch::Tensor& f, const torch::Tensor& b,
                          const torch::Tensor& gate, const torch::Tensor& dt_bias, const torch::Tensor& a_log,
                          const torch::Tensor& o_norm, torch::Tensor& state, const torch::Tensor& index, int64_t heads,
-                         int64_t dk, double q_scale, std::optional<double> lower_bound, double eps) {
+                         int64_t dk, double q_scale, std::optional<double> lower_bound, double eps,
+                         const std::optional<torch::Tensor>& offsets) {
   const c10::Device dev = mixed.device();
   const int64_t t = mixed.size(0), d = heads * dk;
   expect(mixed, "mixed", torch::kBFloat16, 2, dev, 2);
@@ -656,9 +657,11 @@ torch::Tensor kda_decode(const torch::Tensor& mixed, torch::Tensor& conv_state, 
   ROCKET_CHECK(mixed.size(1) == 3 * d && f.size(0) == t && f.size(1) == d && b.size(0) == t && b.size(1) == heads &&
                gate.size(0) == t && gate.size(1) == d && dt_bias.numel() == d && a_log.numel() == heads &&
                o_norm.numel() == dk && state.size(1) == heads && state.size(2) == dk && state.size(3) == dk &&
-               index.numel() == t, "kda_decode: mixed " << mixed.sizes() << ", f " << f.sizes() << ", b " << b.sizes()
-               << ", gate " << gate.sizes() << ", state " << state.sizes() << ", index " << index.sizes() << " for "
-               << heads << " heads of " << dk);
+               index.numel() == (offsets ? offsets->numel() - 1 : t), "kda_decode: mixed " << mixed.sizes() << ", f "
+               << f.sizes() << ", b " << b.sizes() << ", gate " << gate.sizes() << ", state " << state.sizes()
+               << ", index " << index.sizes() << (offsets ? ", offsets " : "") << (offsets ? offsets->sizes()
+               : c10::IntArrayRef{}) << " for " << heads << " heads of " << dk);
+  if (offsets) expect(*offsets, "offsets", torch::kLong, 1, dev, 8);  // ascending from 0 to t: the caller's (host) check
   const c10::cuda::CUDAGuard guard(dev);
   auto out = torch::empty({t, d}, mixed.options());
   rocket::KdaDecode a{};
@@ -674,8 +677,9 @@ torch::Tensor kda_decode(const torch::Tensor& mixed, torch::Tensor& conv_state, 
   a.o_norm = o_norm.data_ptr<float>();
   a.state = state.data_ptr<float>();
   a.index = index.data_ptr<int64_t>();
+  a.offsets = offsets ? offsets->data_ptr<int64_t>() : nullptr;
   a.out = out.data_ptr();
-  a.tokens = static_cast<int>(t);
+  a.segments = static_cast<int>(index.numel());
   a.heads = static_cast<int>(heads);
   a.dk = static_cast<int>(dk);
   a.q_scale = static_cast<float>(q_scale);
@@ -842,8 +846,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("index") = py::none());
   m.def("hc_pre", &hc_pre, "GLM-5.3-Flash hyper-connection collapse: (post, comb, collapsed), two launches");
   m.def("hc_post", &hc_post, "GLM-5.3-Flash hyper-connection expand: the new streams, one launch");
-  m.def("kda_decode", &kda_decode, "GLM-5.3-Flash KDA: one decode token per stream, the q|k|v projection to o_proj's "
-        "input, the conv and recurrent states updated in place (one launch)");
+  m.def("kda_decode", &kda_decode, "GLM-5.3-Flash KDA: one decode token per stream, or (offsets) each stream's "
+        "segment of tokens in order, the q|k|v projection to o_proj's input, the conv and recurrent states updated in "
+        "place (one launch)", py::arg("mixed"), py::arg("conv_state"), py::arg("conv_w"), py::arg("f"), py::arg("b"),
+        py::arg("gate"), py::arg("dt_bias"), py::arg("a_log"), py::arg("o_norm"), py::arg("state"), py::arg("index"),
+        py::arg("heads"), py::arg("dk"), py::arg("q_scale"), py::arg("lower_bound"), py::arg("eps"),
+        py::arg("offsets") = py::none());
   m.def("argmax_", &argmax_, "tokens = argmax of each row of bf16 logits (torch's choice), pos += 1, one launch",
         py::arg("logits"), py::arg("tokens"), py::arg("ticket"), py::arg("pos") = py::none());
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");

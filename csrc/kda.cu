@@ -1,15 +1,20 @@
-// One decode token of a GLM-5.3-Flash KDA layer (rocket_mpi/model/glm5_next_kda.py has the math and the torch
-// reference), from the q|k|v projection's output to o_proj's input, in one launch: per (token, head) the short causal
-// convolution (its state shifted in place), SiLU, the l2-normed
-// q and k, the forget gate's log decay, beta, the delta-rule update of the recurrent state [dk, dv] fp32 in place,
-// q^T S, its bf16 rounding and the gated RMSNorm. In torch that is ~30 small kernels per layer, and the state
-// (64 KiB per head, 4 MiB per stream and layer) is read and written by about ten of them; here once each.
+// The tokens of a GLM-5.3-Flash KDA layer (rocket_mpi/model/glm5_next_kda.py has the math and the torch reference),
+// from the q|k|v projection's output to o_proj's input, in one launch: per (token, head) the short causal convolution
+// (its state shifted in place), SiLU, the l2-normed q and k, the forget gate's log decay, beta, the delta-rule update of
+// the recurrent state [dk, dv] fp32 in place, q^T S, its bf16 rounding and the gated RMSNorm. In torch that is ~30
+// small kernels per token and layer, and the state (64 KiB per head, 4 MiB per stream and layer) is read and written
+// by about ten of them; here once per segment.
 //
-// Block (token, head): dk x 4 threads, thread (c, y) owns state column c (a dv index) and rows y R .. y R + R - 1
+// A segment is one stream's consecutive tokens: a decode step has one token per stream (offsets null: segment i is
+// token i), a prefill a stream's whole prompt, its tokens one after another in the block with the state in
+// registers (torch's prefill: a loop of ~10 kernels per token). Each token's arithmetic is the same whatever the
+// segment, so a prefill of n tokens gives the bits of n decode launches of one token each (a GPU test checks it).
+//
+// Block (head, segment): dk x 4 threads, thread (c, y) owns state column c (a dv index) and rows y R .. y R + R - 1
 // (R = dk / 4). Each row of 4 threads computes the head's per-k vectors (q, k, decay) redundantly, in the same order,
 // so the four agree without a broadcast; sums over dk run in a fixed order (a thread's rows ascending, then the four
 // quarters in order; vector norms: a butterfly within each warp, then the warps in order). Deterministic, and a
-// token's result depends on no other token. Not bitwise torch's (its sums run in cuBLAS / reduction order): tests
+// stream's result depends on no other stream. Not bitwise torch's (its sums run in cuBLAS / reduction order): tests
 // compare within a tolerance (tests/test_device_plan.py).
 #include "common.cuh"
 
@@ -37,92 +42,112 @@ __device__ __forceinline__ float row_sum(float v, int dk, float* buf) {
   return s;
 }
 
-__global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters) kda_decode_kernel(const KdaDecode a) {
-  const int h = blockIdx.x, t = blockIdx.y, c = threadIdx.x, y = threadIdx.y;
+__global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, 1) kda_decode_kernel(const KdaDecode a) {
+  // block (head, segment): the segment's tokens t0 .. t1 - 1 of one stream, in order (a decode step: one token each)
+  const int h = blockIdx.x, seg = blockIdx.y, c = threadIdx.x, y = threadIdx.y;
   const int dk = a.dk, nh = a.heads, D = nh * dk, R = dk / kKdaQuarters;
+  const int64_t t0 = a.offsets ? a.offsets[seg] : seg, t1 = a.offsets ? a.offsets[seg + 1] : seg + 1;
   __shared__ float qs[kKdaMaxDk], ks[kKdaMaxDk], es[kKdaMaxDk];
   __shared__ float part[2][kKdaQuarters][kKdaMaxDk];
   __shared__ float buf[kKdaQuarters * (kKdaMaxDk / 32)];
-  // the head's vectors at index c (every row of threads, redundantly): the causal depthwise conv of q | k | v over the
-  // last K inputs (conv state) and this one, SiLU, rounded to bf16 as the torch step rounds them
-  const int64_t s_row = a.index[t];
-  const __nv_bfloat16* mixed = static_cast<const __nv_bfloat16*>(a.mixed) + int64_t(t) * 3 * D;
+  const int64_t s_row = a.index[seg];
+  const __nv_bfloat16* mixed_all = static_cast<const __nv_bfloat16*>(a.mixed);
   __nv_bfloat16* cst = static_cast<__nv_bfloat16*>(a.conv_state) + s_row * 3 * D * a.conv_k;
-  float qkv[3];
+  // the state column c, rows y R .. y R + R - 1, in registers for the whole segment
+  float* S = a.state + (s_row * nh + h) * int64_t(dk) * dk + c;
+  float s[kKdaMaxDk / kKdaQuarters];
 #pragma unroll
-  for (int p = 0; p < 3; ++p) {
-    const int64_t ch = p * D + h * dk + c;
-    float acc = 0.0f;
-    for (int j = 0; j < a.conv_k; ++j) {  // the window: state j + 1 .. K - 1, then this token's input
-      const __nv_bfloat16 x = j + 1 < a.conv_k ? cst[ch * a.conv_k + j + 1] : mixed[ch];
-      acc = __fmaf_rn(a.conv_w[ch * a.conv_k + j], __bfloat162float(x), acc);
-    }
-    qkv[p] = __bfloat162float(__float2bfloat16_rn(__fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)))));  // SiLU
-  }
-  float q = qkv[0], k = qkv[1];
-  const float v = qkv[2];
-  // _l2norm: x / sqrt(sum(x * x) + 1e-6); q then * dk^-1/2
-  const float qn = sqrtf(__fadd_rn(row_sum(__fmul_rn(q, q), dk, buf), 1e-6f));
-  const float kn = sqrtf(__fadd_rn(row_sum(__fmul_rn(k, k), dk, buf), 1e-6f));
-  q = __fmul_rn(__fdiv_rn(q, qn), a.q_scale);
-  k = __fdiv_rn(k, kn);
-  // forget gate: f = linear + dt_bias; g = lb * sigmoid(exp(A_log) f), or -exp(A_log) * softplus(f)
-  const float f = __fadd_rn(__bfloat162float(static_cast<const __nv_bfloat16*>(a.f)[int64_t(t) * D + int64_t(h) * dk + c]), a.dt_bias[h * dk + c]);
+  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i)
+    if (i < R) s[i] = S[int64_t(y * R + i) * dk];
   const float rate = expf(a.a_log[h]);
-  float g;
-  if (a.has_lower_bound) g = __fmul_rn(a.lower_bound, kda_sigmoid(__fmul_rn(rate, f)));
-  else g = __fmul_rn(-rate, f > 20.0f ? f : logf(__fadd_rn(1.0f, expf(f))));
-  const float beta = __bfloat162float(__float2bfloat16_rn(kda_sigmoid(__bfloat162float(static_cast<const __nv_bfloat16*>(a.b)[int64_t(t) * nh + h]))));
-  if (y == 0) {
-    qs[c] = q;
-    ks[c] = k;
-    es[c] = expf(g);
-  }
-  __syncthreads();  // every row has read the conv state: row 0 shifts it by this token
-  if (y == 0) {
+  for (int64_t t = t0; t < t1; ++t) {
+    __syncthreads();  // the previous token's readers of qs, ks, es, part and buf are done
+    // the head's vectors at index c (every row of threads, redundantly): the causal depthwise conv of q | k | v over
+    // the last K inputs (conv state, then this segment's earlier tokens) and this one, SiLU, rounded to bf16 as the
+    // torch step rounds them
+    float qkv[3];
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
-      __nv_bfloat16* w = cst + int64_t(p * D + h * dk + c) * a.conv_k;
-      for (int j = 0; j + 1 < a.conv_k; ++j) w[j] = w[j + 1];
-      w[a.conv_k - 1] = mixed[p * D + h * dk + c];
+      const int64_t ch = p * D + h * dk + c;
+      float acc = 0.0f;
+      for (int j = 0; j < a.conv_k; ++j) {  // input t - (K - 1) + j: from the state while before the segment
+        const int64_t rel = t - t0 - (a.conv_k - 1) + j;
+        const __nv_bfloat16 x = rel < 0 ? cst[ch * a.conv_k + a.conv_k + rel] : mixed_all[(t0 + rel) * 3 * D + ch];
+        acc = __fmaf_rn(a.conv_w[ch * a.conv_k + j], __bfloat162float(x), acc);
+      }
+      qkv[p] = __bfloat162float(__float2bfloat16_rn(__fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)))));  // SiLU
     }
-  }
-  // the state: S <- S * exp(g); kv = k^T S; S <- S + k (beta (v - kv)); o = q^T S
-  float* S = a.state + (a.index[t] * nh + h) * int64_t(dk) * dk + c;
-  float s[kKdaMaxDk / kKdaQuarters];
-  float kv = 0.0f;
+    float q = qkv[0], k = qkv[1];
+    const float v = qkv[2];
+    // _l2norm: x / sqrt(sum(x * x) + 1e-6); q then * dk^-1/2
+    const float qn = sqrtf(__fadd_rn(row_sum(__fmul_rn(q, q), dk, buf), 1e-6f));
+    const float kn = sqrtf(__fadd_rn(row_sum(__fmul_rn(k, k), dk, buf), 1e-6f));
+    q = __fmul_rn(__fdiv_rn(q, qn), a.q_scale);
+    k = __fdiv_rn(k, kn);
+    // forget gate: f = linear + dt_bias; g = lb * sigmoid(exp(A_log) f), or -exp(A_log) * softplus(f)
+    const float f = __fadd_rn(__bfloat162float(static_cast<const __nv_bfloat16*>(a.f)[t * D + int64_t(h) * dk + c]),
+                              a.dt_bias[h * dk + c]);
+    float g;
+    if (a.has_lower_bound) g = __fmul_rn(a.lower_bound, kda_sigmoid(__fmul_rn(rate, f)));
+    else g = __fmul_rn(-rate, f > 20.0f ? f : logf(__fadd_rn(1.0f, expf(f))));
+    const float beta = __bfloat162float(__float2bfloat16_rn(kda_sigmoid(__bfloat162float(
+        static_cast<const __nv_bfloat16*>(a.b)[t * nh + h]))));
+    if (y == 0) {
+      qs[c] = q;
+      ks[c] = k;
+      es[c] = expf(g);
+    }
+    __syncthreads();
+    // the state: S <- S * exp(g); kv = k^T S; S <- S + k (beta (v - kv)); o = q^T S
+    float kv = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
-    if (i < R) {
-      const int r = y * R + i;
-      s[i] = __fmul_rn(S[int64_t(r) * dk], es[r]);
-      kv = __fadd_rn(kv, __fmul_rn(s[i], ks[r]));
+    for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
+      if (i < R) {
+        const int r = y * R + i;
+        s[i] = __fmul_rn(s[i], es[r]);
+        kv = __fadd_rn(kv, __fmul_rn(s[i], ks[r]));
+      }
     }
-  }
-  part[0][y][c] = kv;
-  __syncthreads();
-  kv = __fadd_rn(__fadd_rn(__fadd_rn(part[0][0][c], part[0][1][c]), part[0][2][c]), part[0][3][c]);
-  const float delta = __fmul_rn(__fsub_rn(v, kv), beta);
-  float o = 0.0f;
+    part[0][y][c] = kv;
+    __syncthreads();
+    kv = __fadd_rn(__fadd_rn(__fadd_rn(part[0][0][c], part[0][1][c]), part[0][2][c]), part[0][3][c]);
+    const float delta = __fmul_rn(__fsub_rn(v, kv), beta);
+    float o = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
-    if (i < R) {
-      const int r = y * R + i;
-      s[i] = __fadd_rn(s[i], __fmul_rn(ks[r], delta));
-      S[int64_t(r) * dk] = s[i];
-      o = __fadd_rn(o, __fmul_rn(s[i], qs[r]));
+    for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
+      if (i < R) {
+        const int r = y * R + i;
+        s[i] = __fadd_rn(s[i], __fmul_rn(ks[r], delta));
+        o = __fadd_rn(o, __fmul_rn(s[i], qs[r]));
+      }
+    }
+    part[1][y][c] = o;
+    __syncthreads();
+    o = __fadd_rn(__fadd_rn(__fadd_rn(part[1][0][c], part[1][1][c]), part[1][2][c]), part[1][3][c]);
+    // out.to(bf16).float(); out * rsqrt(mean(out^2) + eps) * o_norm * sigmoid(gate), rounded to bf16 for o_proj
+    const float ob = __bfloat162float(__float2bfloat16_rn(o));
+    const float ms = __fdiv_rn(row_sum(__fmul_rn(ob, ob), dk, buf), float(dk));
+    const float rr = __frsqrt_rn(__fadd_rn(ms, a.eps));
+    const float gate = __bfloat162float(static_cast<const __nv_bfloat16*>(a.gate)[t * D + int64_t(h) * dk + c]);
+    const float out = __fmul_rn(__fmul_rn(__fmul_rn(ob, rr), a.o_norm[c]), kda_sigmoid(gate));
+    if (y == 0) static_cast<__nv_bfloat16*>(a.out)[t * D + int64_t(h) * dk + c] = __float2bfloat16_rn(out);
+  }
+#pragma unroll
+  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i)
+    if (i < R) S[int64_t(y * R + i) * dk] = s[i];
+  __syncthreads();  // every row has read the conv state: row 0 shifts it by the segment's n inputs
+  if (y == 0) {
+    const int64_t n = t1 - t0;
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      const int64_t ch = p * D + h * dk + c;
+      __nv_bfloat16* w = cst + ch * a.conv_k;
+      for (int j = 0; j < a.conv_k; ++j) {  // input n - K + j: the old state's entry n + j (read before written)
+        const int64_t rel = n - a.conv_k + j;
+        w[j] = rel < 0 ? w[n + j] : mixed_all[(t0 + rel) * 3 * D + ch];
+      }
     }
   }
-  part[1][y][c] = o;
-  __syncthreads();
-  o = __fadd_rn(__fadd_rn(__fadd_rn(part[1][0][c], part[1][1][c]), part[1][2][c]), part[1][3][c]);
-  // out.to(bf16).float(); out * rsqrt(mean(out^2) + eps) * o_norm * sigmoid(gate), rounded to bf16 for o_proj
-  const float ob = __bfloat162float(__float2bfloat16_rn(o));
-  const float ms = __fdiv_rn(row_sum(__fmul_rn(ob, ob), dk, buf), float(dk));
-  const float rr = __frsqrt_rn(__fadd_rn(ms, a.eps));
-  const float gate = __bfloat162float(static_cast<const __nv_bfloat16*>(a.gate)[int64_t(t) * D + int64_t(h) * dk + c]);
-  const float out = __fmul_rn(__fmul_rn(__fmul_rn(ob, rr), a.o_norm[c]), kda_sigmoid(gate));
-  if (y == 0) static_cast<__nv_bfloat16*>(a.out)[int64_t(t) * D + int64_t(h) * dk + c] = __float2bfloat16_rn(out);
 }
 
 }  // namespace
@@ -130,12 +155,12 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters) kda_decode_kernel(co
 void launch_kda_decode(const KdaDecode& a, cudaStream_t stream) {
   ROCKET_CHECK(a.dk == 16 || a.dk == 32 || a.dk == 64 || a.dk == 128, "kda_decode: head dim " << a.dk
                << " (16, 32, 64 or 128)");
-  ROCKET_CHECK(a.heads > 0 && a.heads <= 65535 && a.tokens >= 0 && a.tokens <= 65535, "kda_decode: " << a.heads
-               << " heads, " << a.tokens << " tokens");
+  ROCKET_CHECK(a.heads > 0 && a.heads <= 65535 && a.segments >= 0 && a.segments <= 65535, "kda_decode: " << a.heads
+               << " heads, " << a.segments << " segments");
   ROCKET_CHECK(a.conv_k >= 1 && a.conv_k <= kKdaMaxConv, "kda_decode: conv kernel " << a.conv_k << " (1.."
                << kKdaMaxConv << ")");
-  if (a.tokens == 0) return;
-  kda_decode_kernel<<<dim3(a.heads, a.tokens), dim3(a.dk, kKdaQuarters), 0, stream>>>(a);
+  if (a.segments == 0) return;
+  kda_decode_kernel<<<dim3(a.heads, a.segments), dim3(a.dk, kKdaQuarters), 0, stream>>>(a);
   ROCKET_LAUNCH_CHECK();
 }
 

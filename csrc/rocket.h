@@ -271,7 +271,7 @@ void launch_hc_pre(const HcPre& a, cudaStream_t stream);
 void launch_hc_post(const float* post, const float* comb, const void* y, const void* x, int n, int tokens, int hidden,
                     void* out, cudaStream_t stream);
 
-// ---- GLM-5.3-Flash KDA decode token (kda.cu; rocket_mpi/model/glm5_next_kda.py is the reference) ----
+// ---- GLM-5.3-Flash KDA tokens: a decode step or a prefill (kda.cu; rocket_mpi/model/glm5_next_kda.py is the reference) ----
 struct KdaDecode {
   const void* mixed;                 // [tokens, 3 heads dk] bf16: the q | k | v projection (before the conv)
   void* conv_state;                  // [streams, 3 heads dk, conv_k] bf16: the last conv_k inputs, shifted in place
@@ -284,9 +284,11 @@ struct KdaDecode {
   const float* a_log;                // [heads]
   const float* o_norm;               // [dk]
   float* state;                      // [streams, heads, dk, dk] fp32, updated in place
-  const int64_t* index;              // [tokens]: the stream (state row) of each token
+  const int64_t* index;              // [segments]: the stream (state row) of each segment
+  const int64_t* offsets;            // [segments + 1]: segment i is tokens offsets[i] .. offsets[i + 1] - 1 of its
+                                     // stream, in order; null: one token per segment (segment i is token i)
   void* out;                         // [tokens, heads * dk] bf16: o_proj's input
-  int tokens, heads, dk;
+  int segments, heads, dk;
   float q_scale, lower_bound, eps;
   int has_lower_bound;
 };

@@ -15,6 +15,8 @@ up only when an op needs it. `available()` says whether the fast path can run he
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from rocket_mpi.kernels import _ext
@@ -181,12 +183,20 @@ def gpu_switch(name: str, device, what: str) -> bool:
 
 def kda_decode(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                gate: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, o_norm: torch.Tensor, state: torch.Tensor,
-               index: torch.Tensor, heads: int, dk: int, lower_bound: float | None, eps: float) -> torch.Tensor:
-    """glm5_next_kda's decode token from the q|k|v projection to o_proj's input in one launch (csrc/kda.cu); the
-    conv and recurrent state rows at index are updated in place."""
+               index: torch.Tensor, heads: int, dk: int, lower_bound: float | None, eps: float,
+               counts: list[int] | None = None) -> torch.Tensor:
+    """glm5_next_kda's tokens from the q|k|v projection to o_proj's input in one launch (csrc/kda.cu); the conv and
+    recurrent state rows at index are updated in place. Without counts: one decode token per stream (row i of mixed
+    is stream index[i]'s); with counts (host ints, one per entry of index): stream index[i]'s next counts[i] tokens,
+    the rows after stream index[i - 1]'s, run in order (a prefill), the same bits as one launch per token."""
+    offsets = None
+    if counts is not None:
+        if len(counts) != index.numel() or any(n < 0 for n in counts) or sum(counts) != mixed.shape[0]:
+            raise ValueError(f"kda_decode: counts {counts} for {index.numel()} streams and {mixed.shape[0]} rows")
+        offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int64).to(mixed.device)
     return _ext.require().kda_decode(mixed.contiguous(), conv_state, conv_w, f.contiguous(), b.contiguous(),
                                      gate.contiguous(), dt_bias, a_log, o_norm, state, index, heads, dk, dk ** -0.5,
-                                     lower_bound, eps)
+                                     lower_bound, eps, offsets)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -334,6 +334,7 @@ class Glm5NextModel:
         starts = cache.lengths.tolist()
         offs = torch.tensor([0] + seqlens).cumsum(0).tolist()                          # host
         segments = [(s, offs[s], n) for s, n in enumerate(seqlens) if n]
+        kfuse = kda_fused(dev)  # a GPU's KDA tokens in the kernel: a prefill's too (kda_forward)
         x = self.embed[tokens.to(dev)]                                                 # [T, H]
         streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()                 # [T, N, H]
         selection = None
@@ -342,7 +343,7 @@ class Glm5NextModel:
                 post, comb, h = hc_pre(L.attn_hc, streams, hca)
                 h = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
                 if L.kda is not None:
-                    y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], segments, self.kda_args)
+                    y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], segments, self.kda_args, fuse=kfuse)
                     selection = None
                 else:
                     y, sel = mla_forward(L.mla, h, cache.mla[i], starts, seqlens, self.mla_args, selection)

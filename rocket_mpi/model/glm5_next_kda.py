@@ -11,8 +11,10 @@ One token, per head (fp32, after SiLU(conv) and l2-normalised q, k; q scaled by 
 then a gated RMSNorm (fp32, sigmoid gate from a low-rank projection) and o_proj.
 
 transformers runs a chunked form for prefill and this recurrent form for decode; they are equal up to
-fp32 rounding. Here every token takes the recurrent form: one loop per stream for a prefill, one step
-batched over all streams for a decode.
+fp32 rounding. Here every token takes the recurrent form: on a GPU one launch of csrc/kda.cu (a decode's
+tokens side by side, a prefill's stream by stream in order with the state in registers: an 8192-token prefill of
+glm5-flash-4l 0.43-0.47 s against 2.84-2.93 s for the torch loop, results/README.md session 28); on the CPU (or
+ROCKET_KDA_FUSE=0) one torch loop per stream for a prefill, one step batched over all streams for a decode.
 """
 from __future__ import annotations
 
@@ -88,17 +90,23 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
                 fuse: bool = False) -> torch.Tensor:
     """h [T, H] BF16 (streams' new tokens packed); segments (stream, offset, n). Advances conv_state
     [M, 3D, K] BF16 and rec_state [M, h, dk, dv] fp32 of those streams in place. Returns [T, H] BF16.
-    idx [M] on the device instead of segments: one token for each of those streams (the fixed-shape step); with
-    fuse, the rest of that token after the q|k|v projection in one kernel (kernels.kda_decode: the same math, its
-    sums in their own order)."""
+    idx [M] on the device instead of segments: one token for each of those streams (the fixed-shape step). With
+    fuse, everything after the q|k|v projection up to o_proj in one kernel (kernels.kda_decode: the same math, its
+    sums in their own order; a prefill's tokens one after another in the launch instead of ~10 torch kernels each)."""
     t = h.shape[0]
     nh, dk, kk = args.heads, args.head_dim, args.conv_kernel
     mixed = F.linear(h, a.qkv)                                        # [T, 3D] BF16, pre-conv
-    if fuse and idx is not None:
+    if fuse and (idx is not None or segments):
         from rocket_mpi import kernels
+        counts = None
+        if idx is None:  # a prefill or a host-path step: each stream's tokens in order, in the launch
+            counts = [n for _, _, n in segments]
+            if [off for _, off, _ in segments] != [sum(counts[:i]) for i in range(len(counts))]:
+                raise ValueError(f"kda_forward: segments {segments} are not packed one after another")
+            idx = torch.tensor([s for s, _, _ in segments], device=h.device)
         y = kernels.kda_decode(mixed, conv_state, a.conv, F.linear(F.linear(h, a.f_a), a.f_b), F.linear(h, a.b),
                                F.linear(F.linear(h, a.g_a), a.g_b), a.dt_bias, a.A_log, a.o_norm, rec_state, idx, nh,
-                               dk, args.lower_bound, args.eps)
+                               dk, args.lower_bound, args.eps, counts)
         return F.linear(y, a.o)
     conv_w = a.conv[:, None, :]                                       # [3D, 1, K]
     conv = torch.empty_like(mixed)

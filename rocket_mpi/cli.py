@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from rocket_mpi.config import PREFILL_CHUNK
 from rocket_mpi.errors import RocketError
 
 
@@ -62,6 +63,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="GPU decode steps: graph = row plan on the device, the step one CUDA graph; device = the "
                         "same without the graph; host = row plan on the host each layer; auto = graph where it "
                         "can run (NVFP4 experts, glm4_moe, fabric local/cuda-ipc/nccl), else host")
+    p.add_argument("--prefill-chunk", type=_pos_int, default=PREFILL_CHUNK,
+                   help="prompt tokens per prefill forward, all streams together: longer prompts are prefilled in "
+                        "chunks, which bounds the prefill's memory and the fabric's row buffers")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,8 @@ from rocket_mpi.errors import ConfigError
 # model_type -> the module that implements the family (rocket_mpi/model/); each module may define
 # `normalize_config(raw: dict, source: str) -> dict` to map its config.json onto the common keys below
 # (for example lifting a nested text_config); family-only keys stay readable in ModelConfig.raw.
+PREFILL_CHUNK = 4096  # prompt tokens per prefill forward, all streams together (--prefill-chunk; Engine._forward)
+
 FAMILIES = {
     "glm4_moe": "rocket_mpi.model.glm4_moe",
     "glm_moe_dsa": "rocket_mpi.model.glm_moe_dsa",

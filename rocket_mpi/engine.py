@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rocket_mpi.checkpoint.reader import CheckpointReader
-from rocket_mpi.config import ModelConfig, family
+from rocket_mpi.config import PREFILL_CHUNK, ModelConfig, family
 from rocket_mpi.errors import RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
 from rocket_mpi.moe.experts import ExpertStore, kernels_enabled
@@ -26,6 +26,24 @@ from rocket_mpi.placement import Placement
 
 WARMUP_STEPS = 3
 CACHE_QUANTUM = 64  # cache positions per stream: a multiple of this (Engine.generate)
+
+
+def prefill_chunks(seqlens: list[int], chunk: int) -> list[list[int]]:
+    """The prompts (seqlens[s] tokens for stream s, packed stream after stream) cut into forwards of at most `chunk`
+    tokens: each chunk is the next `chunk` of the packed tokens, so it holds a run of each stream's prompt in order
+    (0 tokens for most streams of a chunk). -> per chunk, the tokens of each stream."""
+    if chunk < 1:
+        raise ValueError(f"prefill chunk {chunk}: at least 1 token")
+    out, s, used = [], 0, [0] * len(seqlens)
+    while s < len(seqlens):
+        counts, room = [0] * len(seqlens), chunk
+        while room and s < len(seqlens):
+            take = min(room, seqlens[s] - used[s])
+            counts[s], used[s], room = take, used[s] + take, room - take
+            if used[s] == seqlens[s]:
+                s += 1
+        out.append(counts)
+    return out
 TIMED_STEPS = 10
 
 
@@ -171,6 +189,7 @@ class Engine:
         self._rows_total = 0
         self._expert_bytes = 0
         self.decode_path = "host"
+        self.prefill_chunk = PREFILL_CHUNK
         self.decode_path_auto = False  # set_decode_path: auto falls back to host where a step exceeds a limit
 
     def set_decode_path(self, want: str, fabric_name: str) -> str:
@@ -258,8 +277,9 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------
     def max_rows(self, prompts_list: list[list[list[int]]]) -> int:
-        # the prefill's rows, or the graphed decode step's: each rank's block at a fixed place (graph.py)
-        worst = max(max(sum(len(p) for p in prompts), len(prompts) * self.size) for prompts in prompts_list)
+        # a prefill chunk's rows, or the graphed decode step's: each rank's block at a fixed place (graph.py)
+        worst = max(max(min(sum(len(p) for p in prompts), self.prefill_chunk), len(prompts) * self.size)
+                    for prompts in prompts_list)
         return worst * self.cfg.num_experts_per_tok
 
     def check_prompts(self, prompts: list[list[int]], n_tokens: int) -> None:
@@ -273,6 +293,24 @@ class Engine:
             if len(p) + n_tokens > cfg.max_position_embeddings:
                 raise RocketError(f"prompt of stream {s}: {len(p)} tokens + {n_tokens} to generate exceed "
                                   f"max_position_embeddings {cfg.max_position_embeddings}")
+
+    def _forward(self, tokens: torch.Tensor, cache, seqlens: list[int]) -> torch.Tensor:
+        """model.forward, a prompt longer than prefill_chunk tokens (all streams together) in chunks
+        (prefill_chunks: the same cut on every rank): its activations and the fabric's buffers (max_rows) stay
+        bounded by the chunk whatever the prompt. -> the logits of each stream's last token [M, V]."""
+        if sum(seqlens) <= self.prefill_chunk:
+            return self.model.forward(tokens, cache, seqlens, self.moe)
+        logits, off, used = None, 0, [0] * len(seqlens)
+        for counts in prefill_chunks(seqlens, self.prefill_chunk):
+            n = sum(counts)
+            out = self.model.forward(tokens[off:off + n], cache, counts, self.moe)
+            off += n
+            used = [u + c for u, c in zip(used, counts)]
+            ends = [s for s, c in enumerate(counts) if c and used[s] == seqlens[s]]  # prompts that end here
+            if logits is None:
+                logits = torch.empty_like(out)
+            logits[ends] = out[ends]
+        return logits
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None, capacity: int = 0) -> RunResult:
@@ -317,7 +355,7 @@ class Engine:
                 self._crc, self._rows_owned, self._rows_total, self._expert_bytes = 0, 0, 0, 0
                 f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
                 t0 = time.perf_counter()
-                logits = self.model.forward(tokens, cache, seqlens, self.moe)
+                logits = self._forward(tokens, cache, seqlens)
                 nxt = torch.argmax(logits, dim=-1)
                 chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
                 dt = time.perf_counter() - t0

@@ -65,6 +65,7 @@ def _decode(args, comm) -> int:
              "checkpoint fingerprint": _collective(comm, args.startup_timeout, "fingerprint", reader.fingerprint),
              "streams": sweep, "tokens": args.tokens, "threads": args.threads, "device": args.device,
              "fabric": fabric_name, "placement": placement.digest(), "decode path": args.decode_path,
+             "prefill chunk": args.prefill_chunk,
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
              "kernel switches": bit_switches()}
     handshake(comm, facts, args.startup_timeout)
@@ -73,6 +74,7 @@ def _decode(args, comm) -> int:
                          lambda: Engine(args.checkpoint, rank, size, placement, reader, device))
     for p in runs:
         _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
+    engine.prefill_chunk = args.prefill_chunk
     max_rows = max(engine.max_rows(runs), 1)
     rails = args.rails
     if rails and fabric_name == "shm":

@@ -65,9 +65,9 @@ profile)
   T=200 run "profile_${PRESET}" python3 scripts/profile_gpu_step.py "preset:$PRESET:nvfp4" 8 ;;
 long)  # whole long runs, the step's span following the positions against the capacity (session 27)
   T=300 run "long_${PRESET}" python3 scripts/bench_long_run.py "preset:$PRESET:nvfp4" --sweep 1,8 --tokens ${LONG_TOKENS:-3000} --rounds 1 auto:ROCKET_GRAPH_SPANS=auto capacity:ROCKET_GRAPH_SPANS=capacity ;;
-prefill)  # one long prompt's prefill in blocks of 512 query rows against one block: GPU memory and seconds
-  for p in ${PREFILL_PRESETS:-air8 glm5-4l}; do
-    T=300 run "prefill_$p" python3 scripts/bench_prefill_memory.py "preset:$p:nvfp4" --device cuda --lengths ${PREFILL_LENGTHS:-2048,8192}
+prefill)  # one long prompt's prefill: one block, blocks (rows and score size), blocks + chunks: GPU memory, seconds
+  for p in ${PREFILL_PRESETS:-air8 glm5-4l glm5-flash-4l}; do
+    T=300 run "prefill_$p" python3 scripts/bench_prefill_memory.py "preset:$p:nvfp4" --device cuda --lengths ${PREFILL_LENGTHS:-8192,16384}
   done ;;
 fabgraph)
   for f in ${FABRICS:-cuda-ipc nccl}; do

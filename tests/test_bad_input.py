@@ -129,6 +129,7 @@ def test_bad_prompts_file(capsys, ckpt, tmp_path):
     (["decode", "--checkpoint", "x", "--streams", "zero"], "--streams"),
     (["decode", "--checkpoint", "x", "--tokens", "-3"], "--tokens"),
     (["decode", "--checkpoint", "x", "--device", "tpu"], "--device"),
+    (["decode", "--checkpoint", "x", "--prefill-chunk", "0"], "--prefill-chunk"),
     (["static-fire", "--checkpoint", "x", "--ranks", "2", "--sweep", "1,a"], "--sweep"),
     (["decode"], "--checkpoint"),
     (["make-checkpoint", "--out", "/tmp/x", "--preset", "huge"], "huge"),

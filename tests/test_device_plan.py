@@ -96,6 +96,12 @@ def test_prefill_blocks_cover_the_rows(monkeypatch):
     assert layers.prefill_blocks(0) == [] and layers.prefill_blocks(5) == [(0, 5)]
     monkeypatch.setattr(layers, "PREFILL_ROWS", 4)
     assert layers.prefill_blocks(10) == [(0, 4), (4, 8), (8, 10)] and layers.prefill_blocks(8) == [(0, 4), (4, 8)]
+    monkeypatch.setattr(layers, "PREFILL_ROWS", 512)
+    # fewer rows where a block's scores would pass PREFILL_SCORES, never fewer than PREFILL_MIN_ROWS
+    assert layers.prefill_blocks(1000, 96 * 1000) == [(0, 512), (512, 1000)]               # 96 heads, 1000 keys
+    assert layers.prefill_blocks(400, 96 * 16384) == [(0, 170), (170, 340), (340, 400)]   # 16384 keys: 170 rows
+    assert layers.prefill_blocks(100, 96 * 2 ** 20)[:2] == [(0, 16), (16, 32)]            # 1M keys: the floor
+    assert layers.prefill_blocks(100, 96 * 1000) == [(0, 100)]
 
 
 def _cache_tensors(c) -> list[torch.Tensor]:
@@ -107,10 +113,11 @@ def _cache_tensors(c) -> list[torch.Tensor]:
     return c.k + c.v
 
 
+@pytest.mark.parametrize("cut", ["rows", "scores"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", id="gpu", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason=f"the GPU form needs a CUDA device (torch {torch.__version__})"))])
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt"])
-def test_prefill_in_row_blocks_matches_one_block(ckpt_name, device, request, monkeypatch):
+def test_prefill_in_row_blocks_matches_one_block(ckpt_name, device, cut, request, monkeypatch):
     """A prefill in blocks of 4 query rows (layers.PREFILL_ROWS; 512 in use) against the same prefill in one block:
     prompts of 13, 7 and 22 tokens after the streams already hold 1, 5 and 1 positions; logits within 2^-8 of their
     scale (a bf16 rounding: the CPU gives the same bits for glm4_moe and GLM-5.3-Flash, one ulp for GLM-5, whose
@@ -118,7 +125,8 @@ def test_prefill_in_row_blocks_matches_one_block(ckpt_name, device, request, mon
     indexer keys, GLM-5.3-Flash's pools and KDA states too). Planted by hand, each fails it: glm4_moe's blocks all
     taking the first block's queries (logits off by 2^-6, states by 2^-5.7), GLM-5.3-Flash's selection taking the
     first block's positions (2^-6), GLM-5's blocks seeing one key too many (a shape error). On a GPU (gpu) the
-    same bounds, with the extension's kernels where the engine takes them."""
+    same bounds, with the extension's kernels where the engine takes them. cut=scores: the blocks' rows set by
+    PREFILL_SCORES (heads x rows x keys) instead."""
     from rocket_mpi.engine import Engine
     from rocket_mpi.model import layers
     torch.set_num_threads(1)
@@ -136,7 +144,11 @@ def test_prefill_in_row_blocks_matches_one_block(ckpt_name, device, request, mon
             return logits, _cache_tensors(cache)
 
     want, states_w = prefill()
-    monkeypatch.setattr(layers, "PREFILL_ROWS", 4)
+    if cut == "rows":
+        monkeypatch.setattr(layers, "PREFILL_ROWS", 4)
+    else:  # blocks cut by their scores' size (a long context's rule): 1-7 rows here, by layer and stream
+        monkeypatch.setattr(layers, "PREFILL_MIN_ROWS", 1)
+        monkeypatch.setattr(layers, "PREFILL_SCORES", 400)
     got, states_g = prefill()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     err = float((got - want).abs().max())
@@ -145,6 +157,55 @@ def test_prefill_in_row_blocks_matches_one_block(ckpt_name, device, request, mon
     for a, b in zip(states_w, states_g):
         scale = max(float(a.float().abs().max()), 1.0)
         assert float((a.float() - b.float()).abs().max()) <= 2.0 ** -7 * scale
+
+
+def test_prefill_chunks_cut_the_packed_prompts():
+    from rocket_mpi.engine import prefill_chunks
+    assert prefill_chunks([3, 5, 2], 4) == [[3, 1, 0], [0, 4, 0], [0, 0, 2]]
+    assert prefill_chunks([10], 4) == [[4], [4], [2]] and prefill_chunks([1, 1, 1], 8) == [[1, 1, 1]]
+    assert prefill_chunks([4, 4], 4) == [[4, 0], [0, 4]]
+    for lens, c in (([7, 1, 12, 3], 5), ([1] * 9, 2), ([30], 7)):
+        chunks = prefill_chunks(lens, c)
+        assert [sum(col) for col in zip(*chunks)] == lens and all(0 < sum(ch) <= c for ch in chunks)
+        assert len(chunks) == -(-sum(lens) // c)
+    with pytest.raises(ValueError, match="at least 1"):
+        prefill_chunks([3], 0)
+
+
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt"])
+def test_chunked_prefill_matches_one_forward(ckpt_name, request, monkeypatch):
+    """Engine._forward with prefill_chunk 9 on prompts of 13, 4 and 22 tokens (after 1, 5 and 1 positions held):
+    5 forwards, each stream's logits from the chunk where its prompt ends, within 2^-7 of one forward's (a bf16
+    rounding: GEMMs of other shapes), the same next tokens, every cache state within 2^-6 of its scale. Logits
+    taken from the last chunk for every stream (a planted bug) are off by far more than that."""
+    from rocket_mpi.engine import Engine
+    torch.set_num_threads(1)
+    eng = Engine(request.getfixturevalue(ckpt_name))
+    gen = torch.Generator().manual_seed(9)
+    first = [torch.randint(2, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 5, 1)]
+    prompts = [torch.randint(2, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (13, 4, 22)]
+    calls = []
+    forward = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda *a: calls.append(a[2]) or forward(*a))
+
+    def prefill(chunk):
+        eng.prefill_chunk = chunk
+        with torch.inference_mode():
+            cache = eng.model.new_cache(3, 48)
+            for ps in (first, prompts):
+                logits = eng._forward(torch.tensor([t for p in ps for t in p]), cache, [len(p) for p in ps])
+            return logits, _cache_tensors(cache)
+
+    want, states_w = prefill(4096)
+    assert len(calls) == 2
+    got, states_g = prefill(9)
+    assert len(calls) == 2 + 1 + 5 and calls[3:] == [[9, 0, 0], [4, 4, 1], [0, 0, 9], [0, 0, 9], [0, 0, 3]]
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    err = float((got - want).abs().max())
+    assert err <= 2.0 ** -7 * float(want.abs().max()), f"max |diff| {err:.3e} of {float(want.abs().max()):.3e}"
+    for a, b in zip(states_w, states_g):
+        scale = max(float(a.float().abs().max()), 1.0)
+        assert float((a.float() - b.float()).abs().max()) <= 2.0 ** -6 * scale
 
 
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt"])

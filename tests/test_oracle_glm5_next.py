@@ -320,7 +320,8 @@ def _dense_attention(mp):
 
 def _kda_conv_reset(mp):
     real = glm5.kda_forward
-    mp.setattr(glm5, "kda_forward", lambda a, h, conv, rec, seg, args: real(a, h, conv.zero_(), rec, seg, args))
+    mp.setattr(glm5, "kda_forward", lambda a, h, conv, rec, seg, args, **kw: real(a, h, conv.zero_(), rec, seg, args,
+                                                                                **kw))
 
 
 def _indexer_without_ape(mp):
@@ -358,6 +359,6 @@ def test_oracle_is_sensitive(bug, tmp_path, monkeypatch):
 def test_static_fire_glm5_tiny(tmp_path):
     make_checkpoint("glm5-tiny", str(tmp_path), seed=3)
     r = rocket("static-fire", "--checkpoint", str(tmp_path), "--ranks", "2", "--sweep", "1,4", "--tokens", "6",
-               "--fabric", "shm", timeout=180)
+               "--fabric", "shm", "--prefill-chunk", "8", timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "STATIC FIRE PASS" in r.stdout

@@ -179,6 +179,6 @@ def test_static_fire_two_ranks(tmp_path):
     ckpt = str(tmp_path / "dsa")
     make_checkpoint("dsa-tiny", ckpt, seed=3)
     r = rocket("static-fire", "--checkpoint", ckpt, "--ranks", "2", "--sweep", "1,4", "--tokens", "6",
-               "--fabric", "shm", timeout=180)
+               "--fabric", "shm", "--prefill-chunk", "8", timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "STATIC FIRE PASS" in r.stdout, r.stdout + r.stderr

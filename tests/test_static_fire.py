@@ -52,12 +52,13 @@ def test_static_fire_fixed_shape_path(ranks, fabric, placement, ckpt_name, tmp_p
     references, rows through the CPU fabric at fixed offsets: the split still decodes the one-rank tokens.
     dsa_ckpt: GLM-5's architecture (MLA + DSA indexer over the step's span of the cache); glm5_ckpt:
     GLM-5.3-Flash's (KDA + MLA with the k-pool indexer). ROCKET_GRAPH_SPANS=4: the runs cross spans mid-run (the
-    report names them), the reference and the split at the same steps."""
+    report names them), the reference and the split at the same steps. --prefill-chunk 16: M=8's 65 prompt tokens
+    are prefilled in 5 forwards, cut the same on every rank."""
     ckpt = request.getfixturevalue(ckpt_name)
     extra = ["--placement", scrambled(tmp_path / "pl.json", 16, ranks, seed=5)] if placement == "scrambled" else []
     r = rocket("static-fire", "--checkpoint", ckpt, "--ranks", str(ranks), "--sweep", "1,8", "--tokens", TOKENS,
-               "--fabric", fabric, "--fabric-timeout", "20", "--decode-path", "device", *extra,
-               env={"ROCKET_GRAPH_SPANS": "4"})
+               "--fabric", fabric, "--fabric-timeout", "20", "--decode-path", "device", "--prefill-chunk", "16",
+               *extra, env={"ROCKET_GRAPH_SPANS": "4"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "attention spans: 4 from step 1, 8 from step 2" in r.stdout, r.stdout
     assert f"STATIC FIRE PASS: 0/8 streams mismatched ({ranks} ranks, fabric {fabric}" in r.stdout

@@ -262,7 +262,7 @@ class Glm4MoeModel:
                     continue
                 kc[s, :, p0:p0 + n] = k[off:off + n].transpose(0, 1)
                 vc[s, :, p0:p0 + n] = v[off:off + n].transpose(0, 1)
-                for r0, r1 in prefill_blocks(n):  # rows r0..r1 - 1 see the keys up to p0 + r1 - 1
+                for r0, r1 in prefill_blocks(n, q.shape[1] * (p0 + n)):  # rows r0..r1 - 1 see keys < p0 + r1
                     qs = q[off + r0:off + r1].transpose(0, 1)[None]       # [1, heads, rows, d]
                     ks, vs = kc[s:s + 1, :, :p0 + r1], vc[s:s + 1, :, :p0 + r1]
                     hide = (torch.arange(p0 + r1)[None, :] > torch.arange(p0 + r0, p0 + r1)[:, None]).to(h.device)

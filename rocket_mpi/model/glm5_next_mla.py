@@ -89,7 +89,8 @@ def _select(ix: Indexer, c: MlaCache, s: int, p0: int, q: torch.Tensor, w: torch
         logits = c.index_gate[s, done * kp:pools * kp].view(pools - done, kp, -1).float() + ix.ape
         c.pool_k[s, done:pools] = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)
     keys_t, pos = c.pool_k[s, :pools].t(), torch.arange(p0, end, device=dev)
-    return torch.cat([_choose(q[r0:r1], w[r0:r1], keys_t, pos[r0:r1], pools, end, a) for r0, r1 in prefill_blocks(n)])
+    return torch.cat([_choose(q[r0:r1], w[r0:r1], keys_t, pos[r0:r1], pools, end, a)
+                      for r0, r1 in prefill_blocks(n, a.index_heads * pools)])
 
 
 def _choose(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Tensor, pools: int, width: int,
@@ -230,7 +231,7 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
         kv = F.linear(c.latent[s, cols], a.kv_b).view(-1, args.heads, args.qk_dim + args.v_dim)
         k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                       # [1, heads, cols, .]
-        for r0, r1 in prefill_blocks(n):  # [heads, rows, cols] scores at a time
+        for r0, r1 in prefill_blocks(n, args.heads * len(cols)):  # [heads, rows, cols] scores at a time
             o = F.scaled_dot_product_attention(q[off + r0:off + r1].transpose(0, 1)[None], k, v,
                                                attn_mask=vis[r0:r1, cols], scale=args.qk_dim ** -0.5)
             outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))                   # [rows, heads * dv]

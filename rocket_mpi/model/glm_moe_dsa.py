@@ -361,7 +361,8 @@ class GlmMoeDsaModel:
                     mask = torch.zeros(n, p0 + n, dtype=torch.bool, device=dev)           # [n, p0 + n]
                 else:
                     mask = selection[s]
-                for r0, r1 in prefill_blocks(n):  # rows r0..r1 - 1 (positions p0 + r0..) see keys < p0 + r1
+                # rows r0..r1 - 1 (positions p0 + r0..) see keys < p0 + r1; scores [rows, heads or indexer heads, keys]
+                for r0, r1 in prefill_blocks(n, max(nh, self.index_heads) * (p0 + n)):
                     w = p0 + r1
                     if a.indexer is not None:
                         causal = (torch.arange(w, device=dev)[None, :]

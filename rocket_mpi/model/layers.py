@@ -16,16 +16,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-PREFILL_ROWS = 512  # query rows per attention block of a prefill (prefill_blocks)
+PREFILL_ROWS = 512  # query rows per attention block of a prefill at most (prefill_blocks)
+PREFILL_SCORES = 1 << 28  # score elements (heads x rows x keys) per block at most, while a block keeps 16+ rows
+PREFILL_MIN_ROWS = 16
 
 
-def prefill_blocks(n: int) -> list[tuple[int, int]]:
-    """A prefill of n query rows in blocks [r0, r1) of at most PREFILL_ROWS: each block attends over the keys up to
-    its own last row, so a prompt's scores are [heads, PREFILL_ROWS, keys] at a time, not [heads, n, n] (an 8192-token
-    prompt over 96 heads: 12 GiB of bf16 scores and 24 GiB of fp32 probabilities per layer at once, about 0.75 +
-    1.5 GiB per block). Every row keeps its own keys, mask and sums; the matmuls' shapes are the block's (the same on
-    every rank: the blocks depend on n only)."""
-    return [(r0, min(r0 + PREFILL_ROWS, n)) for r0 in range(0, n, PREFILL_ROWS)]
+def prefill_blocks(n: int, per_row: int = 0) -> list[tuple[int, int]]:
+    """A prefill of n query rows in blocks [r0, r1): each block attends over the keys up to its own last row, so a
+    prompt's scores are [heads, rows, keys] a block at a time, not [heads, n, n] (an 8192-token prompt over 96
+    heads: 12 GiB of bf16 scores and 24 GiB of fp32 probabilities per layer at once). per_row: score elements of
+    one query row in the widest block (heads x the keys of the last row); a block's rows are PREFILL_ROWS, fewer
+    where per_row x PREFILL_ROWS would pass PREFILL_SCORES (a long context: 96 heads over 16384 keys take 170 rows,
+    about 2 GiB of scores and probabilities), but at least PREFILL_MIN_ROWS. Every row keeps its own keys, mask
+    and sums; the matmuls' shapes are the block's (the same on every rank: the blocks depend on the shapes only)."""
+    rows = PREFILL_ROWS
+    if per_row > 0:
+        rows = max(min(rows, PREFILL_SCORES // per_row), min(PREFILL_MIN_ROWS, rows))
+    return [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
 
 
 @contextlib.contextmanager

@@ -1254,6 +1254,40 @@ def test_mla_latent_knob(monkeypatch):
     assert not torch.equal(outs["1"], outs["0"])  # two forms indeed ran
 
 
+def test_glm5_next_prefill_forms_agree(monkeypatch):
+    """GLM-5.3-Flash's prefill attention: the selected latents expanded through kv_b (a short context) against the
+    absorbed form over the latent rows (_latent_block, what a context past MLA_EXPAND_MAX takes), on random weights,
+    three streams' prompts after positions already held, a random selection per query row: within bf16 rounding,
+    and not the same bits (both forms ran). kv_b's halves swapped or a mask on the wrong rows fail it."""
+    from rocket_mpi.model import glm5_next_mla
+    from rocket_mpi.model.glm5_next_mla import MLA, MlaArgs, MlaCache, mla_forward
+    gen = torch.Generator().manual_seed(17)
+    heads, dq, dv, kl, ql, hid, cap = 4, 16, 16, 32, 48, 64, 24
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(torch.bfloat16)
+    a = MLA(w(ql, hid), None, torch.ones(ql, dtype=torch.bfloat16), w(heads * dq, ql), w(kl, hid), None,
+            torch.ones(kl, dtype=torch.bfloat16), w(heads * (dq + dv), kl), w(hid, heads * dv), None, None)
+    args = MlaArgs(heads, dq, dv, kl, 1e-6, 2, 8, 8, 4, True)
+    starts, seqlens = [3, 9, 1], [6, 4, 11]
+    held = torch.randn(3, cap, kl, generator=gen).to(torch.bfloat16)
+    shared = []
+    for p0, n in zip(starts, seqlens):
+        vis = (torch.rand(n, p0 + n, generator=gen) < 0.6) & (torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None])
+        vis[torch.arange(n), torch.arange(p0, p0 + n)] = True
+        shared.append(vis)
+    h = torch.randn(sum(seqlens), hid, generator=gen).to(torch.bfloat16)
+    outs = {}
+    for limit in (1 << 28, 0):
+        monkeypatch.setattr(glm5_next_mla, "MLA_EXPAND_MAX", limit)
+        cache = MlaCache(3, cap, args, False)
+        cache.latent.copy_(held)
+        outs[limit] = mla_forward(a, h, cache, starts, seqlens, args, shared)[0].float()
+    want, got = outs[1 << 28], outs[0]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert not torch.equal(got, want)
+
+
 def test_dsa_prefill_block_forms_agree(dsa_ckpt, monkeypatch):
     """GLM-5's prefill block: latent_attention over the stream's latent rows with one mask per query row (default)
     against SDPA with enable_gqa (ROCKET_MLA_LATENT=0): within bf16 rounding on random rows and a random causal

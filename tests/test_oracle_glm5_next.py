@@ -258,6 +258,17 @@ def test_bf16_matches_transformers(variant, tmp_path):
     assert {n % kp for n, k in seen if n > topk + kp} == set(range(kp))
 
 
+def test_latent_prefill_matches_transformers(tmp_path, monkeypatch):
+    """The prefill's MLA attention in the absorbed form over the latent rows (what a long context takes: here forced
+    with MLA_EXPAND_MAX = 0) against transformers, at the same tolerance as the expanded form."""
+    from rocket_mpi.model import glm5_next_mla
+    monkeypatch.setattr(glm5_next_mla, "MLA_EXPAND_MAX", 0)
+    model = build_hf("nested")
+    save_nested(model, tmp_path)
+    ref = Glm5NextForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    check_against(ref, str(tmp_path))
+
+
 def _names(ckpt):
     from safetensors import safe_open
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:

@@ -2,9 +2,9 @@
 
 Attention: queries through the q LoRA (q_a -> RMSNorm -> q_b); keys and values from one cached latent
 per token (kv_a -> RMSNorm, kv_lora_rank wide) expanded by kv_b. The cache holds the latent only. Prefill
-expands just the latents its queries select; a decode step attends in the absorbed form (kv_b's key half
-folded into the query, its value half applied after the weighted sum), so its cost does not grow with the
-selected latents' expansion.
+expands just the latents its queries select (in a long context, past MLA_EXPAND_MAX, it attends in the absorbed
+form instead); a decode step attends in the absorbed form (kv_b's key half folded into the query, its value half
+applied after the weighted sum), so its cost does not grow with the selected latents' expansion.
 
 Which tokens a query at position p sees is decided by the indexer, not by a causal mask:
   - tokens are grouped in pools of `kpool` from position 0; a pool is a candidate once complete and
@@ -27,6 +27,10 @@ import torch.nn.functional as F
 from rocket_mpi.model.layers import distinct_writes, latent_attention, latent_decode, prefill_blocks, rms_norm
 
 DT = torch.bfloat16
+# a prefill expands its selected latents through kv_b (heads x (dq + dv) values each: 32768 at the Flash width)
+# while that takes at most this many elements (8192 columns, 512 MiB in bf16); past it (a long context) it attends
+# over the latent rows in the absorbed form instead (_latent_block): twice the attention's products, no expansion
+MLA_EXPAND_MAX = 1 << 28
 
 
 @dataclass
@@ -228,12 +232,31 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
             vis = shared[s]
         masks.append(vis)
         cols = vis.any(dim=0).nonzero().squeeze(1)                                   # the latents used
-        kv = F.linear(c.latent[s, cols], a.kv_b).view(-1, args.heads, args.qk_dim + args.v_dim)
-        k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                       # [1, heads, cols, .]
-        for r0, r1 in prefill_blocks(n, args.heads * len(cols)):  # [heads, rows, cols] scores at a time
-            o = F.scaled_dot_product_attention(q[off + r0:off + r1].transpose(0, 1)[None], k, v,
-                                               attn_mask=vis[r0:r1, cols], scale=args.qk_dim ** -0.5)
-            outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))                   # [rows, heads * dv]
+        blocks = prefill_blocks(n, args.heads * len(cols))                           # [heads, rows, cols] scores
+        if len(cols) * args.heads * (args.qk_dim + args.v_dim) <= MLA_EXPAND_MAX:
+            kv = F.linear(c.latent[s, cols], a.kv_b).view(-1, args.heads, args.qk_dim + args.v_dim)
+            k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                   # [1, heads, cols, .]
+            for r0, r1 in blocks:
+                o = F.scaled_dot_product_attention(q[off + r0:off + r1].transpose(0, 1)[None], k, v,
+                                                   attn_mask=vis[r0:r1, cols], scale=args.qk_dim ** -0.5)
+                outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))               # [rows, heads * dv]
+        else:
+            outs += [_latent_block(a, q[off + r0:off + r1], c.latent[s, cols], vis[r0:r1, cols], args)
+                     for r0, r1 in blocks]
         off += n
     return F.linear(torch.cat(outs), a.o, a.o_bias), masks
+
+
+def _latent_block(a: MLA, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, args: MlaArgs) -> torch.Tensor:
+    """A prefill block's queries q [r, heads, dq] over the selected latent rows [cols, kv_lora] under its mask
+    [r, cols] in the absorbed form (mla_decode's, one mask per query row: the r x heads queries as one stream's
+    query rows of latent_attention) -> [r, heads * dv]. Taken where expanding the columns through kv_b would pass
+    MLA_EXPAND_MAX (a long context)."""
+    r, nh = q.shape[:2]
+    w = a.kv_b.view(nh, args.qk_dim + args.v_dim, -1)                                  # [heads, dq + dv, kv_lora]
+    q_abs = torch.bmm(q.transpose(0, 1), w[:, :args.qk_dim]).transpose(0, 1)           # [r, heads, kv_lora]
+    valid = mask[:, None, :].expand(r, nh, mask.shape[1]).reshape(1, r * nh, -1)
+    o_lat = latent_attention(q_abs.reshape(1, r * nh, -1), rows[None], rows[None], valid, args.qk_dim ** -0.5)
+    o = torch.bmm(o_lat.view(r, nh, -1).transpose(0, 1), w[:, args.qk_dim:].transpose(1, 2))  # [heads, r, dv]
+    return o.transpose(0, 1).reshape(r, -1)

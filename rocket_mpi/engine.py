@@ -66,6 +66,7 @@ class RunResult:
     path: str = "host"       # the decode steps' path: host, device or graph (rocket_mpi/graph.py)
     note: str = ""           # why a wanted graph did not capture, if it did not
     spans: list = field(default_factory=list)  # the fixed-shape step's (first step, span) pairs (graph.span_for)
+    prefill: tuple = (0, 1)  # (prompt tokens, forwards they took: more than one where they pass --prefill-chunk)
 
     def timed(self) -> list[StepLog]:
         """Decode steps after the warm-up (step 0 is the prefill)."""
@@ -301,7 +302,9 @@ class Engine:
         if sum(seqlens) <= self.prefill_chunk:
             return self.model.forward(tokens, cache, seqlens, self.moe)
         logits, off, used = None, 0, [0] * len(seqlens)
-        for counts in prefill_chunks(seqlens, self.prefill_chunk):
+        chunks = prefill_chunks(seqlens, self.prefill_chunk)
+        self._prefill_forwards = len(chunks)
+        for counts in chunks:
             n = sum(counts)
             out = self.model.forward(tokens[off:off + n], cache, counts, self.moe)
             off += n
@@ -355,7 +358,10 @@ class Engine:
                 self._crc, self._rows_owned, self._rows_total, self._expert_bytes = 0, 0, 0, 0
                 f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
                 t0 = time.perf_counter()
+                self._prefill_forwards = 1
                 logits = self._forward(tokens, cache, seqlens)
+                if step == 0:
+                    result.prefill = (sum(seqlens), self._prefill_forwards)
                 nxt = torch.argmax(logits, dim=-1)
                 chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
                 dt = time.perf_counter() - t0

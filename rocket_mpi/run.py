@@ -114,6 +114,7 @@ def _decode(args, comm) -> int:
     out_runs = []
     for i, r in enumerate(results):
         run = {"streams": r.streams, "tokens": r.tokens, "path": r.path, "note": r.note, "spans": r.spans,
+               "prefill": {"tokens": r.prefill[0], "forwards": r.prefill[1], "chunk": args.prefill_chunk},
                "row_checksums": {str(g[0]["rank"]): g[2][i] for g in gathered},
                "per_rank": [g[1][i] for g in gathered]}
         run.update(split_ceiling(run["per_rank"], [g[0]["stack_bytes"] for g in gathered]))
@@ -233,6 +234,10 @@ def print_report(doc: dict, cfg) -> None:
         print(f"\nM={run['streams']}: {steps} timed decode steps after warm-up, decode path {run['path']}")
         if run.get("note"):
             print(f"  note: {run['note']}")
+        pre = run.get("prefill", {})
+        if pre.get("forwards", 1) > 1:
+            print(f"  prefill: {pre['tokens']} prompt tokens in {pre['forwards']} forwards of at most {pre['chunk']} "
+                  f"(--prefill-chunk)")
         if len(run.get("spans", ())) > 1:  # graph.span_for: each new span runs a step eagerly and captures anew
             print("  attention spans: " + ", ".join(f"{sp} from step {st}" for st, sp in run["spans"]))
         print(hdr)

@@ -61,6 +61,7 @@ def test_static_fire_fixed_shape_path(ranks, fabric, placement, ckpt_name, tmp_p
                *extra, env={"ROCKET_GRAPH_SPANS": "4"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "attention spans: 4 from step 1, 8 from step 2" in r.stdout, r.stdout
+    assert "prefill: 65 prompt tokens in 5 forwards of at most 16 (--prefill-chunk)" in r.stdout, r.stdout
     assert f"STATIC FIRE PASS: 0/8 streams mismatched ({ranks} ranks, fabric {fabric}" in r.stdout
     assert "decode path device" in r.stdout
     assert_really_split(r.stdout, ranks)

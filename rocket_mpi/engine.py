@@ -26,6 +26,7 @@ from rocket_mpi.placement import Placement
 
 WARMUP_STEPS = 3
 CACHE_QUANTUM = 64  # cache positions per stream: a multiple of this (Engine.generate)
+TIMED_STEPS = 10
 
 
 def prefill_chunks(seqlens: list[int], chunk: int) -> list[list[int]]:
@@ -44,7 +45,6 @@ def prefill_chunks(seqlens: list[int], chunk: int) -> list[list[int]]:
                 s += 1
         out.append(counts)
     return out
-TIMED_STEPS = 10
 
 
 @dataclass
@@ -295,15 +295,14 @@ class Engine:
                 raise RocketError(f"prompt of stream {s}: {len(p)} tokens + {n_tokens} to generate exceed "
                                   f"max_position_embeddings {cfg.max_position_embeddings}")
 
-    def _forward(self, tokens: torch.Tensor, cache, seqlens: list[int]) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, cache, seqlens: list[int]) -> tuple[torch.Tensor, int]:
         """model.forward, a prompt longer than prefill_chunk tokens (all streams together) in chunks
         (prefill_chunks: the same cut on every rank): its activations and the fabric's buffers (max_rows) stay
-        bounded by the chunk whatever the prompt. -> the logits of each stream's last token [M, V]."""
+        bounded by the chunk whatever the prompt. -> (the logits of each stream's last token [M, V], forwards)."""
         if sum(seqlens) <= self.prefill_chunk:
-            return self.model.forward(tokens, cache, seqlens, self.moe)
+            return self.model.forward(tokens, cache, seqlens, self.moe), 1
         logits, off, used = None, 0, [0] * len(seqlens)
         chunks = prefill_chunks(seqlens, self.prefill_chunk)
-        self._prefill_forwards = len(chunks)
         for counts in chunks:
             n = sum(counts)
             out = self.model.forward(tokens[off:off + n], cache, counts, self.moe)
@@ -313,7 +312,7 @@ class Engine:
             if logits is None:
                 logits = torch.empty_like(out)
             logits[ends] = out[ends]
-        return logits
+        return logits, len(chunks)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None, capacity: int = 0) -> RunResult:
@@ -358,10 +357,9 @@ class Engine:
                 self._crc, self._rows_owned, self._rows_total, self._expert_bytes = 0, 0, 0, 0
                 f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
                 t0 = time.perf_counter()
-                self._prefill_forwards = 1
-                logits = self._forward(tokens, cache, seqlens)
+                logits, forwards = self._forward(tokens, cache, seqlens)
                 if step == 0:
-                    result.prefill = (sum(seqlens), self._prefill_forwards)
+                    result.prefill = (sum(seqlens), forwards)
                 nxt = torch.argmax(logits, dim=-1)
                 chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
                 dt = time.perf_counter() - t0

@@ -56,7 +56,7 @@ def child(ckpt: str, length: int, rows: int, chunk: int, device: str) -> None:
             base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     t0 = time.perf_counter()
     with torch.inference_mode():
-        logits = eng._forward(tokens, cache, [length])  # in chunks of eng.prefill_chunk tokens
+        logits = eng._forward(tokens, cache, [length])[0]  # in chunks of eng.prefill_chunk tokens
         token = int(logits.argmax(-1)[0])
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -193,7 +193,7 @@ def test_chunked_prefill_matches_one_forward(ckpt_name, request, monkeypatch):
         with torch.inference_mode():
             cache = eng.model.new_cache(3, 48)
             for ps in (first, prompts):
-                logits = eng._forward(torch.tensor([t for p in ps for t in p]), cache, [len(p) for p in ps])
+                logits = eng._forward(torch.tensor([t for p in ps for t in p]), cache, [len(p) for p in ps])[0]
             return logits, _cache_tensors(cache)
 
     want, states_w = prefill(4096)

@@ -265,7 +265,8 @@ class Glm4MoeModel:
                 for r0, r1 in prefill_blocks(n, q.shape[1] * (p0 + n)):  # rows r0..r1 - 1 see keys < p0 + r1
                     qs = q[off + r0:off + r1].transpose(0, 1)[None]       # [1, heads, rows, d]
                     ks, vs = kc[s:s + 1, :, :p0 + r1], vc[s:s + 1, :, :p0 + r1]
-                    hide = (torch.arange(p0 + r1)[None, :] > torch.arange(p0 + r0, p0 + r1)[:, None]).to(h.device)
+                    keys, rows = torch.arange(p0 + r1, device=h.device), torch.arange(p0 + r0, p0 + r1, device=h.device)
+                    hide = keys[None, :] > rows[:, None]      # built where it is used: no host copy per block
                     o = _attend(qs, ks, vs, hide, self.scale)
                     outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))
                 off += n

@@ -357,9 +357,11 @@ class Engine:
                 self._crc, self._rows_owned, self._rows_total, self._expert_bytes = 0, 0, 0, 0
                 f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
                 t0 = time.perf_counter()
-                logits, forwards = self._forward(tokens, cache, seqlens)
-                if step == 0:
+                if step == 0:  # the prompts, in chunks where they pass prefill_chunk
+                    logits, forwards = self._forward(tokens, cache, seqlens)
                     result.prefill = (sum(seqlens), forwards)
+                else:  # a host-path decode step: one token per stream, one forward whatever M
+                    logits = self.model.forward(tokens, cache, seqlens, self.moe)
                 nxt = torch.argmax(logits, dim=-1)
                 chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
                 dt = time.perf_counter() - t0

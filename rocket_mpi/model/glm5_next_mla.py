@@ -189,11 +189,7 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
         # the keys and values of one shared head, read once per stream; kv_b's halves are applied to 64 heads' q
         # and output instead of to every selected latent (2064 of them at index_topk 2048: ~69 GFLOP per stream
         # and MLA layer at the Flash width, against ~0.3 here).
-        w = a.kv_b.view(args.heads, args.qk_dim + args.v_dim, -1)                     # [heads, dq + dv, kv_lora]
-        q_abs = torch.bmm(q.transpose(0, 1), w[:, :args.qk_dim]).transpose(0, 1)      # [M, heads, kv_lora]
-        o_lat = latent_attention(q_abs, rows, rows, valid, args.qk_dim ** -0.5)       # [M, heads, kv_lora]
-        o = torch.bmm(o_lat.transpose(0, 1), w[:, args.qk_dim:].transpose(1, 2))      # [heads, M, dv]
-        return F.linear(o.transpose(0, 1).reshape(m, -1), a.o, a.o_bias), visible
+        return F.linear(_absorbed(a, q, rows, valid, args), a.o, a.o_bias), visible
     kv = F.linear(rows, a.kv_b).view(m, n_cols, args.heads, args.qk_dim + args.v_dim)
     k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
     o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
@@ -254,9 +250,18 @@ def _latent_block(a: MLA, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tenso
     query rows of latent_attention) -> [r, heads * dv]. Taken where expanding the columns through kv_b would pass
     MLA_EXPAND_MAX (a long context)."""
     r, nh = q.shape[:2]
+    return _absorbed(a, q, rows[None], mask[:, None, :].expand(r, nh, mask.shape[1]).reshape(1, r * nh, -1), args)
+
+
+def _absorbed(a: MLA, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, args: MlaArgs) -> torch.Tensor:
+    """MLA attention in the absorbed form: queries q [R, heads, dq] over B sets of latent rows [B, n, kv_lora]
+    (a decode step: one set per stream, B = R, valid [R, n]; a prefill block: one set, B = 1, valid [1, R x heads,
+    n], a mask per query row). kv_b's key half folded into q, its value half applied to the weighted latent sums.
+    -> [R, heads * dv], o_proj's input."""
+    r, nh = q.shape[:2]
     w = a.kv_b.view(nh, args.qk_dim + args.v_dim, -1)                                  # [heads, dq + dv, kv_lora]
-    q_abs = torch.bmm(q.transpose(0, 1), w[:, :args.qk_dim]).transpose(0, 1)           # [r, heads, kv_lora]
-    valid = mask[:, None, :].expand(r, nh, mask.shape[1]).reshape(1, r * nh, -1)
-    o_lat = latent_attention(q_abs.reshape(1, r * nh, -1), rows[None], rows[None], valid, args.qk_dim ** -0.5)
-    o = torch.bmm(o_lat.view(r, nh, -1).transpose(0, 1), w[:, args.qk_dim:].transpose(1, 2))  # [heads, r, dv]
+    q_abs = torch.bmm(q.transpose(0, 1), w[:, :args.qk_dim]).transpose(0, 1)           # [R, heads, kv_lora]
+    o_lat = latent_attention(q_abs.reshape(rows.shape[0], -1, q_abs.shape[-1]), rows, rows, valid,
+                             args.qk_dim ** -0.5)
+    o = torch.bmm(o_lat.view(r, nh, -1).transpose(0, 1), w[:, args.qk_dim:].transpose(1, 2))  # [heads, R, dv]
     return o.transpose(0, 1).reshape(r, -1)

@@ -1254,38 +1254,79 @@ def test_mla_latent_knob(monkeypatch):
     assert not torch.equal(outs["1"], outs["0"])  # two forms indeed ran
 
 
-def test_glm5_next_prefill_forms_agree(monkeypatch):
-    """GLM-5.3-Flash's prefill attention: the selected latents expanded through kv_b (a short context) against the
-    absorbed form over the latent rows (_latent_block, what a context past MLA_EXPAND_MAX takes), on random weights,
-    three streams' prompts after positions already held, a random selection per query row: within bf16 rounding,
-    and not the same bits (both forms ran). kv_b's halves swapped or a mask on the wrong rows fail it."""
-    from rocket_mpi.model import glm5_next_mla
-    from rocket_mpi.model.glm5_next_mla import MLA, MlaArgs, MlaCache, mla_forward
+def test_glm5_next_sparse_prefill_matches_dense():
+    """GLM-5.3-Flash's prefill past a short context (_prefill_attention): each row over its own chosen pools and
+    tail, gathered, in the absorbed form, against the same selection as a dense mask (PoolSelection.mask) over
+    every latent expanded through kv_b (SDPA), on random weights: three streams' prompts after positions already
+    held, blocks of 3 rows, pools picked by _pick from random indexer scores (early rows with fewer candidate
+    pools than picks, rows whose tail is empty). The mask is _choose's (the decode step's selection) row for row;
+    the outputs agree within bf16 rounding and are not the same bits (two forms ran). kv_b's halves swapped, or
+    each block taking the first block's selection, fail it."""
+    import torch.nn.functional as F
+    from rocket_mpi.model.glm5_next_mla import MLA, MlaArgs, PoolSelection, _choose, _pick, _prefill_attention
     gen = torch.Generator().manual_seed(17)
-    heads, dq, dv, kl, ql, hid, cap = 4, 16, 16, 32, 48, 64, 24
+    heads, dq, dv, kl, ql, hid, cap = 4, 16, 16, 32, 48, 64, 40
 
     def w(*shape):
         return (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(torch.bfloat16)
     a = MLA(w(ql, hid), None, torch.ones(ql, dtype=torch.bfloat16), w(heads * dq, ql), w(kl, hid), None,
             torch.ones(kl, dtype=torch.bfloat16), w(heads * (dq + dv), kl), w(hid, heads * dv), None, None)
-    args = MlaArgs(heads, dq, dv, kl, 1e-6, 2, 8, 8, 4, True)
-    starts, seqlens = [3, 9, 1], [6, 4, 11]
-    held = torch.randn(3, cap, kl, generator=gen).to(torch.bfloat16)
-    shared = []
-    for p0, n in zip(starts, seqlens):
-        vis = (torch.rand(n, p0 + n, generator=gen) < 0.6) & (torch.arange(p0 + n)[None, :] <= torch.arange(p0, p0 + n)[:, None])
-        vis[torch.arange(n), torch.arange(p0, p0 + n)] = True
-        shared.append(vis)
-    h = torch.randn(sum(seqlens), hid, generator=gen).to(torch.bfloat16)
-    outs = {}
-    for limit in (1 << 28, 0):
-        monkeypatch.setattr(glm5_next_mla, "MLA_EXPAND_MAX", limit)
-        cache = MlaCache(3, cap, args, False)
-        cache.latent.copy_(held)
-        outs[limit] = mla_forward(a, h, cache, starts, seqlens, args, shared)[0].float()
-    want, got = outs[1 << 28], outs[0]
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    assert not torch.equal(got, want)
+    args = MlaArgs(heads, dq, dv, kl, 1e-6, 2, 8, 8, 4, True)       # index_topk 8 in pools of 4: 2 picks per row
+    for p0, n in ((9, 6), (13, 11), (2, 16)):
+        end, pools = p0 + n, (p0 + n) // args.kpool
+        latents = torch.randn(cap, kl, generator=gen).to(torch.bfloat16)
+        q = torch.randn(n, heads, dq, generator=gen).to(torch.bfloat16)
+        iq, iw = torch.randn(n, 2, 8, generator=gen), torch.randn(n, 2, generator=gen)
+        keys_t = torch.randn(8, pools, generator=gen)
+        pos = torch.arange(p0, end)
+        blocks = [(r0, min(r0 + 3, n), *_pick(iq[r0:r0 + 3], iw[r0:r0 + 3], keys_t, pos[r0:r0 + 3], pools, args))
+                  for r0 in range(0, n, 3)]
+        sel = PoolSelection(p0, n, blocks)
+        mask = sel.mask(args)                                                                  # [n, end]
+        assert torch.equal(mask, _choose(iq, iw, keys_t, pos, pools, end, args))
+        got = torch.cat(_prefill_attention(a, q, latents, sel, args)).float()
+        kv = F.linear(latents[:end], a.kv_b).view(end, heads, dq + dv)
+        k, v = (x.transpose(0, 1)[None] for x in kv.split([dq, dv], dim=-1))
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=dq ** -0.5)
+        want = o[0].transpose(0, 1).reshape(n, -1).float()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+        assert not torch.equal(got, want)
+
+
+def test_dsa_sparse_prefill_matches_dense(dsa_ckpt, monkeypatch):
+    """GLM-5's prefill (_prefill_selection, _prefill_attend) in blocks of 4 rows after 2 positions held: blocks
+    whose rows see at most index_topk keys attend over their prefix, later blocks each row over its own top-k rows,
+    gathered. The selection (PrefillSelection.mask) is each row's index_topk best keys at or before it, computed
+    here row by row; the attention agrees within bf16 rounding with a dense block over the whole prefix under
+    that mask (_prefill_block), the prefix blocks bit for bit. A gathered block taking the first block's
+    columns fails it."""
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.model import layers
+    model = Engine(dsa_ckpt).model
+    monkeypatch.setattr(layers, "PREFILL_ROWS", 4)
+    gen = torch.Generator().manual_seed(13)
+    k, p0, n, d = model.index_topk, 2, 14, model.latent + model.rope_dim
+    end = p0 + n
+    iq = torch.randn(n, model.index_heads, model.index_dim, generator=gen).to(torch.bfloat16)
+    iw = torch.randn(n, model.index_heads, generator=gen)
+    keys = torch.randn(end + 3, model.index_dim, generator=gen).to(torch.bfloat16)
+    sel = model._prefill_selection(iq, iw, keys, p0, n)
+    assert [c is None for _, _, c, _ in sel.blocks] == [True, False, False, False] and k == 8
+    scores = model._index_scores(iq, iw, keys[None, :end])                                    # [n, end]
+    mask = sel.mask()
+    for j in range(n):
+        p = p0 + j
+        want = set(scores[j, :p + 1].topk(min(k, p + 1)).indices.tolist())
+        assert set(mask[j].nonzero().squeeze(1).tolist()) == want, f"row {j}"
+    q = torch.randn(n, model.heads, d, generator=gen).to(torch.bfloat16)
+    rows = torch.randn(end + 3, d, generator=gen).to(torch.bfloat16)
+    got = model._prefill_attend(q, rows, sel)
+    for (r0, r1, cols, _), g in zip(sel.blocks, got):
+        want = model._prefill_block(q[r0:r1], rows[:p0 + r1], mask[r0:r1, :p0 + r1])
+        if cols is None:
+            assert torch.equal(g, want)
+        else:
+            torch.testing.assert_close(g.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 def test_dsa_prefill_block_forms_agree(dsa_ckpt, monkeypatch):

@@ -94,6 +94,7 @@ def check_against(model, ckpt, patch=None):
         patch(eng)
     prompts = default_prompts(STREAMS, eng.cfg.vocab_size, seed=7)
     lengths = [len(p) for p in prompts]
+    # above index_topk the prefill's last rows attend over their own top-k rows, gathered (_prefill_attend)
     assert min(lengths) < INDEX_TOPK < max(lengths), "prompts must start both below and above index_topk"
     ours = []
     res = eng.generate(prompts, TOKENS, on_step=lambda step, logits: ours.append(logits.clone()))

@@ -1,10 +1,11 @@
 """MLA layers of GLM-5.3-Flash with the DSA indexer over k-pools (NoPE: no rotary embedding at all).
 
 Attention: queries through the q LoRA (q_a -> RMSNorm -> q_b); keys and values from one cached latent
-per token (kv_a -> RMSNorm, kv_lora_rank wide) expanded by kv_b. The cache holds the latent only. Prefill
-expands just the latents its queries select (in a long context, past MLA_EXPAND_MAX, it attends in the absorbed
-form instead); a decode step attends in the absorbed form (kv_b's key half folded into the query, its value half
-applied after the weighted sum), so its cost does not grow with the selected latents' expansion.
+per token (kv_a -> RMSNorm, kv_lora_rank wide) expanded by kv_b. The cache holds the latent only. A prefill in a
+short context (every query sees all of its past) expands its latents through kv_b once; past that, each prefill
+row, like each decode step, attends over just the latents it selects, gathered, in the absorbed form (kv_b's key
+half folded into the query, its value half applied after the weighted sum): the work per row stays index_topk's
+whatever the context, and nothing is expanded.
 
 Which tokens a query at position p sees is decided by the indexer, not by a causal mask:
   - tokens are grouped in pools of `kpool` from position 0; a pool is a candidate once complete and
@@ -27,10 +28,6 @@ import torch.nn.functional as F
 from rocket_mpi.model.layers import distinct_writes, latent_attention, latent_decode, prefill_blocks, rms_norm
 
 DT = torch.bfloat16
-# a prefill expands its selected latents through kv_b (heads x (dq + dv) values each: 32768 at the Flash width)
-# while that takes at most this many elements (8192 columns, 512 MiB in bf16); past it (a long context) it attends
-# over the latent rows in the absorbed form instead (_latent_block): twice the attention's products, no expansion
-MLA_EXPAND_MAX = 1 << 28
 
 
 @dataclass
@@ -83,37 +80,90 @@ class MlaCache:
                             getattr(self, "pool_k", None)) if t is not None]
 
 
-def _select(ix: Indexer, c: MlaCache, s: int, p0: int, q: torch.Tensor, w: torch.Tensor, a: MlaArgs) -> torch.Tensor:
-    """Stream s's n queries at positions p0.. (indexer q [n, ih, d], weights w [n, ih] fp32) -> visible [n, p0+n]."""
-    n, kp, dev = q.shape[0], a.kpool, q.device
-    end = p0 + n
+@dataclass
+class PoolSelection:
+    """One stream's selection in a prefill of n rows at positions p0.. (_select), which a "shared" layer reuses.
+    blocks: (r0, r1, chosen, taken) per block of query rows: chosen None where every row sees all of its past
+    (the top-k takes every complete pool: a short context), else each row's index_topk // kpool chosen pools
+    [r1 - r0, K] and taken [r1 - r0, K], which of them are candidates (complete, last token <= the row's
+    position)."""
+    p0: int
+    n: int
+    blocks: list
+
+    def rows(self, r0: int, r1: int, chosen, taken, a: MlaArgs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows r0..r1 - 1's visible columns: (cols [r, n_cols], valid [r, n_cols]); the chosen pools' tokens,
+        then the tail (index_kpool_always_select_tail), the positions a decode step at those rows would gather."""
+        kp, dev = a.kpool, chosen.device
+        pos = torch.arange(self.p0 + r0, self.p0 + r1, device=dev)
+        slot = torch.arange(kp, device=dev)
+        cols = (chosen[:, :, None] * kp + slot).flatten(1)                               # [r, K * kp]
+        valid = taken.repeat_interleave(kp, dim=1)
+        if a.select_tail:
+            tail = ((pos + 1) // kp * kp)[:, None] + slot                                  # [r, kp]
+            cols = torch.cat((cols, torch.minimum(tail, pos[:, None])), dim=1)
+            valid = torch.cat((valid, tail <= pos[:, None]), dim=1)
+        return cols, valid
+
+    def mask(self, a: MlaArgs) -> torch.Tensor:
+        """The selection as a dense mask [n, p0 + n] (tests and inspection; the forward never builds it)."""
+        out = torch.zeros(self.n, self.p0 + self.n, dtype=torch.bool)  # host
+        for r0, r1, chosen, taken in self.blocks:
+            if chosen is None:
+                out[r0:r1] = _chosen_all(torch.arange(self.p0 + r0, self.p0 + r1), self.p0 + self.n, a)  # host
+            else:
+                cols, valid = (t.cpu() for t in self.rows(r0, r1, chosen, taken, a))
+                out[torch.arange(r0, r1)[:, None].expand_as(cols)[valid], cols[valid]] = True  # host
+        return out
+
+
+def _select(ix: Indexer, c: MlaCache, s: int, p0: int, n: int, q: torch.Tensor | None, w: torch.Tensor | None,
+            a: MlaArgs) -> PoolSelection:
+    """Stream s's n queries at positions p0.. (indexer q [n, ih, d], weights w [n, ih] fp32): the keys of the pools
+    they complete, then their selection (PoolSelection). While the stream's pools number at most index_topk //
+    kpool every row sees all of its past (no scores: q and w may be None); past that each row picks its pools."""
+    kp, end = a.kpool, p0 + n
     done, pools = p0 // kp, end // kp                                  # complete pools before / after this step
     if pools > done:
         keys = c.index_k[s, done * kp:pools * kp].view(pools - done, kp, -1)
         logits = c.index_gate[s, done * kp:pools * kp].view(pools - done, kp, -1).float() + ix.ape
         c.pool_k[s, done:pools] = (logits.softmax(dim=1).to(DT) * keys).sum(dim=1)
-    keys_t, pos = c.pool_k[s, :pools].t(), torch.arange(p0, end, device=dev)
-    return torch.cat([_choose(q[r0:r1], w[r0:r1], keys_t, pos[r0:r1], pools, end, a)
-                      for r0, r1 in prefill_blocks(n, a.index_heads * pools)])
+    k = a.index_topk // kp
+    if pools <= k:
+        return PoolSelection(p0, n, [(r0, r1, None, None) for r0, r1 in prefill_blocks(n, a.heads * end)])
+    per_row = max(a.index_heads * pools, (k + 1) * kp * max(a.heads, a.kv_lora))   # scores; gathered rows
+    keys_t, pos = c.pool_k[s, :pools].t(), torch.arange(p0, end, device=q.device)
+    return PoolSelection(p0, n, [(r0, r1, *_pick(q[r0:r1], w[r0:r1], keys_t, pos[r0:r1], pools, a))
+                                 for r0, r1 in prefill_blocks(n, per_row)])
+
+
+def _pick(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Tensor, pools: int,
+          a: MlaArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries at positions pos [R] (q [R, ih, d], w [R, ih] fp32) against the first `pools` pool keys (keys_t
+    [d, P], or one set per query row [R, d, P]) -> (chosen [R, K] pool ids, taken [R, K]): the best
+    K = min(index_topk // kpool, pools) by index score, and which of them are candidates (complete pools whose
+    last token <= p; a row with fewer candidates pads with others, not taken)."""
+    kp, dev = a.kpool, q.device
+    scores = torch.matmul(q.float(), keys_t.float())                                 # [R, ih, P]
+    scores = F.relu(scores * a.index_dim ** -0.5)
+    index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                          # [R, P]
+    candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]       # pool's last token <= p
+    index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
+    chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
+    return chosen, candidate.gather(1, chosen)
 
 
 def _choose(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Tensor, pools: int, width: int,
             a: MlaArgs) -> torch.Tensor:
-    """Queries at positions pos [R] (q [R, ih, d], w [R, ih] fp32) against the first `pools` pool keys
-    (keys_t [d, P], or one set per query row [R, d, P]) -> visible [R, width]: the best index_topk/kpool
-    complete pools whose last token <= p, taken whole, plus the incomplete tail."""
+    """_pick's choice as a mask visible [R, width]: the chosen candidate pools taken whole, plus the incomplete
+    tail (a decode step's selection)."""
     kp, dev = a.kpool, q.device
     visible = torch.zeros(q.shape[0], width, dtype=torch.bool, device=dev)
     if pools:
-        scores = torch.matmul(q.float(), keys_t.float())                             # [R, ih, P]
-        scores = F.relu(scores * a.index_dim ** -0.5)
-        index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                      # [R, P]
-        candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]   # pool's last token <= p
-        index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
-        chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
+        chosen, taken = _pick(q, w, keys_t, pos, pools, a)
         take = torch.zeros(q.shape[0], pools, dtype=torch.bool, device=dev)
         with distinct_writes():
-            take.scatter_(1, chosen, candidate.gather(1, chosen))
+            take.scatter_(1, chosen, taken)
         visible[:, :pools * kp] = take.repeat_interleave(kp, dim=1)
     if a.select_tail:
         tail_start = (pos + 1) // kp * kp
@@ -198,9 +248,9 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
 
 
 def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens: list[int], args: MlaArgs,
-                shared: list[torch.Tensor] | torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """h [T, H] BF16 packed; returns ([T, H] BF16, per stream the visible mask [n, start+n] it used).
-    A decode step (one token for every stream) runs batched (mla_decode; its selection is one
+                shared: list[PoolSelection | None] | torch.Tensor | None) -> tuple[torch.Tensor, list | torch.Tensor]:
+    """h [T, H] BF16 packed; returns ([T, H] BF16, per stream the PoolSelection it used, None for a stream with
+    no rows). A decode step (one token for every stream) runs batched (mla_decode; its selection is one
     [M, longest + 1] mask)."""
     if seqlens and all(n == 1 for n in seqlens):
         return mla_decode(a, h, c, torch.tensor(starts, device=h.device), max(starts) + 1, args, shared)
@@ -208,60 +258,64 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
     q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [T, q_lora]
     q = F.linear(q_resid, a.q_b).view(t, args.heads, args.qk_dim)
     latent = rms_norm(F.linear(h, a.kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)        # [T, kv_lora]
-    ix = a.indexer
+    ix, iq, iw = a.indexer, None, None
     if ix is not None:
-        iq = F.linear(q_resid, ix.wq_b).view(t, args.index_heads, args.index_dim)
         ik = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
         ig = F.linear(h, ix.gate)
-        iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5             # [T, ih]
-    masks, outs, off = [], [], 0
+        if any((p0 + n) // args.kpool > args.index_topk // args.kpool for p0, n in zip(starts, seqlens)):
+            iq = F.linear(q_resid, ix.wq_b).view(t, args.index_heads, args.index_dim)  # some rows pick pools
+            iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5         # [T, ih]
+    sels, outs, off = [], [], 0
     for s, (p0, n) in enumerate(zip(starts, seqlens)):
         if n == 0:
-            masks.append(torch.zeros(0, p0, dtype=torch.bool, device=h.device))
+            sels.append(None)
             continue
         c.latent[s, p0:p0 + n] = latent[off:off + n]
         if ix is not None:
             c.index_k[s, p0:p0 + n] = ik[off:off + n]
             c.index_gate[s, p0:p0 + n] = ig[off:off + n]
-            vis = _select(ix, c, s, p0, iq[off:off + n], iw[off:off + n], args)
+            sel = _select(ix, c, s, p0, n, None if iq is None else iq[off:off + n],
+                          None if iw is None else iw[off:off + n], args)
         else:
-            vis = shared[s]
-        masks.append(vis)
-        cols = vis.any(dim=0).nonzero().squeeze(1)                                   # the latents used
-        blocks = prefill_blocks(n, args.heads * len(cols))                           # [heads, rows, cols] scores
-        if len(cols) * args.heads * (args.qk_dim + args.v_dim) <= MLA_EXPAND_MAX:
-            kv = F.linear(c.latent[s, cols], a.kv_b).view(-1, args.heads, args.qk_dim + args.v_dim)
-            k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
-            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                   # [1, heads, cols, .]
-            for r0, r1 in blocks:
-                o = F.scaled_dot_product_attention(q[off + r0:off + r1].transpose(0, 1)[None], k, v,
-                                                   attn_mask=vis[r0:r1, cols], scale=args.qk_dim ** -0.5)
-                outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))               # [rows, heads * dv]
-        else:
-            outs += [_latent_block(a, q[off + r0:off + r1], c.latent[s, cols], vis[r0:r1, cols], args)
-                     for r0, r1 in blocks]
+            sel = shared[s]
+        sels.append(sel)
+        outs += _prefill_attention(a, q[off:off + n], c.latent[s], sel, args)
         off += n
-    return F.linear(torch.cat(outs), a.o, a.o_bias), masks
+    return F.linear(torch.cat(outs), a.o, a.o_bias), sels
 
 
-def _latent_block(a: MLA, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, args: MlaArgs) -> torch.Tensor:
-    """A prefill block's queries q [r, heads, dq] over the selected latent rows [cols, kv_lora] under its mask
-    [r, cols] in the absorbed form (mla_decode's, one mask per query row: the r x heads queries as one stream's
-    query rows of latent_attention) -> [r, heads * dv]. Taken where expanding the columns through kv_b would pass
-    MLA_EXPAND_MAX (a long context)."""
-    r, nh = q.shape[:2]
-    return _absorbed(a, q, rows[None], mask[:, None, :].expand(r, nh, mask.shape[1]).reshape(1, r * nh, -1), args)
+def _prefill_attention(a: MLA, q: torch.Tensor, latents: torch.Tensor, sel: PoolSelection,
+                       args: MlaArgs) -> list[torch.Tensor]:
+    """One stream's prefill rows q [n, heads, dq] over its cached latents [capacity, kv_lora] under its selection
+    -> per block [rows, heads * dv]. A short context (every row sees all of its past, at most index_topk + kpool
+    positions): its latents expanded through kv_b once and the blocks attend over their prefix. Past that each row
+    attends over its own chosen pools and tail, gathered, in the absorbed form (as a decode step does): the
+    work and memory per row stay index_topk's, whatever the context."""
+    outs = []
+    if sel.blocks[0][2] is None:
+        end = sel.p0 + sel.n
+        kv = F.linear(latents[:end], a.kv_b).view(end, args.heads, args.qk_dim + args.v_dim)
+        k, v = (x.transpose(0, 1)[None] for x in kv.split([args.qk_dim, args.v_dim], dim=-1))  # [1, heads, end, .]
+        for r0, r1, _, _ in sel.blocks:
+            w = sel.p0 + r1
+            mask = _chosen_all(torch.arange(sel.p0 + r0, w, device=q.device), w, args)  # [rows, w]
+            o = F.scaled_dot_product_attention(q[r0:r1].transpose(0, 1)[None], k[:, :, :w], v[:, :, :w],
+                                               attn_mask=mask, scale=args.qk_dim ** -0.5)
+            outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))                   # [rows, heads * dv]
+        return outs
+    for r0, r1, chosen, taken in sel.blocks:
+        cols, valid = sel.rows(r0, r1, chosen, taken, args)                          # [rows, n_cols]
+        outs.append(_absorbed(a, q[r0:r1], latents[cols], valid, args))
+    return outs
 
 
 def _absorbed(a: MLA, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, args: MlaArgs) -> torch.Tensor:
-    """MLA attention in the absorbed form: queries q [R, heads, dq] over B sets of latent rows [B, n, kv_lora]
-    (a decode step: one set per stream, B = R, valid [R, n]; a prefill block: one set, B = 1, valid [1, R x heads,
-    n], a mask per query row). kv_b's key half folded into q, its value half applied to the weighted latent sums.
-    -> [R, heads * dv], o_proj's input."""
+    """MLA attention in the absorbed form: queries q [R, heads, dq], each over its own latent rows [R, n, kv_lora]
+    (valid [R, n]; a decode step's streams, a prefill's rows past a short context). kv_b's key half folded into
+    q, its value half applied to the weighted latent sums. -> [R, heads * dv], o_proj's input."""
     r, nh = q.shape[:2]
     w = a.kv_b.view(nh, args.qk_dim + args.v_dim, -1)                                  # [heads, dq + dv, kv_lora]
     q_abs = torch.bmm(q.transpose(0, 1), w[:, :args.qk_dim]).transpose(0, 1)           # [R, heads, kv_lora]
-    o_lat = latent_attention(q_abs.reshape(rows.shape[0], -1, q_abs.shape[-1]), rows, rows, valid,
-                             args.qk_dim ** -0.5)
+    o_lat = latent_attention(q_abs, rows, rows, valid, args.qk_dim ** -0.5)
     o = torch.bmm(o_lat.view(r, nh, -1).transpose(0, 1), w[:, args.qk_dim:].transpose(1, 2))  # [heads, R, dv]
     return o.transpose(0, 1).reshape(r, -1)

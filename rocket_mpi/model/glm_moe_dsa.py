@@ -151,6 +151,28 @@ class LatentCache:
         return sum(t.numel() * t.element_size() for t in self.kv + self.index_k if t is not None)
 
 
+@dataclass
+class PrefillSelection:
+    """One stream's attention selection in a prefill of rows at positions p0.. (GlmMoeDsaModel._prefill_selection),
+    which the layers of "shared" indexers reuse. blocks: (r0, r1, cols, valid) per block of query rows: cols None
+    and valid a causal mask [r1 - r0, p0 + r1] (the block attends over its prefix), or cols [r1 - r0, k] each row's
+    chosen key positions and valid [r1 - r0, k] which of them are real."""
+    p0: int
+    blocks: list
+
+    def mask(self) -> torch.Tensor:
+        """The selection as a dense mask [n, p0 + n] (tests and inspection; the forward never builds it)."""
+        n = self.blocks[-1][1] if self.blocks else 0
+        out = torch.zeros(n, self.p0 + n, dtype=torch.bool)  # host
+        for r0, r1, cols, valid in self.blocks:
+            if cols is None:
+                out[r0:r1, :valid.shape[1]] = valid.cpu()
+            else:
+                c, v = cols.cpu(), valid.cpu()
+                out[torch.arange(r0, r1)[:, None].expand_as(c)[v], c[v]] = True  # host
+        return out
+
+
 NO_TIMER = nullcontext()
 
 
@@ -348,35 +370,70 @@ class GlmMoeDsaModel:
             o_lat, selection = self._decode_attention(i, a, q_cat, kv_new, ik if own else None, iq, iw, cache, pos,
                                                       span, selection)
         else:
-            if own:
+            iq = iw = None
+            if own and any(p0 + n > self.index_topk for p0, n in zip(starts, seqlens)):  # some rows choose
                 iq, iw = self._indexer_qw(a.indexer, h, q_resid, cos, sin)
-            outs, masks, off = [], [], 0
+            outs, sels, off = [], [], 0
             for s, (p0, n) in enumerate(zip(starts, seqlens)):
                 if n == 0:
-                    masks.append(None)
+                    sels.append(None)
                     continue
                 kvc[s, p0:p0 + n] = kv_new[off:off + n]
-                if a.indexer is not None:
+                if own:
                     ixc[s, p0:p0 + n] = ik[off:off + n]
-                    mask = torch.zeros(n, p0 + n, dtype=torch.bool, device=dev)           # [n, p0 + n]
+                    sel = self._prefill_selection(None if iq is None else iq[off:off + n],
+                                                  None if iw is None else iw[off:off + n], ixc[s], p0, n)
                 else:
-                    mask = selection[s]
-                # rows r0..r1 - 1 (positions p0 + r0..) see keys < p0 + r1; scores [rows, heads or indexer heads, keys]
-                for r0, r1 in prefill_blocks(n, max(nh, self.index_heads) * (p0 + n)):
-                    w = p0 + r1
-                    if a.indexer is not None:
-                        causal = (torch.arange(w, device=dev)[None, :]
-                                  <= torch.arange(p0 + r0, w, device=dev)[:, None])         # [rows, w]
-                        scores = self._index_scores(iq[off + r0:off + r1], iw[off + r0:off + r1], ixc[s:s + 1, :w])
-                        sel = scores.masked_fill(~causal, float("-inf")).topk(min(self.index_topk, w), dim=-1)[1]
-                        mask[r0:r1, :w] = torch.zeros_like(causal).scatter_(1, sel, True) & causal
-                    outs.append(self._prefill_block(q_cat[off + r0:off + r1], kvc[s, :w], mask[r0:r1, :w]))
-                masks.append(mask)
+                    sel = selection[s]
+                outs += self._prefill_attend(q_cat[off:off + n], kvc[s], sel)
+                sels.append(sel)
                 off += n
             o_lat = torch.cat(outs)
-            selection = masks
+            selection = sels
         o = torch.einsum("thc,hvc->thv", o_lat, a.w_uv).reshape(t, nh * self.v_dim)
         return F.linear(o, a.o, a.o_bias), selection
+
+    def _prefill_selection(self, iq, iw, keys, p0: int, n: int) -> PrefillSelection:
+        """Stream rows at positions p0..p0 + n - 1 (indexer queries iq [n, ih, d], weights iw [n, ih], the stream's
+        cached indexer keys [capacity, d]) -> their selection, block by block (prefill_blocks): a block whose
+        last row sees at most index_topk keys takes them all (a causal mask over its prefix, no scores); past
+        that each row takes its index_topk best keys <= its position, as positions [r, k] and whether each is
+        a real one (a row with fewer keys pads with masked ones), attended gathered: the attention's work and
+        memory per row stay index_topk's, whatever the context (a mask over the context would be [n, p0 + n])."""
+        dev, k, end = keys.device, self.index_topk, p0 + n
+        wide = end > k                      # some rows choose: their scores [rows, ih, keys] and the gathered rows
+        per_row = max(self.index_heads * end, k * max(self.heads, self.latent + self.rope_dim)) if wide \
+            else self.heads * end
+        blocks = []
+        for r0, r1 in prefill_blocks(n, per_row):
+            w = p0 + r1
+            pos = torch.arange(p0 + r0, w, device=dev)
+            causal = torch.arange(w, device=dev)[None, :] <= pos[:, None]                   # [rows, w]
+            if w <= k:
+                blocks.append((r0, r1, None, causal))
+                continue
+            scores = self._index_scores(iq[r0:r1], iw[r0:r1], keys[None, :w])
+            top, cols = scores.masked_fill(~causal, float("-inf")).topk(k, dim=-1)        # [rows, k]
+            blocks.append((r0, r1, cols, top > float("-inf")))
+        return PrefillSelection(p0, blocks)
+
+    def _prefill_attend(self, q, rows, sel: PrefillSelection) -> list[torch.Tensor]:
+        """One stream's prefill queries q [n, heads, c + rope] over its cached rows [capacity, c + rope] under its
+        selection -> per block [rows, heads, c]: a block whose rows see all of their past over its prefix (a causal
+        mask), else each row over its own index_topk rows, gathered (as a decode step does)."""
+        return [self._prefill_block(q[r0:r1], rows[:sel.p0 + r1], valid) if cols is None
+                else self._over_rows(q[r0:r1], rows[cols], valid) for r0, r1, cols, valid in sel.blocks]
+
+    def _over_rows(self, q, rows, valid) -> torch.Tensor:
+        """Each of B queries' heads q [B, heads, c + rope] over its own rows [B, k, c + rope] (valid [B, k]) ->
+        [B, heads, c]: a decode step's streams or a prefill's rows past index_topk keys."""
+        c = self.latent
+        if latent_decode():
+            return latent_attention(q, rows, rows[..., :c], valid, self.scale)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], rows[:, None], rows[:, None, :, :c],
+                                           attn_mask=valid[:, None, None, :], scale=self.scale,
+                                           enable_gqa=True)                               # [B, heads, 1, c]
+        return o[:, :, 0]
 
     def _prefill_block(self, q, rows, mask) -> torch.Tensor:
         """A prefill block's queries q [r, heads, c + rope] over its stream's latent rows [w, c + rope] under its
@@ -400,7 +457,6 @@ class GlmMoeDsaModel:
         every position <= pos, taken in order without scores. span = the longest stream + 1 on the host path,
         the step's span on the fixed-shape step (graph.span_for: a power-of-two multiple of its smallest, or the
         capacity; no device value picks it; the extra positions are masked and never chosen over a real one). -> ([M, heads, c], selection)."""
-        c = self.latent
         dev = q_cat.device
         kvc, ixc = cache.kv[i], cache.index_k[i]
         idx = torch.arange(pos.numel(), device=dev)
@@ -417,13 +473,7 @@ class GlmMoeDsaModel:
             top, sel = scores.topk(min(self.index_topk, span), dim=-1)                    # [M, k]
             selection = (sel, top > float("-inf"))              # a short stream pads with masked rows
         sel, valid = selection
-        rows = kvc[idx[:, None], sel]                                                     # [M, k, c + rope]
-        if latent_decode():
-            return latent_attention(q_cat, rows, rows[..., :c], valid, self.scale), selection
-        o = F.scaled_dot_product_attention(q_cat[:, :, None, :], rows[:, None], rows[:, None, :, :c],
-                                           attn_mask=valid[:, None, None, :], scale=self.scale,
-                                           enable_gqa=True)                               # [M, heads, 1, c]
-        return o[:, :, 0], selection
+        return self._over_rows(q_cat, kvc[idx[:, None], sel], valid), selection             # rows [M, k, c + rope]
 
     def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: LatentCache, moe,
                        span: int | None = None) -> torch.Tensor:

@@ -1353,6 +1353,23 @@ def test_dsa_prefill_block_forms_agree(dsa_ckpt, monkeypatch):
 
 
 @gpu
+def test_gpu_matmul_fp32_matches_cpu():
+    """layers.matmul_fp32 on the GPU (bf16 tensor cores, fp32 sums: the indexers' scores, latent_attention) against
+    the CPU's fp32 GEMM on the same bf16 values, for a b per batch and one b for every batch (GLM-5's prefill
+    scores against its stream's keys): fp32 results within 2^-16 of each element's sum of |products|."""
+    from rocket_mpi.model.layers import matmul_fp32
+    gen = torch.Generator().manual_seed(29)
+    a = torch.randn(6, 32, 128, generator=gen).to(torch.bfloat16)
+    for b in (torch.randn(6, 128, 700, generator=gen), torch.randn(128, 700, generator=gen)):
+        b = b.to(torch.bfloat16)
+        cpu = matmul_fp32(a, b)
+        got = matmul_fp32(a.cuda(), b.cuda())
+        assert got.dtype == torch.float32 and got.shape == cpu.shape == (6, 32, 700)
+        bound = matmul_fp32(a.abs(), b.abs()) * 2.0 ** -16
+        assert bool(((got.cpu() - cpu).abs() <= bound).all())
+
+
+@gpu
 @pytest.mark.parametrize("m,heads,d,dv,n", [(1, 64, 512, 512, 2064), (8, 64, 576, 512, 2064), (5, 4, 48, 32, 37)])
 def test_gpu_latent_attention_matches_cpu(m, heads, d, dv, n):
     """layers.latent_attention (MLA decode over the latent rows) on the GPU, bf16 GEMMs with fp32 scores, against

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.model.layers import distinct_writes, latent_attention, latent_decode, prefill_blocks, rms_norm
+from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_decode, matmul_fp32, prefill_blocks,
+                                     rms_norm)
 
 DT = torch.bfloat16
 
@@ -144,8 +145,7 @@ def _pick(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Ten
     K = min(index_topk // kpool, pools) by index score, and which of them are candidates (complete pools whose
     last token <= p; a row with fewer candidates pads with others, not taken)."""
     kp, dev = a.kpool, q.device
-    scores = torch.matmul(q.float(), keys_t.float())                                 # [R, ih, P]
-    scores = F.relu(scores * a.index_dim ** -0.5)
+    scores = matmul_fp32(q, keys_t).mul_(a.index_dim ** -0.5).relu_()               # [R, ih, P]
     index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                          # [R, P]
     candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]       # pool's last token <= p
     index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)

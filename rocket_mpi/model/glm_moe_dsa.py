@@ -31,8 +31,8 @@ from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
 from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_decode, load_embed_head,
-                                     load_ffn, load_swiglu, prefill_blocks, rms_norm, swiglu_mlp, move_stack,
-                                     unique_nbytes)
+                                     load_ffn, load_swiglu, matmul_fp32, prefill_blocks, rms_norm, swiglu_mlp,
+                                     move_stack, unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -334,7 +334,8 @@ class GlmMoeDsaModel:
     def _index_scores(self, q, w, keys) -> torch.Tensor:
         """q [B, heads, d], w [B, heads] fp32, keys [B or 1, S, d] -> [B, S] fp32:
         sum over heads of w * relu(q . k / sqrt(d)), as transformers' indexer computes it."""
-        s = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.index_scale)   # [B, heads, S]
+        kt = keys[0].t() if keys.shape[0] == 1 else keys.transpose(1, 2)
+        s = matmul_fp32(q, kt).mul_(self.index_scale).relu_()                             # [B, heads, S]
         return torch.matmul(w[:, None, :], s)[:, 0]
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: LatentCache, starts, seqlens, selection, pos=None,

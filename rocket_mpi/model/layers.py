@@ -67,6 +67,18 @@ def latent_decode() -> bool:
 _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype=): bf16 in, fp32 out (CUDA)
 
 
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, m, k] @ b [B, k, n] (or one b [k, n] for every batch) of bf16 values -> fp32 [B, m, n]: bf16 products
+    (exact in fp32), fp32 sums. On a GPU the bf16 tensor cores (bmm / mm with out_dtype); on the CPU, or a torch
+    without out_dtype (before 2.8), the same products from fp32 copies in an fp32 GEMM (on an H200 about 10x
+    slower: GLM-5's indexer scores over a long prompt, session 29)."""
+    if a.is_cuda and _BMM_FP32_OUT:
+        if b.dim() == 2:
+            return torch.mm(a.reshape(-1, a.shape[-1]), b, out_dtype=torch.float32).view(*a.shape[:-1], b.shape[-1])
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.matmul(a.float(), b.float())
+
+
 def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention of MLA's absorbed form (decode steps; GLM-5's prefill blocks): every head of a stream attends over
@@ -77,10 +89,7 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     On an H200 at 2064 rows (results/README.md, session 26) 19 / 34 / 58 us at M = 1 / 8 / 16 per call, where
     SDPA took 200-230 us with the heads as one head's query rows (one block per stream) and 0.6-10 ms with
     enable_gqa (its math path, the rows repeated per head). A stream with no valid row gets NaN, as SDPA gives."""
-    if q.is_cuda and _BMM_FP32_OUT:
-        s = torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
-    else:  # the CPU, or a torch without bmm's out_dtype (before 2.8): the same products, a slower GEMM
-        s = torch.bmm(q.float(), keys.float().transpose(1, 2))
+    s = matmul_fp32(q, keys.transpose(1, 2))
     p = (s * scale).masked_fill(~(valid[:, None, :] if valid.dim() == 2 else valid), float("-inf")).softmax(dim=-1)
     return torch.bmm(p.to(values.dtype), values)
 

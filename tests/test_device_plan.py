@@ -1245,6 +1245,7 @@ def test_mla_latent_knob(monkeypatch):
     pos = torch.tensor([5, 11, 17])
     visible = (torch.rand(m, cap, generator=gen) < 0.6) & (torch.arange(cap)[None, :] <= pos[:, None])
     visible[torch.arange(m), pos] = True
+    visible = (torch.arange(cap).expand(m, cap), visible)  # a selection as mla_decode takes it: (cols, valid)
     h = torch.randn(m, hid, generator=gen).to(torch.bfloat16)
     outs = {}
     for knob in ("0", "1"):
@@ -1259,11 +1260,12 @@ def test_glm5_next_sparse_prefill_matches_dense():
     tail, gathered, in the absorbed form, against the same selection as a dense mask (PoolSelection.mask) over
     every latent expanded through kv_b (SDPA), on random weights: three streams' prompts after positions already
     held, blocks of 3 rows, pools picked by _pick from random indexer scores (early rows with fewer candidate
-    pools than picks, rows whose tail is empty). The mask is _choose's (the decode step's selection) row for row;
-    the outputs agree within bf16 rounding and are not the same bits (two forms ran). kv_b's halves swapped, or
-    each block taking the first block's selection, fail it."""
+    pools than picks, rows whose tail is empty). The mask is, row by row, the best index_topk // kpool complete
+    pools ending at or before the row by index score, and the tail; the outputs agree within bf16 rounding and are
+    not the same bits (two forms ran). kv_b's halves swapped, or each block taking the first block's selection,
+    fail it."""
     import torch.nn.functional as F
-    from rocket_mpi.model.glm5_next_mla import MLA, MlaArgs, PoolSelection, _choose, _pick, _prefill_attention
+    from rocket_mpi.model.glm5_next_mla import MLA, MlaArgs, PoolSelection, _pick, _prefill_attention
     gen = torch.Generator().manual_seed(17)
     heads, dq, dv, kl, ql, hid, cap = 4, 16, 16, 32, 48, 64, 40
 
@@ -1283,7 +1285,13 @@ def test_glm5_next_sparse_prefill_matches_dense():
                   for r0 in range(0, n, 3)]
         sel = PoolSelection(p0, n, blocks)
         mask = sel.mask(args)                                                                  # [n, end]
-        assert torch.equal(mask, _choose(iq, iw, keys_t, pos, pools, end, args))
+        score = (iw[:, :, None] * F.relu(iq @ keys_t * 8 ** -0.5)).sum(1)                   # [n, pools]
+        kp = args.kpool
+        for j, p in enumerate(pos.tolist()):
+            cand = [i for i in range(pools) if (i + 1) * kp - 1 <= p]
+            best = sorted(cand, key=lambda i: -float(score[j, i]))[:args.index_topk // kp]
+            want = {t for i in best for t in range(i * kp, (i + 1) * kp)} | set(range((p + 1) // kp * kp, p + 1))
+            assert set(mask[j].nonzero().squeeze(1).tolist()) == want, f"stream at {p0}, row {j}"
         got = torch.cat(_prefill_attention(a, q, latents, sel, args)).float()
         kv = F.linear(latents[:end], a.kv_b).view(end, heads, dq + dv)
         k, v = (x.transpose(0, 1)[None] for x in kv.split([dq, dv], dim=-1))

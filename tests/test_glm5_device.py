@@ -204,8 +204,9 @@ def test_dsa_decode_within_topk_skips_the_scores(ckpts):
 @pytest.mark.parametrize("tail", [True, False])
 def test_glm5_next_selection_within_topk_skips_the_scores(tail):
     """GLM-5.3-Flash: while the span holds at most index_topk // kpool pools the top-k takes every complete pool,
-    so mla_decode answers without scores (_chosen_all): bit for bit _choose's mask on any scores."""
-    from rocket_mpi.model.glm5_next_mla import MlaArgs, _choose, _chosen_all
+    so mla_decode answers without scores (_chosen_all): the positions the scored picks (_pick, _pool_cols) would
+    gather, on any scores."""
+    from rocket_mpi.model.glm5_next_mla import MlaArgs, _chosen_all, _pick, _pool_cols
     a = MlaArgs(4, 16, 16, 32, 1e-6, 3, 8, 16, 4, tail)
     gen = torch.Generator().manual_seed(4)
     span, m = 17, 5                                       # 4 pools <= 16 // 4, and an incomplete one
@@ -214,4 +215,7 @@ def test_glm5_next_selection_within_topk_skips_the_scores(tail):
     q = torch.randn(m, a.index_heads, a.index_dim, generator=gen).to(torch.bfloat16)
     w = torch.rand(m, a.index_heads, generator=gen)
     keys_t = torch.randn(m, a.index_dim, pools, generator=gen).to(torch.bfloat16)
-    assert torch.equal(_chosen_all(pos, span, a), _choose(q, w, keys_t, pos, pools, span, a))
+    cols, valid = _pool_cols(*_pick(q, w, keys_t, pos, pools, a), pos, a)
+    picked = torch.zeros(m, span, dtype=torch.bool)
+    picked[torch.arange(m)[:, None].expand_as(cols)[valid], cols[valid]] = True
+    assert torch.equal(_chosen_all(pos, span, a), picked)

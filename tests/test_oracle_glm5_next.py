@@ -199,10 +199,13 @@ class SelectionSpy:
     def __call__(self, a, h, c, starts, seqlens, args, shared):
         out, masks = self.real(a, h, c, starts, seqlens, args, shared)
         if a.indexer is not None:
-            if isinstance(masks, torch.Tensor):  # a decode step (mla_decode): one row per stream, [M, span]
+            if isinstance(masks, tuple):  # a decode step (mla_decode): (cols, valid), one row per stream
+                cols, valid = masks
                 for s, p0 in enumerate(starts):
-                    self.chosen[(self.layer_of[id(a)], s, p0)] = set(masks[s, :p0 + 1].nonzero().squeeze(1).tolist())
-                    assert not masks[s, p0 + 1:].any(), f"stream {s} at {p0} selects past its position"
+                    picked = cols[s][valid[s]].tolist()
+                    self.chosen[(self.layer_of[id(a)], s, p0)] = set(picked)
+                    assert len(set(picked)) == len(picked), f"stream {s} at {p0} gathers a position twice"
+                    assert max(picked) <= p0, f"stream {s} at {p0} selects past its position"
             else:  # a prefill: per stream a PoolSelection (None: no rows)
                 for s, sel in enumerate(masks):
                     if sel is None:

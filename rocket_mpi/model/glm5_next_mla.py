@@ -93,18 +93,8 @@ class PoolSelection:
     blocks: list
 
     def rows(self, r0: int, r1: int, chosen, taken, a: MlaArgs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows r0..r1 - 1's visible columns: (cols [r, n_cols], valid [r, n_cols]); the chosen pools' tokens,
-        then the tail (index_kpool_always_select_tail), the positions a decode step at those rows would gather."""
-        kp, dev = a.kpool, chosen.device
-        pos = torch.arange(self.p0 + r0, self.p0 + r1, device=dev)
-        slot = torch.arange(kp, device=dev)
-        cols = (chosen[:, :, None] * kp + slot).flatten(1)                               # [r, K * kp]
-        valid = taken.repeat_interleave(kp, dim=1)
-        if a.select_tail:
-            tail = ((pos + 1) // kp * kp)[:, None] + slot                                  # [r, kp]
-            cols = torch.cat((cols, torch.minimum(tail, pos[:, None])), dim=1)
-            valid = torch.cat((valid, tail <= pos[:, None]), dim=1)
-        return cols, valid
+        """Rows r0..r1 - 1's visible columns (_pool_cols: what a decode step at those rows would gather)."""
+        return _pool_cols(chosen, taken, torch.arange(self.p0 + r0, self.p0 + r1, device=chosen.device), a)
 
     def mask(self, a: MlaArgs) -> torch.Tensor:
         """The selection as a dense mask [n, p0 + n] (tests and inspection; the forward never builds it)."""
@@ -153,23 +143,21 @@ def _pick(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Ten
     return chosen, candidate.gather(1, chosen)
 
 
-def _choose(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Tensor, pools: int, width: int,
-            a: MlaArgs) -> torch.Tensor:
-    """_pick's choice as a mask visible [R, width]: the chosen candidate pools taken whole, plus the incomplete
-    tail (a decode step's selection)."""
-    kp, dev = a.kpool, q.device
-    visible = torch.zeros(q.shape[0], width, dtype=torch.bool, device=dev)
-    if pools:
-        chosen, taken = _pick(q, w, keys_t, pos, pools, a)
-        take = torch.zeros(q.shape[0], pools, dtype=torch.bool, device=dev)
-        with distinct_writes():
-            take.scatter_(1, chosen, taken)
-        visible[:, :pools * kp] = take.repeat_interleave(kp, dim=1)
+def _pool_cols(chosen: torch.Tensor, taken: torch.Tensor, pos: torch.Tensor,
+               a: MlaArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries at positions pos [R] with their picks (_pick) -> the latent positions they attend over, cols
+    [R, n_cols], and which are real, valid [R, n_cols]: the chosen pools' tokens (the taken ones), then the
+    incomplete tail [kpool * floor((p + 1) / kpool), p] (index_kpool_always_select_tail; its unused slots point at p
+    and are masked). n_cols = (index_topk // kpool + 1) x kpool at most, whatever the context."""
+    kp = a.kpool
+    slot = torch.arange(kp, device=chosen.device)
+    cols = (chosen[:, :, None] * kp + slot).flatten(1)                                   # [R, K * kp]
+    valid = taken.repeat_interleave(kp, dim=1)
     if a.select_tail:
-        tail_start = (pos + 1) // kp * kp
-        col = torch.arange(width, device=dev)
-        visible |= (col[None, :] >= tail_start[:, None]) & (col[None, :] <= pos[:, None])
-    return visible
+        tail = ((pos + 1) // kp * kp)[:, None] + slot                                      # [R, kp]
+        cols = torch.cat((cols, torch.minimum(tail, pos[:, None])), dim=1)
+        valid = torch.cat((valid, tail <= pos[:, None]), dim=1)
+    return cols, valid
 
 
 def _pool_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, a: MlaArgs) -> None:
@@ -187,21 +175,22 @@ def _pool_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, a: MlaArgs) -> Non
 
 
 def _chosen_all(pos: torch.Tensor, span: int, a: MlaArgs) -> torch.Tensor:
-    """_choose's answer where its top-k takes every pool (span // kpool <= index_topk // kpool): the complete
-    pools up to pos, and the tail -> visible [M, span]."""
+    """The selection where the top-k takes every pool (span // kpool <= index_topk // kpool: no scores needed) as a
+    mask over the first span positions: the complete pools up to pos, and the tail -> visible [M, span]."""
     col = torch.arange(span, device=pos.device)[None, :]
     visible = col < ((pos + 1) // a.kpool * a.kpool)[:, None]
     return visible | (col <= pos[:, None]) if a.select_tail else visible
 
 
 def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: int, args: MlaArgs,
-               shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+               shared: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple]:
     """One new token per stream at positions pos [M] (device), batched over streams with fixed shapes:
-    h [M, H] -> ([M, H] BF16, visible [M, span]). Each stream's visible latents (at most index_topk +
-    kpool of them) are gathered in ascending order into a fixed number of columns, the rest masked, and
-    attended in the absorbed form (layers.latent_decode): the same tokens and weights as mla_forward's
-    per-stream loop, other sum orders. While span // kpool <= index_topk // kpool the indexer's top-k takes
-    every complete pool, so it is not scored (its keys and pools are still kept for later steps)."""
+    h [M, H] -> ([M, H] BF16, its selection (cols, valid) [M, n_cols], which a "shared" layer reuses). Each
+    stream's chosen pools and tail (_pool_cols: at most index_topk + kpool latents, a fixed number of columns, the
+    unused ones masked) are gathered and attended in the absorbed form (layers.latent_decode): the same tokens and
+    weights as mla_forward, other sum orders; nothing of the step is O(span) but the indexer's pool scores. While
+    span // kpool <= index_topk // kpool the indexer's top-k takes every complete pool, so it is not scored (its
+    keys and pools are still kept for later steps) and the step attends over the span in order under a mask."""
     m, dev = h.shape[0], h.device
     q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [M, q_lora]
     q = F.linear(q_resid, a.q_b).view(m, args.heads, args.qk_dim)
@@ -209,7 +198,7 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     idx = torch.arange(m, device=dev)
     with distinct_writes():
         c.latent[idx, pos] = latent
-    ix, every = a.indexer, False
+    ix = a.indexer
     if ix is not None:
         ik = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
         ig = F.linear(h, ix.gate)
@@ -218,33 +207,26 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
             c.index_gate[idx, pos] = ig
         _pool_decode(ix, c, pos, args)
         pools = span // args.kpool                                    # pools that can be complete in span
-        every = pools <= args.index_topk // args.kpool                # the top-k takes them all: no scores needed
-        if every:
-            visible = _chosen_all(pos, span, args)
+        if pools <= args.index_topk // args.kpool:                    # the top-k takes them all: no scores needed
+            shared = (torch.arange(span, device=dev).expand(m, span), _chosen_all(pos, span, args))
         else:  # pools past a stream's position are never candidates: any span >= the longest stream + 1 will do
             iq = F.linear(q_resid, ix.wq_b).view(m, args.index_heads, args.index_dim)
             iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5
-            visible = _choose(iq, iw, c.pool_k[:, :pools].transpose(-1, -2), pos, pools, span, args)
-    else:
-        visible = shared
-    n_cols = min(span, (args.index_topk // args.kpool + 1) * args.kpool)
-    if every:  # span <= n_cols: every column in order (visible ones first where they are a prefix, as the tail makes)
-        cols, valid = torch.arange(span, device=dev).expand(m, span), visible
-    else:
-        cols = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)[:, :n_cols]  # visible first, ascending
-        valid = visible.gather(1, cols)                                                   # [M, n_cols]
+            chosen, taken = _pick(iq, iw, c.pool_k[:, :pools].transpose(-1, -2), pos, pools, args)
+            shared = _pool_cols(chosen, taken, pos, args)
+    cols, valid = shared
     rows = c.latent[idx[:, None], cols]                                               # [M, n_cols, kv_lora]
     if latent_decode():
         # q . (W_uk l) == (q W_uk) . l and sum_j p_j (W_uv l_j) == W_uv (sum_j p_j l_j): the selected latents are
         # the keys and values of one shared head, read once per stream; kv_b's halves are applied to 64 heads' q
         # and output instead of to every selected latent (2064 of them at index_topk 2048: ~69 GFLOP per stream
         # and MLA layer at the Flash width, against ~0.3 here).
-        return F.linear(_absorbed(a, q, rows, valid, args), a.o, a.o_bias), visible
-    kv = F.linear(rows, a.kv_b).view(m, n_cols, args.heads, args.qk_dim + args.v_dim)
+        return F.linear(_absorbed(a, q, rows, valid, args), a.o, a.o_bias), shared
+    kv = F.linear(rows, a.kv_b).view(m, cols.shape[1], args.heads, args.qk_dim + args.v_dim)
     k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
     o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=valid[:, None, None, :], scale=args.qk_dim ** -0.5)
-    return F.linear(o[:, :, 0].reshape(m, -1), a.o, a.o_bias), visible
+    return F.linear(o[:, :, 0].reshape(m, -1), a.o, a.o_bias), shared
 
 
 def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens: list[int], args: MlaArgs,

@@ -230,10 +230,10 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
 
 
 def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens: list[int], args: MlaArgs,
-                shared: list[PoolSelection | None] | torch.Tensor | None) -> tuple[torch.Tensor, list | torch.Tensor]:
+                shared: list[PoolSelection | None] | tuple | None) -> tuple[torch.Tensor, list | tuple]:
     """h [T, H] BF16 packed; returns ([T, H] BF16, per stream the PoolSelection it used, None for a stream with
     no rows). A decode step (one token for every stream) runs batched (mla_decode; its selection is one
-    [M, longest + 1] mask)."""
+    (cols, valid) pair for all streams)."""
     if seqlens and all(n == 1 for n in seqlens):
         return mla_decode(a, h, c, torch.tensor(starts, device=h.device), max(starts) + 1, args, shared)
     t = h.shape[0]

@@ -6,8 +6,8 @@ kv_lora_rank + qk_rope_head_dim per token, plus the indexer's key (index_head_di
 their own indexer. Attention is computed in DeepSeek's "absorbed" form: kv_b_proj's key half is folded
 into the query and its value half applied after the weighted sum, so keys and values are read straight
 from the latent. The indexer scores every cached token (fp32, as transformers insists), keeps the
-index_topk best, and attention runs over those only: a gather of index_topk latent rows per decode step,
-whatever the context length. Layers whose indexer_types entry is "shared" reuse the previous full
+index_topk best, and attention runs over those only: a gather of index_topk latent rows per decode step and
+per prefill row past index_topk positions, whatever the context length. Layers whose indexer_types entry is "shared" reuse the previous full
 layer's selection.
 
 Every rank runs all of this for all M streams with the same weights (replicated, deterministic), so the

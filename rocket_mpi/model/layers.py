@@ -70,8 +70,9 @@ _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, m, k] @ b [B, k, n] (or one b [k, n] for every batch) of bf16 values -> fp32 [B, m, n]: bf16 products
     (exact in fp32), fp32 sums. On a GPU the bf16 tensor cores (bmm / mm with out_dtype); on the CPU, or a torch
-    without out_dtype (before 2.8), the same products from fp32 copies in an fp32 GEMM (on an H200 about 10x
-    slower: GLM-5's indexer scores over a long prompt, session 29)."""
+    without out_dtype (before 2.8), the same products from fp32 copies in an fp32 GEMM (on an H200 that GEMM was
+    19 % of a 16384-token GLM-5 4l prefill's GPU time; with this form the prefill took 0.90 against 1.04 s, and
+    4.94 against 6.76 s at 65536 tokens: results/README.md, session 29)."""
     if a.is_cuda and _BMM_FP32_OUT:
         if b.dim() == 2:
             return torch.mm(a.reshape(-1, a.shape[-1]), b, out_dtype=torch.float32).view(*a.shape[:-1], b.shape[-1])
@@ -81,8 +82,8 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Attention of MLA's absorbed form (decode steps; GLM-5's prefill blocks): every head of a stream attends over
-    that stream's rows, one shared key / value head. q [M, heads, d], keys [M, n, d], values [M, n, dv], valid
+    """Attention of MLA's absorbed form (decode steps; prefill blocks and gathered prefill rows): every head of a
+    stream attends over that stream's rows, one shared key / value head. q [M, heads, d], keys [M, n, d], values [M, n, dv], valid
     [M, n] bool (or [M, heads, n]: a mask per query row, a prefill's rows x heads) -> [M, heads, dv]. Two batched
     GEMMs that read each stream's rows once for all its heads, the scores kept in fp32 (bf16 products, fp32 sums;
     on the CPU from fp32 copies: the same products) for an fp32 softmax.

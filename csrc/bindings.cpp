@@ -294,7 +294,7 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
 // in direct_k_order) over the rows of x in order: the expert kernels without a plan; then + each residual in order.
 torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s2_gu,
                            const torch::Tensor& q_dn, int64_t hidden, int64_t inter,
-                           const std::vector<torch::Tensor>& residuals) {
+                           const std::vector<torch::Tensor>& residuals, std::optional<double> swiglu_limit) {
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   check_residuals(residuals, x.size(0), hidden, dev);
@@ -314,7 +314,7 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
   auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
   if (rows == 0) return out;
   launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, none, s2_gu, q_dn, none, hidden, inter,
-                 std::nullopt, x_frag, h_frag, out, rows, rows, residuals, /*direct_k=*/true);
+                 swiglu_limit, x_frag, h_frag, out, rows, rows, residuals, /*direct_k=*/true);
   return out;
 }
 
@@ -825,9 +825,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
         py::arg("inter"), py::arg("swiglu_limit"));
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)");
-  m.def("swiglu_dense", &swiglu_dense, "a SwiGLU MLP (one BF16 expert) over dense rows in the expert kernels, "
-        "then + each residual in order", py::arg("x"), py::arg("q_gu"), py::arg("s2_gu"), py::arg("q_dn"),
-        py::arg("hidden"), py::arg("inter"), py::arg("residuals") = std::vector<torch::Tensor>{});
+  m.def("swiglu_dense", &swiglu_dense, "a SwiGLU MLP (one BF16 expert) over dense rows in the expert kernels "
+        "(gate and up clamped to swiglu_limit where given), then + each residual in order", py::arg("x"), py::arg("q_gu"), py::arg("s2_gu"), py::arg("q_dn"),
+        py::arg("hidden"), py::arg("inter"), py::arg("residuals") = std::vector<torch::Tensor>{},
+        py::arg("swiglu_limit") = py::none());
   m.def("bf16_linear", &bf16_linear, "x W^T (+ bias), W in BF16 tiles, optionally split into parts by feature; one "
         "part: then + each residual in order", py::arg("x"), py::arg("w"), py::arg("n"), py::arg("k"),
         py::arg("bias"), py::arg("ends"), py::arg("residuals") = std::vector<torch::Tensor>{});

@@ -233,12 +233,13 @@ class Engine:
     # -- the MoE layer ---------------------------------------------------------------
     def moe(self, layer: int, x: torch.Tensor, L, shared=None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts of `layer` over x (normed) -> [T, H]; with `shared` (a callable: the shared expert
-        over x) and `residual`, residual + (routed + shared) (graph.DeviceMoE's contract)."""
+        over x) and `residual`, residual + (routed + shared); residual None: routed + shared (graph.DeviceMoE's
+        contract)."""
         routed = self._routed(layer, x, L)
         if shared is None:
             return routed
         from rocket_mpi.kernels import add_residuals
-        return add_residuals(routed, (shared(), residual))
+        return add_residuals(routed, (shared(),) if residual is None else (shared(), residual))
 
     def _routed(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
         weights, experts = route(x, L.router_w, L.router_b, self.cfg)

@@ -198,6 +198,7 @@ class DeviceMoE:
         kernel, and on a GPU the shared expert runs on a side stream beside the router, plan, routed experts
         and exchange (a captured fork and join: at M=1 the routed experts fill 88 of 132 SMs and the router and
         plan are single-block kernels). The same kernels and adds as shared-then-add: the same bits.
+        residual None (GLM-5.3-Flash, whose hyper-connections add the block's output): routed + shared.
         With next_norm = (weight, eps) (the next layer's input norm, or the final one): returns (out, its norm),
         on a GPU from the scatter's launch (kernels.moe_scatter_add)."""
         i = self.calls
@@ -210,12 +211,12 @@ class DeviceMoE:
         res, side = (), None
         if shared is not None:
             if self.mode == "host":
-                res = (shared(), residual)
+                res = (shared(),) if residual is None else (shared(), residual)
             else:
                 side = self.side
                 side.wait_stream(torch.cuda.current_stream(x.device))
                 with torch.cuda.stream(side):
-                    res = (shared(), residual)
+                    res = (shared(),) if residual is None else (shared(), residual)
         if self.mode == "host":
             weights, experts = route(x, L.router_w, L.router_b, cfg)
         else:

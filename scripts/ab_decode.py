@@ -11,6 +11,10 @@ from each other by a few percent (clocks, copy bandwidth 4.07-4.21 TB/s on one H
 moves the step; inside one process the variants share the machine's state. Prints, per M, each variant's median
 and best ms per step over all its rounds, its per-round medians, the ratio of medians to the first variant,
 and whether its tokens equal the first variant's (switches that must not change bits).
+
+AB_STACK=torch (read by this script, not the package): the variant runs with the model's packed stack copies
+(pack_stack: the linears and MLPs in the expert kernel's BF16 tiles) set aside, so its step takes cuBLAS, as a
+model loaded under ROCKET_STACK=torch would; the copies come back after the run.
 """
 from __future__ import annotations
 
@@ -69,6 +73,19 @@ def rotated_runs(variants: list[tuple[str, dict[str, str]]], rounds: int, run, p
         os.environ.update(base_env)
 
 
+def without_packed_stack(model, run):
+    """run() with every packed stack copy of `model` set aside (None), then put back."""
+    from rocket_mpi.model.layers import packed_copies
+    saved = [(obj, f, getattr(obj, f)) for obj, f in packed_copies(model)]
+    for obj, f, _ in saved:
+        setattr(obj, f, None)
+    try:
+        return run()
+    finally:
+        for obj, f, v in saved:
+            setattr(obj, f, v)
+
+
 def main() -> int:
     ap = variant_args(__doc__, "1,8,16")
     ap.add_argument("--tokens", type=int, default=40, help="steps per run (the first 3 are not timed)")
@@ -96,8 +113,11 @@ def main() -> int:
         times: dict[str, list[list[float]]] = {n: [] for n, _ in variants}
         tokens: dict[str, list] = {}
         gb = 0.0
-        for r, name, res in rotated_runs(variants, a.rounds,
-                                         lambda: eng.generate(prompts, a.tokens, capacity=a.capacity), "graph"):
+        def run():
+            gen = lambda: eng.generate(prompts, a.tokens, capacity=a.capacity)  # noqa: E731
+            return without_packed_stack(eng.model, gen) if os.environ.get("AB_STACK") == "torch" else gen()
+
+        for r, name, res in rotated_runs(variants, a.rounds, run, "graph"):
             if r == 0:
                 print(f"  M={m} {name}: attention spans {res.spans} ((first step, span) pairs)")
             steps = res.steps[3:]

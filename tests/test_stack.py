@@ -106,6 +106,70 @@ def test_packed_stack_cpu_same_logits(tiny_ckpt, one_thread):
     assert model.nbytes() > 0
 
 
+def _stub_moe(i, h, L, shared=None, residual=None, next_norm=None):
+    """Routed experts stood in by h / 2 (the experts are tested elsewhere), with graph.DeviceMoE's contract for the
+    fixed-shape step: residual + (routed + shared), or routed + shared without a residual; with next_norm (the
+    step's fused glue on a GPU) also that norm of the result."""
+    from rocket_mpi.model.layers import norm_of
+    routed = h * 0.5
+    if shared is None:
+        return routed
+    out = kernels.add_residuals(routed, (shared(),) if residual is None else (shared(), residual))
+    return out if next_norm is None else (out, norm_of(out.is_cuda)(out, *next_norm))
+
+
+def _family_logits(model, device="cpu") -> torch.Tensor:
+    """Two streams: a prefill of 3 and 1 tokens, a decode step through forward, two through forward_static (the
+    indexers past index_topk: they score, and wq_b / the head weights run); every step's logits."""
+    cache = model.new_cache(2, 16)
+    out = [model.forward(torch.tensor([3, 17, 255, 4]), cache, [3, 1], _stub_moe).float()]
+    out.append(model.forward(torch.tensor([9, 40]), cache, [1, 1], _stub_moe).float())
+    for step in range(2):
+        out.append(model.forward_static(torch.tensor([7 + step, 80], device=device), cache.lengths.to(device),
+                                        cache, _stub_moe).float())
+        cache.lengths += 1
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("ckpt_name", ["dsa_ckpt", "glm5_ckpt"])
+def test_packed_stack_cpu_same_logits_glm5_families(ckpt_name, request, one_thread, monkeypatch):
+    """GLM-5 (q_a | kv_a | indexer wk fused, q_b, wq_b, o with x + o in its epilogue, the MLPs) and GLM-5.3-Flash
+    (KDA's qkv | f_a | g_a, b, f_b, g_b, o; MLA's and its indexer's linears; the MLPs with swiglu_limit's clamp)
+    packed on the CPU: prefill, host decode and fixed-shape steps give the torch path's logits bit for bit, and
+    the packed copies ran (counted). Linears whose shape is not whole tiles of 16 (the tiny presets' 2-head b
+    and index weights) keep F.linear."""
+    from rocket_mpi.config import family
+    reader = CheckpointReader(request.getfixturevalue(ckpt_name))
+    model = family(reader.config.model_type).MODEL.load(reader)
+    ref = _family_logits(model)
+    model.pack_stack()
+    packed = [p for L in model.layers for part in (getattr(L, "attn", None), getattr(L, "kda", None),
+                                                   getattr(L, "mla", None))
+              if part is not None and part.packed for p in part.packed.values() if p is not None]
+    assert len(packed) >= 3 * len(model.layers), len(packed)
+    assert all(L.mlp_packed is not None or L.shared_packed is not None for L in model.layers)
+    calls = _count_calls(monkeypatch)
+    assert torch.equal(_family_logits(model), ref)
+    assert calls["linear"] > 0 and calls["swiglu_dense"] > 0, calls
+    from rocket_mpi.model.layers import packed_copies
+    assert len(packed_copies(model)) >= 2 * len(model.layers)   # each layer: its attention's dict and an MLP
+    model.to("cpu")  # the copies belong to the device they were packed on: a move drops them (no kernels here)
+    assert packed_copies(model) == []
+
+
+def test_swiglu_dense_limit_cpu_is_the_clamped_mlp():
+    """swiglu_dense with a limit: gate.clamp(max=L), up.clamp(-L, L) before the activation (GLM-5.3-Flash's dense and
+    shared experts), as written out here; the clamp changes the output where gate / up pass L."""
+    g = torch.Generator().manual_seed(4)
+    gate_up, down = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(64, 48, generator=g).bfloat16()
+    x = (torch.randn(7, 64, generator=g) * 4).bfloat16()
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    want = F.linear(F.silu(gate.clamp(max=3.0)) * up.clamp(-3.0, 3.0), down)
+    p = kernels.pack_mlp(gate_up, down)
+    assert torch.equal(kernels.swiglu_dense(x, p, limit=3.0), want)
+    assert not torch.equal(kernels.swiglu_dense(x, p), want)
+
+
 def _count_calls(monkeypatch) -> dict:
     calls = {"linear": 0, "swiglu_dense": 0}
     for name in calls:
@@ -190,6 +254,27 @@ def test_gpu_swiglu_dense_matches_reference_and_rows_are_independent(h, i, split
 
 
 @gpu
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_gpu_swiglu_dense_limit(rows):
+    """swiglu_dense with GLM-5.3-Flash's swiglu_limit on the GPU: the kernel's epilogue clamps gate and up as the
+    CPU form does (within the same bound as without; inputs scaled so that about a third of them pass the limit,
+    where the unclamped MLP is far off), a row's bits independent of the others."""
+    g = torch.Generator().manual_seed(10 + rows)
+    h, i, limit = 1024, 512, 0.5
+    gate_up = (torch.randn(2 * i, h, generator=g) / h ** 0.5).bfloat16().cuda()
+    down = (torch.randn(h, i, generator=g) / i ** 0.5).bfloat16().cuda()
+    x = torch.randn(rows, h, generator=g).bfloat16().cuda()
+    p = kernels.pack_mlp(gate_up, down)
+    out = kernels.swiglu_dense(x, p, limit=limit)
+    gt, up = (x.float() @ gate_up.float().t()).chunk(2, dim=-1)
+    assert 0.2 < float((up.abs() > limit).float().mean()) < 0.8
+    ref = (F.silu(gt.clamp(max=limit)) * up.clamp(-limit, limit)) @ down.float().t()
+    assert _rel(out, ref) < 4 * TOL, _rel(out, ref)
+    assert _rel(kernels.swiglu_dense(x, p), ref) > 0.1
+    assert torch.equal(kernels.swiglu_dense(x[-1:], p, limit=limit)[0], out[-1])
+
+
+@gpu
 def test_gpu_stack_split_default_by_shape(monkeypatch):
     """ROCKET_STACK_SPLIT unset: 8 K slices for outputs under 8192 features, 4 from there (bit for bit the explicit
     values); another split is another sum order (close, and here not the same bits); a value the kernel does not take
@@ -243,3 +328,24 @@ def test_gpu_packed_stack_logits_close(tiny_ckpt, monkeypatch):
     err = float((out - ref).abs().max() / ref.abs().max())
     assert err < 0.02, f"packed stack logits rel err {err:.2e} against cuBLAS"
     assert calls["linear"] == 3 * 2 * 3 and calls["swiglu_dense"] == 3 * 3, calls
+
+
+@gpu
+@pytest.mark.parametrize("ckpt_name", ["dsa_ckpt", "glm5_ckpt"])
+def test_gpu_packed_stack_glm5_families_close(ckpt_name, request, monkeypatch):
+    """GLM-5 and GLM-5.3-Flash tiny stacks on the GPU, cuBLAS vs the packed kernels (counted: they ran), through
+    prefill, host decode and the fixed-shape step (its RMSNorms in kernels.rms_norm in both): logits within the
+    oracle's bound."""
+    from rocket_mpi.config import family
+    from rocket_mpi.model.layers import move_stack
+    reader = CheckpointReader(request.getfixturevalue(ckpt_name))
+    ref_model, model = (family(reader.config.model_type).MODEL.load(reader) for _ in range(2))
+    move_stack(ref_model, "cuda")
+    move_stack(model, "cuda")
+    model.pack_stack()
+    ref = _family_logits(ref_model, "cuda")
+    calls = _count_calls(monkeypatch)
+    out = _family_logits(model, "cuda")
+    err = float((out - ref).abs().max() / ref.abs().max())
+    assert err < 0.02, f"packed stack logits rel err {err:.2e} against cuBLAS"
+    assert calls["linear"] > 0 and calls["swiglu_dense"] > 0, calls

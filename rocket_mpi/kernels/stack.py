@@ -13,8 +13,9 @@ prefill, where cuBLAS is faster; ROCKET_STACK=torch keeps only them, the A/B swi
     linear(x, packs, residual=(r0, r1))         -> one output tensor per part; one part: then + r0, + r1 (as
                                                 torch's r0 + y, each rounded: the stack's x + o in the epilogue)
     pack_mlp(gate_up, down)                     a SwiGLU MLP as one BF16 "expert" (pack_experts_bf16)
-    swiglu_dense(x, packed, residual=())        its rows in order, no routing plan (residuals as linear's:
-                                                x + (moe + shared) without two add kernels)
+    swiglu_dense(x, packed, residual=(), limit=None)  its rows in order, no routing plan (residuals as linear's:
+                                                x + (moe + shared) without two add kernels; limit: the
+                                                clamp of GLM-5.3-Flash's swiglu_limit)
 
 Each output row depends only on its own input row (the kernel's batch invariance), so every rank and every
 stream count computes the same bits for a row. CPU tensors take the torch references, which are exactly
@@ -150,20 +151,20 @@ def pack_mlp(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
     return p
 
 
-def swiglu_dense_ref(x: torch.Tensor, p: PackedExperts) -> torch.Tensor:
+def swiglu_dense_ref(x: torch.Tensor, p: PackedExperts, limit: float | None = None) -> torch.Tensor:
     """layers.swiglu_mlp on the unpacked weights: bit for bit the torch path."""
+    from rocket_mpi.model.layers import swiglu_mlp
     gate, up = deinterleave_gate_up(unpack_bf16_direct(p.q_gu[0]))
     gate_up = torch.cat((gate[:p.inter, :p.hidden], up[:p.inter, :p.hidden]), 0)
-    down = unpack_bf16(p.q_dn[0])[:p.hidden, :p.inter]
-    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(g) * u, down)
+    return swiglu_mlp(x, gate_up, unpack_bf16(p.q_dn[0])[:p.hidden, :p.inter], limit)
 
 
-def swiglu_dense(x: torch.Tensor, p: PackedExperts, residual=()) -> torch.Tensor:
-    """x [rows, H] bf16 through the SwiGLU MLP packed by pack_mlp -> [rows, H] bf16, + each residual in order."""
+def swiglu_dense(x: torch.Tensor, p: PackedExperts, residual=(), limit: float | None = None) -> torch.Tensor:
+    """x [rows, H] bf16 through the SwiGLU MLP packed by pack_mlp -> [rows, H] bf16, + each residual in order.
+    limit: swiglu_mlp's clamp of gate and up (GLM-5.3-Flash), in the kernel's epilogue as the routed experts'."""
     if x.dim() != 2 or x.shape[1] != p.hidden:
         raise ValueError(f"swiglu_dense: x {tuple(x.shape)}, the MLP has hidden {p.hidden}")
     res = _residuals(residual, x.shape[0], p.hidden, "swiglu_dense")
     if not x.is_cuda:
-        return add_residuals(swiglu_dense_ref(x, p), res)
-    return _ext.require().swiglu_dense(x.contiguous(), p.q_gu, p.s2_gu, p.q_dn, p.hidden, p.inter, res)
+        return add_residuals(swiglu_dense_ref(x, p, limit), res)
+    return _ext.require().swiglu_dense(x.contiguous(), p.q_gu, p.s2_gu, p.q_dn, p.hidden, p.inter, res, limit)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rocket_mpi import kernels
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import CheckpointError, ConfigError
@@ -30,7 +31,8 @@ from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_kda import fused as kda_fused
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
-from rocket_mpi.model.layers import load_swiglu, move_stack, rms_norm, unique_nbytes
+from rocket_mpi.model.layers import (load_swiglu, mlp_forward, move_stack, norm_of, pack_linears, pack_mlps, rms_norm,
+                                     stack_kernel_enabled, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -142,6 +144,8 @@ class Layer:
     router_w: torch.Tensor | None = None                    # [E, H] fp32
     router_b: torch.Tensor | None = None                    # [E] fp32
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    mlp_packed: object = None                               # pack_stack: kernels.pack_mlp of mlp / shared
+    shared_packed: object = None
 
 
 class Glm5NextCache:
@@ -298,9 +302,33 @@ class Glm5NextModel:
         return Glm5NextCache(self, streams, capacity, device)
 
     def to(self, device) -> "Glm5NextModel":
-        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
+        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
+        the extension, the stack's linears also get a copy in the expert kernel's BF16 tiles (pack_stack)."""
         move_stack(self, device)
+        if stack_kernel_enabled(device):
+            self.pack_stack()
         return self
+
+    def pack_stack(self) -> None:
+        """The stack's linears also in BF16 tiles (as glm4_moe.pack_stack), which steps of at most
+        kernels.STACK_KERNEL_MAX_ROWS rows take: KDA's qkv | f_a | g_a (one launch over the normed input), b, f_b,
+        g_b, o; MLA's q_a | kv_a | indexer wk, the indexer's gate | weights, q_b, wq_b, o; the dense and shared
+        SwiGLU MLPs (swiglu_limit's clamp in the kernel's epilogue). On the CPU the packed forms run F.linear on the
+        unpacked weights: the same bits."""
+        for L in self.layers:
+            k, a = L.kda, L.mla
+            if k is not None and k.packed is None:
+                k.packed = {"h": pack_linears([k.qkv, k.f_a, k.g_a]), "b": pack_linears([k.b]),
+                            "f_b": pack_linears([k.f_b]), "g_b": pack_linears([k.g_b]), "o": pack_linears([k.o])}
+            if a is not None and a.packed is None:
+                ix = a.indexer
+                ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
+                if ix is not None:
+                    ws, bs = ws + [ix.wk], bs + [None]
+                a.packed = {"h": pack_linears(ws, bs), "q_b": pack_linears([a.q_b]), "o": pack_linears([a.o], [a.o_bias]),
+                            "ix": None if ix is None else pack_linears([ix.gate, ix.weights]),
+                            "wq_b": None if ix is None else pack_linears([ix.wq_b])}
+            pack_mlps(L)
 
     def _section(self, *key):
         return NO_TIMER if self.timers is None else self.timers(key)
@@ -319,12 +347,6 @@ class Glm5NextModel:
         return unique_nbytes(ts)
 
     # -- forward ---------------------------------------------------------------------
-    def _mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        if self.limit is not None:  # clamp before the activation, as the routed experts do
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(-self.limit, self.limit)
-        return F.linear(F.silu(gate) * up, down)
 
     def forward(self, tokens: torch.Tensor, cache: Glm5NextCache, seqlens: list[int], moe) -> torch.Tensor:
         """`tokens` [T]: the streams' new tokens packed (seqlens[s] for stream s, after what the cache
@@ -352,10 +374,10 @@ class Glm5NextModel:
             with self._section("ffn", i):
                 post, comb, h = hc_pre(L.ffn_hc, streams, hca)
                 h = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
-                if L.mlp is not None:
-                    y = self._mlp(h, *L.mlp)
-                else:
-                    y = moe(i, h, L) + self._mlp(h, *L.shared)
+                if L.mlp is not None:  # gate and up clamped to swiglu_limit, as the routed experts are
+                    y = mlp_forward(h, L.mlp, L.mlp_packed, limit=self.limit)
+                else:                  # routed + shared
+                    y = mlp_forward(h, L.shared, L.shared_packed, residual=(moe(i, h, L),), limit=self.limit)
                 streams = hc_post(post, comb, y, streams)
         cache.lengths += torch.tensor(seqlens)                                         # host
         with self._section("head"):
@@ -369,29 +391,38 @@ class Glm5NextModel:
         tokens [M] and pos [M] (what each stream's cache holds) on the device. KDA layers step their
         states; MLA layers select over the cache's first `span` positions (None: its whole capacity; every
         pos < span, graph.span_for; mla_decode: positions past a stream's own are never chosen). The caller advances pos and cache.lengths. Returns
-        the logits [M, V] in bf16 (see glm4_moe.forward_static)."""
+        the logits [M, V] in bf16 (see glm4_moe.forward_static). On a GPU with the extension: the RMSNorms in
+        kernels.rms_norm, the packed linears and MLPs (pack_stack), the shared expert beside the routed ones
+        (moe's `shared`: routed + shared in the scatter)."""
         cfg, hca = self.cfg, self.hc_args
+        dev = tokens.device
+        fused = dev.type == "cuda" and kernels.available()
+        norm = norm_of(fused)
         x = self.embed[tokens]
         streams = x.unsqueeze(1).expand(-1, hca.mult, -1).contiguous()
-        idx = torch.arange(tokens.numel(), device=tokens.device)
+        idx = torch.arange(tokens.numel(), device=dev)
         selection = None
         span = cache.capacity if span is None else span
-        fuse, kfuse = hc_fused(x.device), kda_fused(x.device)
+        fuse, kfuse = hc_fused(dev), kda_fused(dev)
         for i, L in enumerate(self.layers):
             post, comb, h = hc_pre(L.attn_hc, streams, hca, fuse)
-            h = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
+            h = norm(h, L.input_norm, cfg.rms_norm_eps)
             if L.kda is not None:
                 y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], [], self.kda_args, idx=idx, fuse=kfuse)
                 selection = None
             else:
-                y, sel = mla_decode(L.mla, h, cache.mla[i], pos, span, self.mla_args, selection)
+                y, sel = mla_decode(L.mla, h, cache.mla[i], pos, span, self.mla_args, selection, fused)
                 selection = sel if L.shares_next else None
             streams = hc_post(post, comb, y, streams, fuse)
             post, comb, h = hc_pre(L.ffn_hc, streams, hca, fuse)
-            h = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
-            y = self._mlp(h, *L.mlp) if L.mlp is not None else moe(i, h, L) + self._mlp(h, *L.shared)
+            h = norm(h, L.post_norm, cfg.rms_norm_eps)
+            if L.mlp is not None:
+                y = mlp_forward(h, L.mlp, L.mlp_packed, limit=self.limit)
+            else:  # routed + shared, the shared expert beside the routed ones on a GPU (graph.DeviceMoE)
+                hs = h
+                y = moe(i, h, L, shared=lambda: mlp_forward(hs, L.shared, L.shared_packed, limit=self.limit))
             streams = hc_post(post, comb, y, streams, fuse)
-        h = rms_norm(streams.mean(dim=1), self.norm, cfg.rms_norm_eps)
+        h = norm(streams.mean(dim=1), self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head)  # bf16, as glm4_moe.forward_static
 
 

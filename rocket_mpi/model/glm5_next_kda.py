@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rocket_mpi.model.layers import linears
+
 DT = torch.bfloat16
 
 
@@ -39,6 +41,9 @@ class KDA:
     g_b: torch.Tensor           # [D, dk]
     o_norm: torch.Tensor        # [dk] fp32 (BF16 values)
     o: torch.Tensor             # [H, D]
+    # Glm5NextModel.pack_stack: copies in the expert kernel's BF16 tiles (layers.pack_linears; None where a shape
+    # does not fit): "h" qkv | f_a | g_a (one launch over the normed input), "b", "f_b", "g_b", "o"
+    packed: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,10 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)   # FLA's form: + eps, not max(., eps)
 
 
-def forget_gate(a: KDA, h: torch.Tensor, args: KdaArgs) -> torch.Tensor:
-    """h [T, H] BF16 -> g [T, heads, dk] fp32 log decay."""
-    f = F.linear(F.linear(h, a.f_a), a.f_b).float() + a.dt_bias
-    f = f.view(h.shape[0], args.heads, args.head_dim)
+def forget_gate(a: KDA, f_ah: torch.Tensor, args: KdaArgs) -> torch.Tensor:
+    """f_ah: f_a over h [T, dk] BF16 -> g [T, heads, dk] fp32 log decay."""
+    f = _lin(a, "f_b", f_ah).float() + a.dt_bias
+    f = f.view(f_ah.shape[0], args.heads, args.head_dim)
     rate = torch.exp(a.A_log).view(1, args.heads, 1)
     if args.lower_bound is not None:
         return args.lower_bound * torch.sigmoid(rate * f)
@@ -95,7 +100,8 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     sums in their own order; a prefill's tokens one after another in the launch instead of ~10 torch kernels each)."""
     t = h.shape[0]
     nh, dk, kk = args.heads, args.head_dim, args.conv_kernel
-    mixed = F.linear(h, a.qkv)                                        # [T, 3D] BF16, pre-conv
+    P = a.packed or {}
+    mixed, f_ah, g_ah = linears(h, [a.qkv, a.f_a, a.g_a], packs=P.get("h"))  # [T, 3D] BF16 pre-conv; gates' low rank
     if fuse and (idx is not None or segments):
         from rocket_mpi import kernels
         counts = None
@@ -104,10 +110,9 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
             if [off for _, off, _ in segments] != [sum(counts[:i]) for i in range(len(counts))]:
                 raise ValueError(f"kda_forward: segments {segments} are not packed one after another")
             idx = torch.tensor([s for s, _, _ in segments], device=h.device)
-        y = kernels.kda_decode(mixed, conv_state, a.conv, F.linear(F.linear(h, a.f_a), a.f_b), F.linear(h, a.b),
-                               F.linear(F.linear(h, a.g_a), a.g_b), a.dt_bias, a.A_log, a.o_norm, rec_state, idx, nh,
-                               dk, args.lower_bound, args.eps, counts)
-        return F.linear(y, a.o)
+        y = kernels.kda_decode(mixed, conv_state, a.conv, _lin(a, "f_b", f_ah), _lin(a, "b", h), _lin(a, "g_b", g_ah),
+                               a.dt_bias, a.A_log, a.o_norm, rec_state, idx, nh, dk, args.lower_bound, args.eps, counts)
+        return _lin(a, "o", y)
     conv_w = a.conv[:, None, :]                                       # [3D, 1, K]
     conv = torch.empty_like(mixed)
     decode = idx is not None or (all(n == 1 for _, _, n in segments) and len(segments) > 0)
@@ -126,8 +131,8 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     q, k, v = conv.float().view(t, 3, nh, dk).unbind(1)
     q = _l2norm(q) * dk ** -0.5
     k = _l2norm(k)
-    g = forget_gate(a, h, args)
-    beta = torch.sigmoid(F.linear(h, a.b)).float()                    # [T, heads]
+    g = forget_gate(a, f_ah, args)
+    beta = torch.sigmoid(_lin(a, "b", h)).float()                     # [T, heads]
     out = torch.empty(t, nh, dk, dtype=torch.float32, device=h.device)
     if decode:
         rec_state[idx], out = kda_step(rec_state[idx], q, k, v, g, beta)
@@ -139,6 +144,12 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
                 out[j] = o[0]
             rec_state[s] = st[0]
     out = out.to(DT).float()                                          # transformers rounds the core output
-    gate = F.linear(F.linear(h, a.g_a), a.g_b).view(t, nh, dk).float()
+    gate = _lin(a, "g_b", g_ah).view(t, nh, dk).float()
     out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + args.eps) * a.o_norm * torch.sigmoid(gate)
-    return F.linear(out.to(DT).reshape(t, -1), a.o)
+    return _lin(a, "o", out.to(DT).reshape(t, -1))
+
+
+def _lin(a: KDA, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x through the KDA weight `name`: its packed copy for steps of at most kernels.STACK_KERNEL_MAX_ROWS rows
+    where it has one (layers.linears), else F.linear."""
+    return linears(x, [getattr(a, name)], packs=(a.packed or {}).get(name))[0]

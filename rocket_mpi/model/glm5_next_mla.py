@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_decode, matmul_fp32, prefill_blocks,
-                                     rms_norm)
+from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_decode, linears, matmul_fp32,
+                                     norm_of, prefill_blocks, rms_norm)
 
 DT = torch.bfloat16
 
@@ -50,6 +50,10 @@ class MLA:
     kv_b: torch.Tensor                                                                # [heads*(dq+dv), kv_lora]
     o: torch.Tensor; o_bias: torch.Tensor | None                                     # noqa: E702
     indexer: Indexer | None     # None: a "shared" layer
+    # Glm5NextModel.pack_stack: copies in the expert kernel's BF16 tiles (layers.pack_linears; None where a shape
+    # does not fit): "h" q_a | kv_a (| the indexer's wk), "ix" the indexer's gate | weights (each one launch over
+    # the normed input), "q_b", "wq_b", "o"
+    packed: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -183,25 +187,30 @@ def _chosen_all(pos: torch.Tensor, span: int, a: MlaArgs) -> torch.Tensor:
 
 
 def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: int, args: MlaArgs,
-               shared: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple]:
+               shared: tuple[torch.Tensor, torch.Tensor] | None, fused: bool = False) -> tuple[torch.Tensor, tuple]:
     """One new token per stream at positions pos [M] (device), batched over streams with fixed shapes:
     h [M, H] -> ([M, H] BF16, its selection (cols, valid) [M, n_cols], which a "shared" layer reuses). Each
     stream's chosen pools and tail (_pool_cols: at most index_topk + kpool latents, a fixed number of columns, the
     unused ones masked) are gathered and attended in the absorbed form (layers.latent_decode): the same tokens and
     weights as mla_forward, other sum orders; nothing of the step is O(span) but the indexer's pool scores. While
     span // kpool <= index_topk // kpool the indexer's top-k takes every complete pool, so it is not scored (its
-    keys and pools are still kept for later steps) and the step attends over the span in order under a mask."""
+    keys and pools are still kept for later steps) and the step attends over the span in order under a mask.
+    The linears take their packed copies where the model has them (pack_stack) and h has at most
+    kernels.STACK_KERNEL_MAX_ROWS rows; fused: the RMSNorms in kernels.rms_norm (the fixed-shape step on a GPU)."""
     m, dev = h.shape[0], h.device
-    q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [M, q_lora]
-    q = F.linear(q_resid, a.q_b).view(m, args.heads, args.qk_dim)
-    latent = rms_norm(F.linear(h, a.kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)        # [M, kv_lora]
+    norm, P, ix = norm_of(fused), a.packed or {}, a.indexer
+    ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
+    qa, kv, *wk_h = linears(h, ws + [ix.wk] if ix is not None else ws, bs + [None] if ix is not None else bs,
+                            P.get("h"))
+    q_resid = norm(qa, a.q_a_norm, args.eps)                                          # [M, q_lora]
+    q = linears(q_resid, [a.q_b], packs=P.get("q_b"))[0].view(m, args.heads, args.qk_dim)
+    latent = norm(kv, a.kv_a_norm, args.eps)                                          # [M, kv_lora]
     idx = torch.arange(m, device=dev)
     with distinct_writes():
         c.latent[idx, pos] = latent
-    ix = a.indexer
     if ix is not None:
-        ik = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
-        ig = F.linear(h, ix.gate)
+        ik = F.layer_norm(wk_h[0], (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
+        ig, iw_h = linears(h, [ix.gate, ix.weights], packs=P.get("ix"))
         with distinct_writes():
             c.index_k[idx, pos] = ik
             c.index_gate[idx, pos] = ig
@@ -210,8 +219,8 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
         if pools <= args.index_topk // args.kpool:                    # the top-k takes them all: no scores needed
             shared = (torch.arange(span, device=dev).expand(m, span), _chosen_all(pos, span, args))
         else:  # pools past a stream's position are never candidates: any span >= the longest stream + 1 will do
-            iq = F.linear(q_resid, ix.wq_b).view(m, args.index_heads, args.index_dim)
-            iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5
+            iq = linears(q_resid, [ix.wq_b], packs=P.get("wq_b"))[0].view(m, args.index_heads, args.index_dim)
+            iw = iw_h.float() * args.index_heads ** -0.5
             chosen, taken = _pick(iq, iw, c.pool_k[:, :pools].transpose(-1, -2), pos, pools, args)
             shared = _pool_cols(chosen, taken, pos, args)
     cols, valid = shared
@@ -221,7 +230,7 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
         # the keys and values of one shared head, read once per stream; kv_b's halves are applied to 64 heads' q
         # and output instead of to every selected latent (2064 of them at index_topk 2048: ~69 GFLOP per stream
         # and MLA layer at the Flash width, against ~0.3 here).
-        return F.linear(_absorbed(a, q, rows, valid, args), a.o, a.o_bias), shared
+        return linears(_absorbed(a, q, rows, valid, args), [a.o], [a.o_bias], P.get("o"))[0], shared
     kv = F.linear(rows, a.kv_b).view(m, cols.shape[1], args.heads, args.qk_dim + args.v_dim)
     k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
     o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),

@@ -26,13 +26,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rocket_mpi import kernels
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
-from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_decode, load_embed_head,
-                                     load_ffn, load_swiglu, matmul_fp32, prefill_blocks, rms_norm, swiglu_mlp,
-                                     move_stack, unique_nbytes)
+from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_decode, linears, load_embed_head,
+                                     load_ffn, load_swiglu, matmul_fp32, mlp_forward, move_stack, norm_of,
+                                     pack_linears, pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled,
+                                     unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -129,6 +131,9 @@ class Attention:
     w_uv: torch.Tensor            # [heads, v, c]     kv_b_proj's value half
     o: torch.Tensor; o_bias: torch.Tensor | None                                  # noqa: E702 [H, heads*v]
     indexer: Indexer | None       # None on "shared" layers
+    # pack_stack: copies in the expert kernel's BF16 tiles (layers.pack_linears; None where a shape does not fit):
+    # "h" q_a | kv_a (| the indexer's wk): the linears of the normed input, one launch; "q_b", "wq_b", "o"
+    packed: dict | None = None
 
 
 class LatentCache:
@@ -266,9 +271,28 @@ class GlmMoeDsaModel:
                            self.embed.device if device is None else device)
 
     def to(self, device) -> "GlmMoeDsaModel":
-        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU)."""
+        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
+        the extension, the stack's linears also get a copy in the expert kernel's BF16 tiles (pack_stack)."""
         move_stack(self, device)
+        if stack_kernel_enabled(device):
+            self.pack_stack()
         return self
+
+    def pack_stack(self) -> None:
+        """Every layer's q_a | kv_a | indexer wk (one launch over the normed input), q_b, the indexer's wq_b, o and
+        the SwiGLU MLPs also in BF16 tiles (as glm4_moe.pack_stack), which steps of at most
+        kernels.STACK_KERNEL_MAX_ROWS rows take: decode steps read the weights at about copy bandwidth with no
+        split-K reduce kernels. On the CPU the packed forms run F.linear on the unpacked weights: the same bits."""
+        for L in self.layers:
+            a, ix = L.attn, L.attn.indexer
+            if a.packed is None:
+                ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
+                if ix is not None:
+                    ws, bs = ws + [ix.wk], bs + [None]
+                a.packed = {"h": pack_linears(ws, bs), "q_b": pack_linears([a.q_b]),
+                            "wq_b": None if ix is None else pack_linears([ix.wq_b]),
+                            "o": pack_linears([a.o], [a.o_bias])}
+            pack_mlps(L)
 
     def _section(self, *key):
         return NO_TIMER if self.timers is None else self.timers(key)
@@ -302,31 +326,31 @@ class GlmMoeDsaModel:
         for i, L in enumerate(self.layers):
             with self._section("attn", i):
                 h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
-                out, selection = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, selection)
-                x = x + out
+                x, selection = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, selection, x=x)
             with self._section("ffn", i):
                 h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
                 if L.mlp is not None:
-                    x = x + swiglu_mlp(h, *L.mlp)
+                    x = mlp_forward(h, L.mlp, L.mlp_packed, residual=(x,))                  # x + mlp
                 else:
-                    x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
+                    x = mlp_forward(h, L.shared, L.shared_packed, residual=(moe(i, h, L), x))  # x + (routed + shared)
         cache.lengths += torch.tensor(seqlens)                        # host
         with self._section("head"):
             last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
             h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
             return F.linear(h, self.lm_head).float()
 
-    def _indexer_k(self, ix: Indexer, h, cos, sin):
-        """-> the indexer's keys [T, index_dim] (BF16, roped on the first rope channels), which the cache keeps."""
+    def _indexer_k(self, ix: Indexer, wk_h, cos, sin):
+        """wk_h: the indexer's wk over the normed input [T, index_dim] -> its keys [T, index_dim] (BF16, layer-normed
+        and roped on the first rope channels), which the cache keeps."""
         r = self.rope_dim
-        k = F.layer_norm(F.linear(h, ix.wk), (self.index_dim,), ix.k_norm, ix.k_norm_bias, LATENT_NORM_EPS)
+        k = F.layer_norm(wk_h, (self.index_dim,), ix.k_norm, ix.k_norm_bias, LATENT_NORM_EPS)
         return torch.cat((rope_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]), dim=-1)
 
-    def _indexer_qw(self, ix: Indexer, h, q_resid, cos, sin):
+    def _indexer_qw(self, ix: Indexer, h, q_resid, cos, sin, packs=None):
         """-> the indexer's queries [T, index_heads, index_dim] (roped as the keys), head weights [T, index_heads]
         fp32: what scoring needs."""
         t, r = h.shape[0], self.rope_dim
-        q = F.linear(q_resid, ix.wq_b).view(t, self.index_heads, self.index_dim)
+        q = linears(q_resid, [ix.wq_b], packs=packs)[0].view(t, self.index_heads, self.index_dim)
         q = torch.cat((rope_interleaved(q[..., :r], cos, sin), q[..., r:]), dim=-1)
         w = F.linear(h.float(), ix.weights_proj) * self.index_heads ** -0.5
         return q, w
@@ -339,24 +363,28 @@ class GlmMoeDsaModel:
         return torch.matmul(w[:, None, :], s)[:, 0]
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: LatentCache, starts, seqlens, selection, pos=None,
-                   span: int | None = None):
-        """pos [M] on the device: the fixed-shape decode step (forward_static) over the cache's first `span`
-        positions (None: its capacity), starts/seqlens unused."""
+                   span: int | None = None, x: torch.Tensor | None = None, fused: bool = False):
+        """-> (x + the attention block of layer i over h = its normed x, the selection). pos [M] on the device:
+        the fixed-shape decode step (forward_static) over the cache's first `span` positions (None: its
+        capacity), starts/seqlens unused. The linears take their packed copies where the model has them
+        (pack_stack) and the step has at most kernels.STACK_KERNEL_MAX_ROWS rows, x + o in the o projection's
+        epilogue; fused: the RMSNorms in kernels.rms_norm (the fixed-shape step on a GPU)."""
         t, nh, c = h.shape[0], self.heads, self.latent
         dev = h.device
-        q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, LATENT_NORM_EPS)   # [T, q_lora]
-        q = F.linear(q_resid, a.q_b).view(t, nh, self.nope + self.rope_dim)
+        norm, P, own = norm_of(fused), a.packed or {}, a.indexer is not None
+        ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
+        qa, kv, *wk_h = linears(h, ws + [a.indexer.wk] if own else ws, bs + [None] if own else bs, P.get("h"))
+        q_resid = norm(qa, a.q_a_norm, LATENT_NORM_EPS)                                # [T, q_lora]
+        q = linears(q_resid, [a.q_b], packs=P.get("q_b"))[0].view(t, nh, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
-        kv = F.linear(h, a.kv_a, a.kv_a_bias)                                            # [T, c + rope]
-        latent = rms_norm(kv[:, :c], a.kv_a_norm, LATENT_NORM_EPS)
+        latent = norm(kv[:, :c], a.kv_a_norm, LATENT_NORM_EPS)                          # kv [T, c + rope]
         k_rot = rope_interleaved(kv[:, None, c:], cos, sin)[:, 0]
         # absorbed MLA: q_nope . (W_uk latent) == (q_nope W_uk) . latent, so keys are the cached latent rows
         q_cat = torch.cat((torch.einsum("thd,hdc->thc", q_nope, a.w_uk), rope_interleaved(q_rot, cos, sin)), dim=-1)
         kv_new = torch.cat((latent, k_rot), dim=-1)                                      # [T, c + rope]
         kvc, ixc = cache.kv[i], cache.index_k[i]
-        own = a.indexer is not None
         if own:
-            ik = self._indexer_k(a.indexer, h, cos, sin)
+            ik = self._indexer_k(a.indexer, wk_h[0], cos, sin)
         elif selection is None:
             raise ConfigError(f"layer {i}: a 'shared' indexer layer needs an earlier 'full' one")
 
@@ -366,14 +394,14 @@ class GlmMoeDsaModel:
             elif span is None:
                 span = cache.capacity
             # within index_topk positions the top-k of every query is all of its positions: no scores needed
-            iq, iw = self._indexer_qw(a.indexer, h, q_resid, cos, sin) if own and span > self.index_topk \
-                else (None, None)
+            iq, iw = self._indexer_qw(a.indexer, h, q_resid, cos, sin, P.get("wq_b")) \
+                if own and span > self.index_topk else (None, None)
             o_lat, selection = self._decode_attention(i, a, q_cat, kv_new, ik if own else None, iq, iw, cache, pos,
                                                       span, selection)
         else:
             iq = iw = None
             if own and any(p0 + n > self.index_topk for p0, n in zip(starts, seqlens)):  # some rows choose
-                iq, iw = self._indexer_qw(a.indexer, h, q_resid, cos, sin)
+                iq, iw = self._indexer_qw(a.indexer, h, q_resid, cos, sin, P.get("wq_b"))
             outs, sels, off = [], [], 0
             for s, (p0, n) in enumerate(zip(starts, seqlens)):
                 if n == 0:
@@ -392,7 +420,7 @@ class GlmMoeDsaModel:
             o_lat = torch.cat(outs)
             selection = sels
         o = torch.einsum("thc,hvc->thv", o_lat, a.w_uv).reshape(t, nh * self.v_dim)
-        return F.linear(o, a.o, a.o_bias), selection
+        return linears(o, [a.o], [a.o_bias], P.get("o"), residual=() if x is None else (x,))[0], selection
 
     def _prefill_selection(self, iq, iw, keys, p0: int, n: int) -> PrefillSelection:
         """Stream rows at positions p0..p0 + n - 1 (indexer queries iq [n, ih, d], weights iw [n, ih], the stream's
@@ -483,22 +511,42 @@ class GlmMoeDsaModel:
         indexer scores the cache's first `span` positions (None: its whole capacity; every pos < span,
         graph.span_for) under a length mask (_decode_attention); everything else
         is forward's decode step. The caller advances pos and cache.lengths. Returns
-        the logits [M, V] in bf16 (see glm4_moe.forward_static)."""
-        cfg = self.cfg
+        the logits [M, V] in bf16 (see glm4_moe.forward_static). On a GPU with the extension, as glm4_moe's step:
+        the RMSNorms in kernels.rms_norm, the packed linears (pack_stack), the shared expert beside the routed
+        ones with x + (routed + shared) in the scatter, and with the step's glue fused (graph.step_fused) the
+        embedding with the first norm and each MoE scatter with the next norm."""
+        from rocket_mpi.graph import step_fused
+        eps = self.cfg.rms_norm_eps
+        dev = self.embed.device
+        fused = dev.type == "cuda" and kernels.available()
+        glue = fused and step_fused(dev)
+        norm = norm_of(fused)
         cos, sin = self.rope.cos_sin(pos)
-        x = self.embed[tokens]
-        selection = None
+        h = None
+        if glue:
+            x, h = kernels.embed_rms_norm(self.embed, tokens, self.layers[0].input_norm, eps)
+        else:
+            x = self.embed[tokens]
+        n, selection = len(self.layers), None
         for i, L in enumerate(self.layers):
-            h = rms_norm(x, L.input_norm, cfg.rms_norm_eps)
-            out, selection = self._attention(i, L.attn, h, cos, sin, cache, None, None, selection, pos=pos,
-                                             span=span)
-            x = x + out
-            h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
+            if h is None:
+                h = norm(x, L.input_norm, eps)
+            x, selection = self._attention(i, L.attn, h, cos, sin, cache, None, None, selection, pos=pos,
+                                           span=span, x=x, fused=fused)
+            h = norm(x, L.post_norm, eps)
             if L.mlp is not None:
-                x = x + swiglu_mlp(h, *L.mlp)
+                x, h = mlp_forward(h, L.mlp, L.mlp_packed, residual=(x,)), None                 # x + mlp
+                continue
+            hs = h  # the shared expert's input (the lambda runs inside moe, after h is rebound below)
+            shared = lambda: mlp_forward(hs, L.shared, L.shared_packed)  # noqa: E731
+            if glue:  # the scatter also makes the next input norm (the final norm after the last layer)
+                nxt = self.layers[i + 1].input_norm if i + 1 < n else self.norm
+                x, h = moe(i, h, L, shared=shared, residual=x, next_norm=(nxt, eps))         # x + (routed + shared)
             else:
-                x = x + (moe(i, h, L) + swiglu_mlp(h, *L.shared))
-        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)  # bf16, as glm4_moe.forward_static
+                x, h = moe(i, h, L, shared=shared, residual=x), None
+        if h is None:
+            h = norm(x, self.norm, eps)
+        return F.linear(h, self.lm_head)  # bf16, as glm4_moe.forward_static
 
 
 MODEL = GlmMoeDsaModel

@@ -95,20 +95,57 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.bmm(p.to(values.dtype), values)
 
 
-def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [T, H] @ gate_up [2I, H] -> silu(gate) * up [T, I] -> @ down [H, I] -> [T, H]."""
+def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None
+               ) -> torch.Tensor:
+    """x [T, H] @ gate_up [2I, H] -> silu(gate) * up [T, I] -> @ down [H, I] -> [T, H]. With `limit`
+    (GLM-5.3-Flash's swiglu_limit): gate.clamp(max=limit) and up.clamp(-limit, limit) before the activation."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return F.linear(F.silu(gate) * up, down)
 
 
-def mlp_forward(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=None, residual=()) -> torch.Tensor:
-    """A dense or shared-expert SwiGLU MLP (gate_up, down), then + each of `residual` in order (r + y, one bf16
-    rounding each, as the stack writes x + mlp); with its `packed` copy (pack_mlps), steps of at most
-    kernels.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's BF16 tiles, the adds in its epilogue."""
+def mlp_forward(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=None, residual=(),
+                limit: float | None = None) -> torch.Tensor:
+    """A dense or shared-expert SwiGLU MLP (gate_up, down; swiglu_mlp's `limit`), then + each of `residual` in
+    order (r + y, one bf16 rounding each, as the stack writes x + mlp); with its `packed` copy (pack_mlps), steps
+    of at most kernels.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's BF16 tiles, the adds in its
+    epilogue."""
     from rocket_mpi import kernels
     if packed is not None and x.shape[0] <= kernels.STACK_KERNEL_MAX_ROWS:
-        return kernels.swiglu_dense(x, packed, residual)
-    return kernels.add_residuals(swiglu_mlp(x, *mlp), residual)
+        return kernels.swiglu_dense(x, packed, residual, limit)
+    return kernels.add_residuals(swiglu_mlp(x, *mlp, limit), residual)
+
+
+def pack_linears(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
+    """A packed copy (kernels.pack_linear: one launch where the parts fuse) of linears that share their input, or
+    None where a shape is not whole tiles of 16 (the tiny test presets' narrow heads): those keep F.linear."""
+    from rocket_mpi import kernels
+    from rocket_mpi.kernels.pack import TILE_N
+    if any(w.shape[0] % TILE_N or w.shape[1] % TILE_N for w in weights):
+        return None
+    return kernels.pack_linear(list(weights), biases)
+
+
+def linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, packs=None, residual=()
+            ) -> list[torch.Tensor]:
+    """x through linears of one input -> one tensor per weight: steps of at most kernels.STACK_KERNEL_MAX_ROWS rows
+    through their packed copy (pack_linears) where they have one, else F.linear each. `residual` (one weight
+    only): + each in order (r + y, the stack's x + o), in the kernel's epilogue where it runs."""
+    from rocket_mpi import kernels
+    if packs is not None and x.shape[0] <= kernels.STACK_KERNEL_MAX_ROWS:
+        return kernels.linear(x, packs, residual)
+    outs = [F.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
+    if residual:
+        outs[0] = kernels.add_residuals(outs[0], residual)
+    return outs
+
+
+def norm_of(fused: bool):
+    """The RMSNorm a step takes: kernels.rms_norm (one launch, its own sum order) where the step's kernels are
+    fused (a GPU with the extension), else rms_norm (torch ops)."""
+    from rocket_mpi import kernels
+    return kernels.rms_norm if fused else rms_norm
 
 
 def pack_mlps(layer) -> None:
@@ -211,9 +248,28 @@ def move_weights(obj, device) -> None:
             move_weights(v, device)
 
 
+PACKED_FIELDS = ("packed", "mlp_packed", "shared_packed", "o_packed", "qkv")  # glm4_moe's qkv: its packed q/k/v
+
+
+def packed_copies(model) -> list[tuple[object, str]]:
+    """(owner, field) of every packed stack copy a model holds (pack_stack), in its layers' dataclasses."""
+    out = []
+    for L in model.layers:
+        for obj in (L, getattr(L, "attn", None), getattr(L, "kda", None), getattr(L, "mla", None)):
+            for f in PACKED_FIELDS:
+                v = getattr(obj, f, None) if obj is not None else None
+                if v is not None and not isinstance(v, torch.Tensor):   # GLM-5.3-Flash's KDA.qkv is a weight
+                    out.append((obj, f))
+    return out
+
+
 def move_stack(model, device) -> None:
     """A model's replicated stack to `device` in place: embedding, final norm, lm_head (kept tied to the
-    embedding where it is), every layer's weights, and the rotary table where the model has one."""
+    embedding where it is), every layer's weights, and the rotary table where the model has one. Packed copies
+    (pack_stack) are dropped: they belong to the device they were packed on, and the model's `to` packs again
+    where its device takes them."""
+    for obj, f in packed_copies(model):
+        setattr(obj, f, None)
     tied = model.lm_head is model.embed
     model.embed, model.norm = model.embed.to(device), model.norm.to(device)
     model.lm_head = model.embed if tied else model.lm_head.to(device)

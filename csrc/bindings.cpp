@@ -731,6 +731,28 @@ void rope_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const t
                       static_cast<int>(rot), c10::cuda::getCurrentCUDAStream().stream());
 }
 
+// x [T, H, r] bf16 (last dim contiguous, each token's H rows one stride apart) -> a new [T, H, r]: GLM-5's
+// interleaved rotary form (decode_ops.cu)
+torch::Tensor rope_interleaved(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const c10::Device dev = x.device();
+  ROCKET_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 3 && x.stride(2) == 1,
+               "rope_interleaved: x " << x.sizes() << " " << x.scalar_type() << " (bf16 [T, H, r], last dim contiguous)");
+  const int64_t t = x.size(0), h = x.size(1), r = x.size(2);
+  const int64_t stride = h > 1 ? x.stride(1) : (t > 1 ? x.stride(0) : r);
+  ROCKET_CHECK(t <= 1 || x.stride(0) == h * stride, "rope_interleaved: x strides " << x.strides()
+               << " do not put a token's rows one stride apart");
+  expect(cos, "cos", torch::kBFloat16, 2, dev, 2);
+  expect(sin, "sin", torch::kBFloat16, 2, dev, 2);
+  ROCKET_CHECK(cos.sizes() == torch::IntArrayRef({t, r}) && sin.sizes() == cos.sizes(),
+               "rope_interleaved: cos " << cos.sizes() << ", sin " << sin.sizes() << " for x " << x.sizes());
+  const c10::cuda::CUDAGuard guard(dev);
+  auto out = torch::empty({t, h, r}, x.options());
+  rocket::launch_rope_interleaved(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), t * h,
+                                  static_cast<int>(h), static_cast<int>(r), stride,
+                                  c10::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
+
 void kv_append(torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& k, const torch::Tensor& v,
                const torch::Tensor& pos) {
   const c10::Device dev = kc.device();
@@ -856,6 +878,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_", &argmax_, "tokens = argmax of each row of bf16 logits (torch's choice), pos += 1, one launch",
         py::arg("logits"), py::arg("tokens"), py::arg("ticket"), py::arg("pos") = py::none());
   m.def("rope_", &rope_, "rotate-half RoPE on q and k in place (decode step)");
+  m.def("rope_interleaved", &rope_interleaved, "GLM-5's interleaved RoPE of x [T, H, r] into a new tensor, the bits of "
+        "torch's bf16 ops");
   m.def("rope_kv_", &rope_kv_, "rope_ and kv_append in one launch (decode step); table: cos/sin read at pos",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("kc"),
         py::arg("vc"), py::arg("pos"), py::arg("table") = false);

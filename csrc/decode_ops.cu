@@ -6,6 +6,10 @@
 //   rope       q [T, hq, d], k [T, hk, d] in place, rotate-half on the first `rot` channels with the
 //              step's cos/sin [T, rot] (bf16): out = bf16(bf16(x * cos) + bf16(rotated * sin)), exactly
 //              torch's bf16 ops on the same inputs
+//   rope_interleaved  GLM-5's rotary form (glm_moe_dsa.rope_interleaved): rows x [T, H, r] (a view whose rows
+//              sit one stride apart) -> out [T, H, r] with pairs (x[2j], x[2j+1]) turned by cos/sin[t, j] and laid
+//              out de-interleaved (evens, then odds), bf16(bf16(x1 c) - bf16(x2 s)) | bf16(bf16(x2 c) + bf16(x1 s)):
+//              torch's bf16 ops on the same inputs, one launch instead of ~8
 //   kv_append  k/v [M, hkv, d] into the caches [M, hkv, cap, d] at each stream's position pos[M]
 //   rope_kv    rope and kv_append in one launch: q rotated in place, k rotated (in place and into its cache), v
 //              into its cache; the same bits as the two. cos / sin are the step's rows, or a table (Rope.table)
@@ -100,6 +104,22 @@ __global__ void rope_kernel(__nv_bfloat16* __restrict__ q, __nv_bfloat16* __rest
   base[j] = __float2bfloat16_rn(__fadd_rn(dev::round_bf16(__fmul_rn(x1, c1)), dev::round_bf16(__fmul_rn(-x2, s1))));
   base[j + half] =
       __float2bfloat16_rn(__fadd_rn(dev::round_bf16(__fmul_rn(x2, c2)), dev::round_bf16(__fmul_rn(x1, s2))));
+}
+
+// One thread per (row, pair j < r / 2); a row is one head of one token, `stride` elements after the previous.
+__global__ void rope_interleaved_kernel(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out,
+                                        const __nv_bfloat16* __restrict__ cos, const __nv_bfloat16* __restrict__ sin,
+                                        int64_t rows, int heads, int r, int64_t stride) {
+  const int half = r / 2;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= rows * half) return;
+  const int j = int(idx % half);
+  const int64_t row = idx / half, t = row / heads;
+  const float x1 = __bfloat162float(x[row * stride + 2 * j]), x2 = __bfloat162float(x[row * stride + 2 * j + 1]);
+  const float c = __bfloat162float(cos[t * r + j]), s = __bfloat162float(sin[t * r + j]);
+  out[row * r + j] = __float2bfloat16_rn(__fsub_rn(dev::round_bf16(__fmul_rn(x1, c)), dev::round_bf16(__fmul_rn(x2, s))));
+  out[row * r + half + j] =
+      __float2bfloat16_rn(__fadd_rn(dev::round_bf16(__fmul_rn(x2, c)), dev::round_bf16(__fmul_rn(x1, s))));
 }
 
 __global__ void kv_append_kernel(__nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc,
@@ -471,6 +491,18 @@ void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens,
   rope_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
       static_cast<__nv_bfloat16*>(q), static_cast<__nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(cos),
       static_cast<const __nv_bfloat16*>(sin), tokens, hq, hk, d, rot);
+  ROCKET_LAUNCH_CHECK();
+}
+
+void launch_rope_interleaved(const void* x, void* out, const void* cos, const void* sin, int64_t rows, int heads, int r,
+                             int64_t stride, cudaStream_t stream) {
+  ROCKET_CHECK(r > 0 && r % 2 == 0 && heads > 0 && stride >= r, "rope_interleaved: rotary dim " << r << ", "
+               << heads << " heads, row stride " << stride);
+  const int64_t n = rows * (r / 2);
+  if (n == 0) return;
+  rope_interleaved_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(cos),
+      static_cast<const __nv_bfloat16*>(sin), rows, heads, r, stride);
   ROCKET_LAUNCH_CHECK();
 }
 

@@ -229,6 +229,10 @@ void launch_rms_norm(const void* x, const void* w, void* out, int64_t rows, int 
                      const int64_t* index = nullptr, int64_t x_rows = 0, void* x_out = nullptr);
 void launch_rope(void* q, void* k, const void* cos, const void* sin, int tokens, int hq, int hk, int d, int rot,
                  cudaStream_t stream);
+// out [rows, r] = GLM-5's interleaved rotary form of x's rows (`stride` elements apart; `heads` rows per token, whose
+// cos / sin row [r] they share)
+void launch_rope_interleaved(const void* x, void* out, const void* cos, const void* sin, int64_t rows, int heads, int r,
+                             int64_t stride, cudaStream_t stream);
 void launch_rope_kv(void* q, void* k, const void* v, const void* cos, const void* sin, void* kc, void* vc,
                     const int64_t* pos, int tokens, int hq, int hk, int d, int rot, int cap, cudaStream_t stream,
                     int table_rows = 0);  // > 0: cos / sin are [table_rows, rot] tables read at pos

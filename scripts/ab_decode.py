@@ -14,7 +14,8 @@ and whether its tokens equal the first variant's (switches that must not change 
 
 AB_STACK=torch (read by this script, not the package): the variant runs with the model's packed stack copies
 (pack_stack: the linears and MLPs in the expert kernel's BF16 tiles) set aside, so its step takes cuBLAS, as a
-model loaded under ROCKET_STACK=torch would; the copies come back after the run.
+model loaded under ROCKET_STACK=torch would; the copies come back after the run. AB_ROPE=torch (this script too):
+GLM-5's interleaved RoPE in its torch ops instead of kernels.rope_interleaved (the same bits).
 """
 from __future__ import annotations
 
@@ -86,6 +87,20 @@ def without_packed_stack(model, run):
             setattr(obj, f, v)
 
 
+def with_torch_rope(run):
+    """run, with GLM-5's interleaved RoPE in torch ops for its duration."""
+    def wrapped():
+        from rocket_mpi import kernels
+        from rocket_mpi.model import glm_moe_dsa
+        kernel = kernels.rope_interleaved
+        kernels.rope_interleaved = glm_moe_dsa.rope_interleaved_ops
+        try:
+            return run()
+        finally:
+            kernels.rope_interleaved = kernel
+    return wrapped
+
+
 def main() -> int:
     ap = variant_args(__doc__, "1,8,16")
     ap.add_argument("--tokens", type=int, default=40, help="steps per run (the first 3 are not timed)")
@@ -115,6 +130,8 @@ def main() -> int:
         gb = 0.0
         def run():
             gen = lambda: eng.generate(prompts, a.tokens, capacity=a.capacity)  # noqa: E731
+            if os.environ.get("AB_ROPE") == "torch":
+                gen = with_torch_rope(gen)
             return without_packed_stack(eng.model, gen) if os.environ.get("AB_STACK") == "torch" else gen()
 
         for r, name, res in rotated_runs(variants, a.rounds, run, "graph"):

@@ -619,6 +619,32 @@ def test_gpu_rope_table_rows_are_cos_sin_bitwise(rot, theta):
 
 
 @gpu
+@pytest.mark.parametrize("t", [1, 5, 37])
+def test_gpu_rope_interleaved_bitwise(t):
+    """GLM-5's interleaved RoPE in one launch (kernels.rope_interleaved) gives the bits of its torch ops on the GPU,
+    on the views the model passes: q's rope channels (a head's rows one stride apart), the latent key's [T, 1, r]
+    slice, the indexer's q and k; the input is left as it was."""
+    from rocket_mpi.model import glm_moe_dsa
+    from rocket_mpi.model.layers import Rope
+    rope = Rope(64, 10000.0, torch.bfloat16)
+    rope.inv_freq = rope.inv_freq.cuda()
+    gen = torch.Generator().manual_seed(t)
+    cos, sin = rope.cos_sin(torch.randint(0, 4000, (t,), generator=gen).cuda())
+    q = torch.randn(t, 16, 192 + 64, generator=gen).bfloat16().cuda()
+    kv = torch.randn(t, 512 + 64, generator=gen).bfloat16().cuda()
+    iq = torch.randn(t, 32, 128, generator=gen).bfloat16().cuda()
+    views = {"q rope": q.split([192, 64], dim=-1)[1], "latent key": kv[:, None, 512:], "indexer q": iq[..., :64],
+             "indexer k": iq[:, 0, None, :64], "contiguous": iq[:, :3, 64:].contiguous()}
+    for name, x in views.items():
+        before = x.clone()
+        got = glm_moe_dsa.rope_interleaved(x, cos, sin)
+        want = glm_moe_dsa.rope_interleaved_ops(x, cos, sin)   # the torch ops on the same GPU tensors
+        assert got.shape == want.shape and got.is_contiguous(), name
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+        assert torch.equal(x, before), name
+
+
+@gpu
 @pytest.mark.parametrize("m,hq,hk,d,rot,cap", [(8, 12, 2, 128, 64, 40), (1, 4, 4, 64, 64, 3), (3, 6, 1, 80, 40, 9)])
 def test_gpu_rope_kv_bitwise(m, hq, hk, d, rot, cap):
     """rope_kv_ (one launch) gives the bits of rope_ then kv_append: q and k rotated, k and v in the caches at

@@ -224,6 +224,13 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     _ext.require().rope_(q, k, cos.contiguous(), sin.contiguous(), rot)
 
 
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """glm_moe_dsa.rope_interleaved (x [T, H, r], cos / sin [T, r]) in one launch: the same bits as its torch ops."""
+    if x.stride(-1) != 1 or (x.shape[1] > 1 and x.stride(0) != x.shape[1] * x.stride(1)):
+        x = x.contiguous()
+    return _ext.require().rope_interleaved(x, cos.contiguous(), sin.contiguous())
+
+
 def kv_append(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
     """kc[s, :, pos[s]] = k[s] (and v) for every stream s."""
     _ext.require().kv_append(kc, vc, k.contiguous(), v.contiguous(), pos)

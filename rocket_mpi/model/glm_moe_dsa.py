@@ -184,7 +184,16 @@ NO_TIMER = nullcontext()
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, r], cos/sin [T, r] (cat(freqs, freqs)): pairs (x0, x1), (x2, x3), ... each turned by one
     frequency. The result is laid out de-interleaved (rotated evens, then odds) as transformers'
-    apply_rotary_pos_emb_interleave does; q and k share the layout, so their dot products do not see it."""
+    apply_rotary_pos_emb_interleave does; q and k share the layout, so their dot products do not see it.
+    On a GPU with the extension one launch of kernels.rope_interleaved (the same bits as these ~8 torch kernels,
+    4 calls per layer and step)."""
+    if x.is_cuda and kernels.available():
+        return kernels.rope_interleaved(x, cos, sin)
+    return rope_interleaved_ops(x, cos, sin)
+
+
+def rope_interleaved_ops(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rope_interleaved in torch ops (the CPU's form, and the GPU kernel's reference)."""
     half = x.shape[-1] // 2
     c, s = cos[:, None, :half], sin[:, None, :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]

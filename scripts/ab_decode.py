@@ -101,6 +101,13 @@ def with_torch_rope(run):
     return wrapped
 
 
+def under_ab_switches(model, gen):
+    """gen() under this script's AB_STACK / AB_ROPE switches, read from the environment rotated_runs set."""
+    if os.environ.get("AB_ROPE") == "torch":
+        gen = with_torch_rope(gen)
+    return without_packed_stack(model, gen) if os.environ.get("AB_STACK") == "torch" else gen()
+
+
 def main() -> int:
     ap = variant_args(__doc__, "1,8,16")
     ap.add_argument("--tokens", type=int, default=40, help="steps per run (the first 3 are not timed)")
@@ -128,12 +135,7 @@ def main() -> int:
         times: dict[str, list[list[float]]] = {n: [] for n, _ in variants}
         tokens: dict[str, list] = {}
         gb = 0.0
-        def run():
-            gen = lambda: eng.generate(prompts, a.tokens, capacity=a.capacity)  # noqa: E731
-            if os.environ.get("AB_ROPE") == "torch":
-                gen = with_torch_rope(gen)
-            return without_packed_stack(eng.model, gen) if os.environ.get("AB_STACK") == "torch" else gen()
-
+        run = lambda: under_ab_switches(eng.model, lambda: eng.generate(prompts, a.tokens, capacity=a.capacity))  # noqa: E731
         for r, name, res in rotated_runs(variants, a.rounds, run, "graph"):
             if r == 0:
                 print(f"  M={m} {name}: attention spans {res.spans} ((first step, span) pairs)")

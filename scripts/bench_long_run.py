@@ -5,7 +5,7 @@
 
 `scripts/ab_decode.py` times the steady replays of short runs; this times what a user's long run costs end to end:
 every decode step, the steps that run eagerly and capture a graph where the step's span grows (graph.span_for),
-and the decode seconds in all. Variants are NAME[:ENV=VALUE,...] as in ab_decode, run round after round in a
+and the decode seconds in all. Variants are NAME[:ENV=VALUE,...] as in ab_decode (its AB_STACK / AB_ROPE too), run round after round in a
 rotated order (a long run heats the GPU: the variant run second would pay for it). Prints per M and variant: the
 decode seconds of each round (steps 1..n-1), the median ms per step over the same windows of steps for every
 variant (1-255, 256-511, ...: the positions grow with the step), the spans taken, and the ms of the steps that ran
@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ab_decode import parse_variant, rotated_runs, variant_args  # noqa: E402
+from ab_decode import parse_variant, rotated_runs, under_ab_switches, variant_args  # noqa: E402
 
 from rocket_mpi.checkpoint.synthetic import SyntheticReader  # noqa: E402
 from rocket_mpi.engine import Engine  # noqa: E402
@@ -52,7 +52,8 @@ def main() -> int:
     for m in (int(x) for x in a.sweep.split(",")):
         prompts = default_prompts(m, eng.cfg.vocab_size)
         runs: dict[str, list] = {n: [] for n, _ in variants}
-        for _, name, res in rotated_runs(variants, a.rounds, lambda: eng.generate(prompts, a.tokens), path):
+        run = lambda: under_ab_switches(eng.model, lambda: eng.generate(prompts, a.tokens))  # noqa: E731
+        for _, name, res in rotated_runs(variants, a.rounds, run, path):
             runs[name].append(res)
         first = runs[variants[0][0]][0].tokens
         print(f"\nM={m}: prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; median ms per step "

@@ -573,9 +573,11 @@ py::object rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps,
 }
 
 // GLM-5.3-Flash hyper-connections (hc.cu): x [T, n, H] bf16 -> (post [T, n] fp32, comb [T, n, n] fp32, collapsed
-// [T, H] bf16), as glm5_next_hc.hc_pre computes them.
+// [T, H] bf16), as glm5_next_hc.hc_pre computes them; with norm_w [H] bf16 also (..., normed [T, H]): rms_norm of
+// collapsed with rms_eps, in hc_finish's launch where it fuses, else launched after it (the same bits).
 py::tuple hc_pre(const torch::Tensor& x, const torch::Tensor& fn, const torch::Tensor& base, const torch::Tensor& scale,
-                 int64_t iters, double eps, double norm_eps) {
+                 int64_t iters, double eps, double norm_eps, const std::optional<torch::Tensor>& norm_w,
+                 double rms_eps) {
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 3, dev, 2);
   const int64_t t = x.size(0), n = x.size(1), h = x.size(2), j = (2 + n) * n;
@@ -605,8 +607,26 @@ py::tuple hc_pre(const torch::Tensor& x, const torch::Tensor& fn, const torch::T
   a.post = post.data_ptr<float>();
   a.comb = comb.data_ptr<float>();
   a.collapsed = collapsed.data_ptr();
-  rocket::launch_hc_pre(a, c10::cuda::getCurrentCUDAStream().stream());
-  return py::make_tuple(post, comb, collapsed);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (!norm_w) {
+    rocket::launch_hc_pre(a, stream);
+    return py::make_tuple(post, comb, collapsed);
+  }
+  expect(*norm_w, "norm weight", torch::kBFloat16, 1, dev, 2);
+  ROCKET_CHECK(norm_w->numel() == h, "hc_pre: norm weight " << norm_w->sizes() << " for hidden " << h);
+  auto normed = torch::empty({t, h}, x.options());
+  const bool fused = rocket::hc_norm_fusable(static_cast<int>(h), collapsed.data_ptr(), norm_w->data_ptr(),
+                                             normed.data_ptr());
+  if (fused) {
+    a.norm_w = norm_w->data_ptr();
+    a.rms_eps = static_cast<float>(rms_eps);
+    a.normed = normed.data_ptr();
+  }
+  rocket::launch_hc_pre(a, stream);
+  if (!fused)
+    rocket::launch_rms_norm(collapsed.data_ptr(), norm_w->data_ptr(), normed.data_ptr(), t, static_cast<int>(h),
+                            static_cast<float>(rms_eps), stream);
+  return py::make_tuple(post, comb, collapsed, normed);
 }
 
 // post [T, n], comb [T, n, n] fp32, y [T, H] and x [T, n, H] bf16 -> the new streams [T, n, H] bf16 (hc_post).
@@ -867,7 +887,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "counter (the graphed step's exchange)");
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step); with index, (x[index], its norm) from one launch",
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("index") = py::none());
-  m.def("hc_pre", &hc_pre, "GLM-5.3-Flash hyper-connection collapse: (post, comb, collapsed), two launches");
+  m.def("hc_pre", &hc_pre, "GLM-5.3-Flash hyper-connection collapse: (post, comb, collapsed), two launches; with "
+        "norm_w also the collapsed row's RMSNorm (in the second launch where it fuses)", py::arg("x"), py::arg("fn"),
+        py::arg("base"), py::arg("scale"), py::arg("iters"), py::arg("eps"), py::arg("norm_eps"),
+        py::arg("norm_w") = py::none(), py::arg("rms_eps") = 0.0);
   m.def("hc_post", &hc_post, "GLM-5.3-Flash hyper-connection expand: the new streams, one launch");
   m.def("kda_decode", &kda_decode, "GLM-5.3-Flash KDA: one decode token per stream, or (offsets) each stream's "
         "segment of tokens in order, the q|k|v projection to o_proj's input, the conv and recurrent states updated in "

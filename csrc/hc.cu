@@ -8,14 +8,16 @@
 //               rows of fn, and the partial sum of squares, over kHcSlice k each (fixed order: a thread's k
 //               ascending, a butterfly in each warp, the warps in order)
 //   hc_finish   grid T: the slices' partials in slice order; RMS scale, pre / post / comb (softmax, Sinkhorn: one
-//               lane per matrix entry, row and column sums in index order); the collapse sum_i pre[i] * streams[i]
+//               lane per matrix entry, row and column sums in index order); the collapse sum_i pre[i] * streams[i];
+//               optionally then the block's RMSNorm of the collapsed row (the next block's input norm), in
+//               norm.cuh's layout: the bits of decode_ops.cu's rms_norm launched after it
 //   hc_post     out[j] = post[j] * y + sum_i comb[i, j] * streams[i], rounded where torch's BF16 ops round: the
 //               product, the matmul's result (fp32 sums in i order), the add
 //
 // Deterministic (fixed sum orders, no atomics), and a token's result depends on no other token. Not bitwise torch's
 // (the sum orders differ, and the RMS scale multiplies the dot products instead of the inputs): tests compare them
 // within a tolerance (tests/test_device_plan.py).
-#include "common.cuh"
+#include "norm.cuh"
 
 namespace rocket {
 namespace {
@@ -74,7 +76,10 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
                                                                const float* __restrict__ scale, int iters, float eps,
                                                                float norm_eps, float* __restrict__ post,
                                                                float* __restrict__ comb,
-                                                               __nv_bfloat16* __restrict__ collapsed) {
+                                                               __nv_bfloat16* __restrict__ collapsed,
+                                                               const __nv_bfloat16* __restrict__ norm_w, float rms_eps,
+                                                               __nv_bfloat16* __restrict__ normed) {
+  static_assert(kHcThreads == dev::kNormThreads, "hc_finish's norm is rms_norm_kernel's block layout");
   constexpr int J = (2 + N) * N;
   const int t = blockIdx.x, lane = threadIdx.x & 31;
   const int K = N * H;
@@ -112,14 +117,36 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
       c = __fdiv_rn(c, __fadd_rn(group_sum<N>(c, j, N), eps));       // columns
     }
     if (lane < N * N) comb[int64_t(t) * N * N + lane] = c;
-    return;
-  }
-  const __nv_bfloat16* xt = x + int64_t(t) * K;
-  for (int h = threadIdx.x - 32; h < H; h += kHcThreads - 32) {
-    float acc = __fmul_rn(pre[0], __bfloat162float(xt[h]));
+  } else {
+    const __nv_bfloat16* xt = x + int64_t(t) * K;
+    for (int h = threadIdx.x - 32; h < H; h += kHcThreads - 32) {
+      float acc = __fmul_rn(pre[0], __bfloat162float(xt[h]));
 #pragma unroll
-    for (int q = 1; q < N; ++q) acc = __fadd_rn(acc, __fmul_rn(pre[q], __bfloat162float(xt[q * H + h])));
-    collapsed[int64_t(t) * H + h] = __float2bfloat16_rn(acc);
+      for (int q = 1; q < N; ++q) acc = __fadd_rn(acc, __fmul_rn(pre[q], __bfloat162float(xt[q * H + h])));
+      collapsed[int64_t(t) * H + h] = __float2bfloat16_rn(acc);
+    }
+  }
+  if (normed == nullptr) return;  // the same for the whole grid
+  // The row is in memory for the block after the barrier; plain loads (not __ldg: this launch wrote it). Then
+  // rms_norm_kernel<true, false>'s arithmetic in its layout (hc_norm_fusable: H % 8 == 0, H <= 8192, aligned).
+  __syncthreads();
+  __shared__ float red[32];
+  const __nv_bfloat16* xr = collapsed + int64_t(t) * H;
+  uint4 v[dev::kNormVecs];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < dev::kNormVecs; ++i) {
+    const int c = (i * dev::kNormThreads + threadIdx.x) * 8;
+    v[i] = c < H ? *reinterpret_cast<const uint4*>(xr + c) : make_uint4(0, 0, 0, 0);
+    dev::sum_squares8(v[i], ss);
+  }
+  const float rn = dev::norm_scale(dev::block_sum(ss, red), H, rms_eps);
+#pragma unroll
+  for (int i = 0; i < dev::kNormVecs; ++i) {
+    const int c = (i * dev::kNormThreads + threadIdx.x) * 8;
+    if (c >= H) break;
+    const uint4 wv = __ldg(reinterpret_cast<const uint4*>(norm_w + c));
+    *reinterpret_cast<uint4*>(normed + int64_t(t) * H + c) = dev::norm8(v[i], wv, rn);
   }
 }
 
@@ -157,7 +184,8 @@ void hc_pre_n(const HcPre& a, cudaStream_t stream) {
   ROCKET_LAUNCH_CHECK();
   hc_finish_kernel<N><<<a.tokens, kHcThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.x), a.part, slices, a.hidden, a.base, a.scale, a.iters, a.eps, a.norm_eps,
-      a.post, a.comb, static_cast<__nv_bfloat16*>(a.collapsed));
+      a.post, a.comb, static_cast<__nv_bfloat16*>(a.collapsed), static_cast<const __nv_bfloat16*>(a.norm_w),
+      a.rms_eps, static_cast<__nv_bfloat16*>(a.normed));
   ROCKET_LAUNCH_CHECK();
 }
 
@@ -174,11 +202,17 @@ void hc_post_n(const float* post, const float* comb, const void* y, const void* 
 
 int hc_slices(int n, int hidden) { return (n * hidden + kHcSlice - 1) / kHcSlice; }
 
+bool hc_norm_fusable(int hidden, const void* collapsed, const void* norm_w, const void* normed) {
+  return dev::norm_vec_ok(hidden, collapsed, norm_w, normed);
+}
+
 void launch_hc_pre(const HcPre& a, cudaStream_t stream) {
   ROCKET_CHECK(a.n >= 1 && a.n <= kHcMaxStreams && a.hidden > 0 && a.iters >= 1, "hc_pre: " << a.n
                << " streams (1.." << kHcMaxStreams << "), hidden " << a.hidden << ", " << a.iters << " iterations");
   ROCKET_CHECK(a.tokens >= 0 && a.tokens <= 65535, "hc_pre: " << a.tokens << " tokens");
   if (a.tokens == 0) return;
+  ROCKET_CHECK(a.norm_w == nullptr || (a.normed != nullptr && hc_norm_fusable(a.hidden, a.collapsed, a.norm_w, a.normed)),
+               "hc_pre: the input norm of hidden " << a.hidden << " does not fuse (hc_norm_fusable)");
   switch (a.n) {
     case 1: hc_pre_n<1>(a, stream); break;
     case 2: hc_pre_n<2>(a, stream); break;

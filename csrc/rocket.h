@@ -268,7 +268,13 @@ struct HcPre {
   float* post;                       // [tokens, n]
   float* comb;                       // [tokens, n, n]
   void* collapsed;                   // [tokens, hidden] bf16
+  // optional (norm_w non-null; hc_norm_fusable): also normed = the RMSNorm of collapsed with norm_w [hidden] bf16
+  // and rms_eps in hc_finish's launch, bit for bit launch_rms_norm's (norm.cuh's vector path)
+  const void* norm_w;
+  float rms_eps;
+  void* normed;                      // [tokens, hidden] bf16
 };
+bool hc_norm_fusable(int hidden, const void* collapsed, const void* norm_w, const void* normed);
 int hc_slices(int n, int hidden);
 void launch_hc_pre(const HcPre& a, cudaStream_t stream);
 // out [tokens, n, hidden] bf16 = post[j] * y + sum_i comb[i, j] * x[i] (see hc.cu for where it rounds)

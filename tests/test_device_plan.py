@@ -1096,8 +1096,21 @@ def _hc_case(t, n, h, seed):
     return hc, HcArgs(mult=n, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-5), streams, y
 
 
+def test_hc_pre_with_norm_cpu():
+    """hc_pre(..., norm=(w, eps)) on the CPU: post and comb as without it, the collapsed row through layers.rms_norm."""
+    from rocket_mpi.model.glm5_next_hc import hc_pre
+    from rocket_mpi.model.layers import rms_norm
+    hc, a, streams, _ = _hc_case(3, 4, 64, seed=5)
+    w = (torch.randn(64, generator=torch.Generator().manual_seed(6)) + 1).bfloat16()
+    post, comb, collapsed = hc_pre(hc, streams, a)
+    got = hc_pre(hc, streams, a, norm=(w, 1e-5))
+    assert torch.equal(got[0], post) and torch.equal(got[1], comb)
+    assert torch.equal(got[2], rms_norm(collapsed, w, 1e-5)) and not torch.equal(got[2], collapsed)
+
+
 @gpu
-@pytest.mark.parametrize("t,n,h", [(1, 4, 4096), (8, 4, 4096), (37, 4, 64), (3, 2, 520), (5, 3, 96), (2, 1, 128)])
+@pytest.mark.parametrize("t,n,h", [(1, 4, 4096), (8, 4, 4096), (37, 4, 64), (3, 2, 520), (5, 3, 96), (2, 1, 128),
+                                   (2, 2, 100)])   # 100: the norm does not fuse (not whole 16-byte chunks)
 def test_gpu_hc_kernels_match_torch(t, n, h):
     """csrc/hc.cu against glm5_next_hc's torch ops on the same inputs: post / comb within fp32 rounding of the
     different sum order, the collapse and the new streams within one bf16 rounding; and a token alone gets the same
@@ -1128,6 +1141,14 @@ def test_gpu_hc_kernels_match_torch(t, n, h):
         assert torch.equal(g[-1:], al)
     assert torch.equal(hc_post(got[0][-1:], got[1][-1:], yc[-1:], sc[-1:], fuse=True),
                        hc_post(got[0], got[1], yc, sc, fuse=True)[-1:])
+    # with the block's input norm in hc_finish's launch (or after it where the row does not fit norm.cuh's layout):
+    # the bits of kernels.rms_norm on the collapsed row; post / comb / collapse unchanged
+    w = (torch.randn(h, generator=torch.Generator().manual_seed(h)) + 1).bfloat16().cuda()
+    four = kernels.hc_pre(sc, hc_c.fn, hc_c.base, hc_c.scale, a.sinkhorn_iters, a.eps, a.norm_eps, (w, 1e-5))
+    for g, r in zip(four[:3], got):
+        assert torch.equal(g, r)
+    assert torch.equal(four[3].view(torch.int16), kernels.rms_norm(got[2], w, 1e-5).view(torch.int16))
+    assert torch.equal(hc_pre(hc_c, sc, a, fuse=True, norm=(w, 1e-5))[2], four[3])
 
 
 def test_hc_fuse_knob(monkeypatch):

@@ -393,9 +393,11 @@ class Glm5NextModel:
         pos < span, graph.span_for; mla_decode: positions past a stream's own are never chosen). The caller advances pos and cache.lengths. Returns
         the logits [M, V] in bf16 (see glm4_moe.forward_static). On a GPU with the extension: the RMSNorms in
         kernels.rms_norm, the packed linears and MLPs (pack_stack), the shared expert beside the routed ones
-        (moe's `shared`: routed + shared in the scatter)."""
-        cfg, hca = self.cfg, self.hc_args
-        dev = tokens.device
+        (moe's `shared`: routed + shared in the scatter); with the step's glue fused (graph.step_fused) each block's
+        input norm in hc_pre's second launch (the same bits)."""
+        from rocket_mpi.graph import step_fused
+        hca = self.hc_args
+        dev, eps = tokens.device, self.cfg.rms_norm_eps
         fused = dev.type == "cuda" and kernels.available()
         norm = norm_of(fused)
         x = self.embed[tokens]
@@ -404,9 +406,16 @@ class Glm5NextModel:
         selection = None
         span = cache.capacity if span is None else span
         fuse, kfuse = hc_fused(dev), kda_fused(dev)
+        glue = fuse and fused and step_fused(dev)  # each input norm in hc_pre's launch: the same bits
+
+        def collapse(hc, streams, w):  # -> post, comb, the block's normed input
+            if glue:
+                return hc_pre(hc, streams, hca, fuse, norm=(w, eps))
+            post, comb, h = hc_pre(hc, streams, hca, fuse)
+            return post, comb, norm(h, w, eps)
+
         for i, L in enumerate(self.layers):
-            post, comb, h = hc_pre(L.attn_hc, streams, hca, fuse)
-            h = norm(h, L.input_norm, cfg.rms_norm_eps)
+            post, comb, h = collapse(L.attn_hc, streams, L.input_norm)
             if L.kda is not None:
                 y = kda_forward(L.kda, h, cache.conv[i], cache.rec[i], [], self.kda_args, idx=idx, fuse=kfuse)
                 selection = None
@@ -414,15 +423,14 @@ class Glm5NextModel:
                 y, sel = mla_decode(L.mla, h, cache.mla[i], pos, span, self.mla_args, selection, fused)
                 selection = sel if L.shares_next else None
             streams = hc_post(post, comb, y, streams, fuse)
-            post, comb, h = hc_pre(L.ffn_hc, streams, hca, fuse)
-            h = norm(h, L.post_norm, cfg.rms_norm_eps)
+            post, comb, h = collapse(L.ffn_hc, streams, L.post_norm)
             if L.mlp is not None:
                 y = mlp_forward(h, L.mlp, L.mlp_packed, limit=self.limit)
             else:  # routed + shared, the shared expert beside the routed ones on a GPU (graph.DeviceMoE)
                 hs = h
                 y = moe(i, h, L, shared=lambda: mlp_forward(hs, L.shared, L.shared_packed, limit=self.limit))
             streams = hc_post(post, comb, y, streams, fuse)
-        h = norm(streams.mean(dim=1), self.norm, cfg.rms_norm_eps)
+        h = norm(streams.mean(dim=1), self.norm, eps)
         return F.linear(h, self.lm_head)  # bf16, as glm4_moe.forward_static
 
 

@@ -40,13 +40,20 @@ def fused(device) -> bool:
     return kernels.gpu_switch("ROCKET_HC_FUSE", device, "the hyper-connection kernels")
 
 
-def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs, fuse: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs, fuse: bool = False,
+           norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, H] BF16 -> (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] BF16). fuse: the same in
-    csrc/hc.cu's kernels (sums in their own order: within rounding of this, tests/test_device_plan.py)."""
+    csrc/hc.cu's kernels (sums in their own order: within rounding of this, tests/test_device_plan.py). norm =
+    (weight, eps): the block's input RMSNorm of collapsed in place of it; with fuse in the kernels' launch (the bits
+    of kernels.rms_norm after them), else layers.rms_norm."""
     if fuse:
         from rocket_mpi import kernels
-        return kernels.hc_pre(streams, hc.fn, hc.base, hc.scale, a.sinkhorn_iters, a.eps, a.norm_eps)
+        out = kernels.hc_pre(streams, hc.fn, hc.base, hc.scale, a.sinkhorn_iters, a.eps, a.norm_eps, norm)
+        return out if norm is None else (out[0], out[1], out[3])
+    if norm is not None:
+        from rocket_mpi.model.layers import rms_norm
+        post, comb, collapsed = hc_pre(hc, streams, a)
+        return post, comb, rms_norm(collapsed, *norm)
     t, n, _ = streams.shape
     flat = streams.reshape(t, -1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + a.norm_eps)      # unweighted RMSNorm

@@ -9,7 +9,7 @@
 //               ascending, a butterfly in each warp, the warps in order)
 //   hc_finish   grid T: the slices' partials in slice order; RMS scale, pre / post / comb (softmax, Sinkhorn: one
 //               lane per matrix entry, row and column sums in index order); the collapse sum_i pre[i] * streams[i];
-//               optionally then the block's RMSNorm of the collapsed row (the next block's input norm), in
+//               optionally then the RMSNorm of the collapsed row (the input norm of the block it feeds), in
 //               norm.cuh's layout: the bits of decode_ops.cu's rms_norm launched after it
 //   hc_post     out[j] = post[j] * y + sum_i comb[i, j] * streams[i], rounded where torch's BF16 ops round: the
 //               product, the matmul's result (fp32 sums in i order), the add

@@ -18,7 +18,8 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
 from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, mlp_forward, move_stack,
-                                     pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled, unique_nbytes)
+                                     norm_of, pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled,
+                                     unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -191,7 +192,7 @@ class Glm4MoeModel:
             decode = (torch.arange(tokens.numel(), device=dev), pos, span, hide)
         x, h = self._layers(x, cos, sin, cache, None, None, decode, moe, fused, static=True, h=h, glue=glue)
         if h is None:
-            norm = kernels.rms_norm if fused else rms_norm
+            norm = norm_of(fused)
             h = norm(x, self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head)
 
@@ -200,7 +201,7 @@ class Glm4MoeModel:
         """The layers over x -> (x, h): h = the final RMSNorm of x where the last MoE scatter made it (glue),
         else None. h in: the first layer's input norm of x, made by the caller."""
         cfg = self.cfg
-        norm = kernels.rms_norm if fused else rms_norm
+        norm = norm_of(fused)
         n = len(self.layers)
         for i, L in enumerate(self.layers):
             if h is None:
@@ -235,7 +236,7 @@ class Glm4MoeModel:
             q = F.linear(h, a.q, a.q_bias).view(t, -1, d)
             k = F.linear(h, a.k, a.k_bias).view(t, -1, d)
             v = F.linear(h, a.v, a.v_bias).view(t, -1, d)
-        norm = kernels.rms_norm if fused else rms_norm
+        norm = norm_of(fused)
         if a.q_norm is not None:
             q = norm(q, a.q_norm, cfg.rms_norm_eps)
             k = norm(k, a.k_norm, cfg.rms_norm_eps)

@@ -31,8 +31,8 @@ from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_kda import fused as kda_fused
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
-from rocket_mpi.model.layers import (load_swiglu, mlp_forward, move_stack, norm_of, pack_linears, pack_mlps, rms_norm,
-                                     stack_kernel_enabled, unique_nbytes)
+from rocket_mpi.model.layers import (latent_input_linears, load_swiglu, mlp_forward, move_stack, norm_of,
+                                     pack_linears, pack_mlps, rms_norm, stack_kernel_enabled, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -322,10 +322,8 @@ class Glm5NextModel:
                             "f_b": pack_linears([k.f_b]), "g_b": pack_linears([k.g_b]), "o": pack_linears([k.o])}
             if a is not None and a.packed is None:
                 ix = a.indexer
-                ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
-                if ix is not None:
-                    ws, bs = ws + [ix.wk], bs + [None]
-                a.packed = {"h": pack_linears(ws, bs), "q_b": pack_linears([a.q_b]), "o": pack_linears([a.o], [a.o_bias]),
+                a.packed = {"h": pack_linears(*latent_input_linears(a)), "q_b": pack_linears([a.q_b]),
+                            "o": pack_linears([a.o], [a.o_bias]),
                             "ix": None if ix is None else pack_linears([ix.gate, ix.weights]),
                             "wq_b": None if ix is None else pack_linears([ix.wq_b])}
             pack_mlps(L)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_decode, linears, matmul_fp32,
-                                     norm_of, prefill_blocks, rms_norm)
+from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_decode, latent_input_linears, linears,
+                                     matmul_fp32, norm_of, prefill_blocks, rms_norm)
 
 DT = torch.bfloat16
 
@@ -199,9 +199,7 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     kernels.STACK_KERNEL_MAX_ROWS rows; fused: the RMSNorms in kernels.rms_norm (the fixed-shape step on a GPU)."""
     m, dev = h.shape[0], h.device
     norm, P, ix = norm_of(fused), a.packed or {}, a.indexer
-    ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
-    qa, kv, *wk_h = linears(h, ws + [ix.wk] if ix is not None else ws, bs + [None] if ix is not None else bs,
-                            P.get("h"))
+    qa, kv, *wk_h = linears(h, *latent_input_linears(a), P.get("h"))
     q_resid = norm(qa, a.q_a_norm, args.eps)                                          # [M, q_lora]
     q = linears(q_resid, [a.q_b], packs=P.get("q_b"))[0].view(m, args.heads, args.qk_dim)
     latent = norm(kv, a.kv_a_norm, args.eps)                                          # [M, kv_lora]

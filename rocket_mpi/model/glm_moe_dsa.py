@@ -31,7 +31,8 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
-from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_decode, linears, load_embed_head,
+from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_decode, latent_input_linears,
+                                     linears, load_embed_head,
                                      load_ffn, load_swiglu, matmul_fp32, mlp_forward, move_stack, norm_of,
                                      pack_linears, pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled,
                                      unique_nbytes)
@@ -295,10 +296,7 @@ class GlmMoeDsaModel:
         for L in self.layers:
             a, ix = L.attn, L.attn.indexer
             if a.packed is None:
-                ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
-                if ix is not None:
-                    ws, bs = ws + [ix.wk], bs + [None]
-                a.packed = {"h": pack_linears(ws, bs), "q_b": pack_linears([a.q_b]),
+                a.packed = {"h": pack_linears(*latent_input_linears(a)), "q_b": pack_linears([a.q_b]),
                             "wq_b": None if ix is None else pack_linears([ix.wq_b]),
                             "o": pack_linears([a.o], [a.o_bias])}
             pack_mlps(L)
@@ -381,8 +379,7 @@ class GlmMoeDsaModel:
         t, nh, c = h.shape[0], self.heads, self.latent
         dev = h.device
         norm, P, own = norm_of(fused), a.packed or {}, a.indexer is not None
-        ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
-        qa, kv, *wk_h = linears(h, ws + [a.indexer.wk] if own else ws, bs + [None] if own else bs, P.get("h"))
+        qa, kv, *wk_h = linears(h, *latent_input_linears(a), P.get("h"))
         q_resid = norm(qa, a.q_a_norm, LATENT_NORM_EPS)                                # [T, q_lora]
         q = linears(q_resid, [a.q_b], packs=P.get("q_b"))[0].view(t, nh, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)

@@ -141,6 +141,15 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, packs=Non
     return outs
 
 
+def latent_input_linears(a) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """An MLA layer's linears over its normed input (GLM-5's Attention, GLM-5.3-Flash's MLA): q_a, kv_a and, where
+    the layer runs its own indexer, the indexer's wk -> (weights, biases); pack_stack packs them as one launch."""
+    ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
+    if a.indexer is not None:
+        ws, bs = ws + [a.indexer.wk], bs + [None]
+    return ws, bs
+
+
 def norm_of(fused: bool):
     """The RMSNorm a step takes: kernels.rms_norm (one launch, its own sum order) where the step's kernels are
     fused (a GPU with the extension), else rms_norm (torch ops)."""

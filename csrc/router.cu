@@ -194,6 +194,10 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
       if (e < E && !(keep >> (e / gs) & 1u)) choice[j] = -INFINITY;
     }
   }
+  // the choices' keys, once (the top-k rounds compare keys; 0: past E, or taken)
+  uint32_t key[NPL];
+#pragma unroll
+  for (int j = 0; j < NPL; ++j) key[j] = isnan(choice[j]) ? 0u : order_key(choice[j]);
   float picked = 0.0f;  // lane r holds the score of pick r
   for (int r = 0; r < topk; ++r) {
     // the best choice, ties to the lower id: each lane's best (j ascending, so a tie keeps the lower id), then
@@ -203,9 +207,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
     int il = kNone;
 #pragma unroll
     for (int j = 0; j < NPL; ++j) {
-      const uint32_t k = isnan(choice[j]) ? 0u : order_key(choice[j]);
-      if (k > kl) {
-        kl = k;
+      if (key[j] > kl) {
+        kl = key[j];
         il = lane + 32 * j;
       }
     }
@@ -216,7 +219,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
     for (int j = 0; j < NPL; ++j)
       if (lane + 32 * j == id) {
         sv = score[j];
-        choice[j] = NAN;  // taken
+        key[j] = 0u;  // taken
       }
     sv = __shfl_sync(0xffffffffu, sv, id & 31);
     if (lane == r) picked = sv;

@@ -57,10 +57,12 @@ __device__ __forceinline__ void scatter_chunks(const __nv_bfloat16* __restrict__
   for (int j0 = 0; j0 < topk; j0 += kBatch) {
     int64_t r[kBatch];
     float w[kBatch];
+    int bc[kBatch];  // canonical rows: loaded with the indices, not after the rows
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       r[u] = j0 + u < topk ? by_token[tok * topk + j0 + u] : 0;
       w[u] = j0 + u < topk ? coef[tok * topk + j0 + u] : 0.0f;
+      bc[u] = with_sum && j0 + u < topk ? by_canon[tok * topk + j0 + u] : 0;
     }
     __nv_bfloat16 x[kBatch][NV][VEC];
 #pragma unroll
@@ -77,8 +79,7 @@ __device__ __forceinline__ void scatter_chunks(const __nv_bfloat16* __restrict__
 #pragma unroll
         for (int v = 0; v < VEC; ++v) acc[i][v] = __fadd_rn(acc[i][v], __fmul_rn(w[u], __bfloat162float(x[u][i][v])));
         if (with_sum) {  // launcher: rows x hidden < 2^31, so the flat index fits 32 bits
-          uint32_t m = (uint32_t(by_canon[tok * topk + j0 + u]) * uint32_t(hidden) + uint32_t(c[i] * VEC) + 1u) %
-                       kSumMod;
+          uint32_t m = (uint32_t(bc[u]) * uint32_t(hidden) + uint32_t(c[i] * VEC) + 1u) % kSumMod;
 #pragma unroll
           for (int v = 0; v < VEC; ++v) {
             check += static_cast<long long>(static_cast<int16_t>(dev::bf16_bits(x[u][i][v]))) * (m + 1);

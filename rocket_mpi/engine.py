@@ -337,19 +337,26 @@ class Engine:
             elif why:
                 raise RocketError(f"--decode-path {result.path}: {why}; use fewer streams or --decode-path host")
         static = None
+        launched = 0  # the fixed-shape step's last step launched
         per_expert = next((s.read_bytes_per_expert for s in self.experts.values() if s.owned), 0)
         for step in range(n_tokens):
             self.step = step
             if step > 0 and result.path != "host":
                 if static is None:
-                    from rocket_mpi.graph import GraphStep
-                    static = GraphStep(self, cache, tokens, graph=result.path == "graph")
-                t0 = time.perf_counter()
-                chosen, c = static.run(step)
-                dt = time.perf_counter() - t0
-                cache.lengths += 1
+                    from rocket_mpi.graph import GraphStep, steps_ahead
+                    static = GraphStep(self, cache, tokens, graph=result.path == "graph",
+                                       keep_logits=on_step is not None, ahead=steps_ahead())
+                # this step if it is not in flight yet, then up to static.ahead more while they keep its span; the
+                # host's lengths count every step launched (they pick the spans)
+                while launched < step or (launched + 1 < n_tokens and len(static.pending) <= static.ahead
+                                          and static.follows(int(cache.lengths.max()))):
+                    launched += 1
+                    self.step = launched
+                    static.launch(launched, int(cache.lengths.max()))
+                    cache.lengths += 1
+                self.step = step
+                chosen, c, logits, dt = static.collect(step)
                 result.spans = static.spans
-                logits = static.logits
                 log = StepLog(dt, 0.0, c["rows_mine"], c["rows_total"], c["bytes_sent"], c["crc"],
                               c["experts_mine"] * per_expert + self.stack_read_bytes())
                 if static.graph_error and not result.note:

@@ -287,14 +287,29 @@ def _merge(segs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
+def steps_ahead() -> int:
+    """ROCKET_STEPS_AHEAD: decode steps the host launches before it reads the oldest one back (default 1; 0: launch,
+    wait and read each step in turn, as before session 32). Launching the next replay before reading this one keeps
+    the GPU busy while the host waits for the step's report, reads it and books the step: the same kernels in the
+    same order on the same stream, so the same bits."""
+    import os
+    v = os.environ.get("ROCKET_STEPS_AHEAD", "1")
+    if v not in ("0", "1", "2"):
+        raise RocketError(f"ROCKET_STEPS_AHEAD={v!r}: expected 0, 1 (default) or 2")
+    return int(v)
+
+
 class GraphStep:
     """One decode step for M streams at device positions, run eagerly once, then captured and replayed; again at
     each new span (span_for: the host's lengths pick it).
 
     tokens/pos are the graph's inputs and outputs: the step writes the chosen tokens into `tokens` and
-    advances `pos`, so consecutive replays need nothing from the host."""
+    advances `pos`, so consecutive replays need nothing from the host. So the host launches a step (launch), may
+    launch the next ones before reading it back (steps_ahead), and reads each in order (collect): each launch
+    copies the step's report (and the cuda-ipc error words, and with keep_logits its logits) into a slot of its
+    own on the stream, before the next replay overwrites them, and records an event there."""
 
-    def __init__(self, engine, cache, tokens: torch.Tensor, graph: bool):
+    def __init__(self, engine, cache, tokens: torch.Tensor, graph: bool, keep_logits: bool = False, ahead: int = 0):
         self.engine, self.cache = engine, cache
         dev = engine.device
         self.pos = cache.lengths.to(dev).clone()
@@ -310,6 +325,17 @@ class GraphStep:
         self.smallest = span_switch()
         self.span = 0
         self.spans: list[tuple[int, int]] = []  # (first step, span) of each span the run took
+        self.keep_logits = keep_logits
+        self.ahead = ahead
+        pin = dev.type == "cuda"
+        # a slot per step in flight: the report and error words in host memory the copies land in (pinned, so they
+        # stay on the stream), the logits on the device
+        rep, err = self.moe.report, self.moe.err
+        self.slots = [(torch.empty(rep.shape, dtype=rep.dtype, device="cpu", pin_memory=pin),
+                       torch.empty(err.shape, dtype=err.dtype, device="cpu", pin_memory=pin), None)
+                      for _ in range(ahead + 1)]
+        self.pending: list[tuple] = []  # (step, slot, event, launch time) of the steps launched, oldest first
+        self.last_done = 0.0
 
     def _body(self):
         m = self.moe
@@ -324,16 +350,25 @@ class GraphStep:
         self.logits = logits
         self.ran = True
 
-    def run(self, step: int) -> tuple[list[int], dict]:
-        """One step; returns (chosen tokens, counters). The first call runs eagerly (and warms up), the
-        second captures the graph (where wanted) and every call from then on replays it."""
+    def follows(self, longest: int) -> bool:
+        """Whether a step whose longest stream holds `longest` may be launched while others are in flight: it keeps
+        the current span (a new span runs eagerly and captures, which wants the device to itself)."""
+        return self.span != 0 and span_for(longest, self.cache.capacity, self.smallest) == self.span
+
+    def launch(self, step: int, longest: int) -> None:
+        """Launch decode step `step` (longest: the longest stream's length before it, which picks the span). The
+        first call runs eagerly (and warms up), the second captures the graph (where wanted) and every call from
+        then on replays it; then the step's report goes to its slot (collect reads it)."""
         fault = self.engine.fault
         if fault and fault[0] in ("stall", "die") and fault[1] == self.engine.rank and fault[2] == step:
             self.engine._inject(fault[0], torch.empty(0))  # a dead or stalled rank: it never runs this step
-        span = span_for(int(self.cache.lengths.max()), self.cache.capacity, self.smallest)
+        span = span_for(longest, self.cache.capacity, self.smallest)
         if span != self.span:  # the former graph's shapes no longer hold every stream: run eagerly, then capture
+            if self.pending:
+                raise RocketError(f"decode step {step}: a new span ({self.span} -> {span}) with steps in flight")
             self.span, self.graph, self.ran = span, None, False
             self.spans.append((step, span))
+        t0 = time.perf_counter()
         if not self.ran or not self.want_graph or (self.graph is None and self.graph_error):
             self._body()
         else:
@@ -343,9 +378,40 @@ class GraphStep:
                 self.graph.replay()
             else:
                 self._body()
-        self._finish(step)
+        slot = step % len(self.slots)
+        report, err, logits = self.slots[slot]
+        report.copy_(self.moe.report, non_blocking=True)
+        if self.moe.mode == "cuda-ipc":
+            err.copy_(self.moe.err, non_blocking=True)
+        if self.keep_logits:  # the next replay writes the graph's logits again
+            if logits is None or logits.shape != self.logits.shape:
+                logits = torch.empty_like(self.logits)
+                self.slots[slot] = (report, err, logits)
+            logits.copy_(self.logits)
+        event = None
+        if self.engine.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, slot, event, t0))
+
+    def collect(self, step: int) -> tuple[list[int], dict, torch.Tensor | None, float]:
+        """Wait for step `step` (the oldest launched) -> (chosen tokens, counters, its logits where kept, seconds:
+        from its launch or the previous step's end, whichever is later, to its end, so steps launched ahead count
+        what they add to the run)."""
+        if not self.pending or self.pending[0][0] != step:
+            raise RocketError(f"decode step {step} collected, but the steps in flight are "
+                              f"{[p[0] for p in self.pending]}")
+        _, slot, event, t0 = self.pending.pop(0)
+        self._finish(step, event)
+        done = time.perf_counter()
+        seconds, self.last_done = done - max(t0, self.last_done), done
+        report, err, logits = self.slots[slot]
+        if self.moe.mode == "cuda-ipc":
+            e = err.tolist()
+            if e[0]:
+                raise self.engine.fabric.timeout_error(int(e[1]), int(e[3]), step, int(e[2]))
         from rocket_mpi.engine import fold_row_sums
-        vals = self.moe.report.tolist()
+        vals = report.tolist()
         m, n_moe, w = self.tokens.numel(), self.moe.calls, self.moe.meta_words
         sums = vals[m:m + n_moe]
         at = m + len(self.moe.sums)  # the plans' meta rows
@@ -353,7 +419,8 @@ class GraphStep:
         rows, experts = [mt[kplan.META_ROWS] for mt in metas], [mt[kplan.META_EXPERTS] for mt in metas]
         self.engine.seq += n_moe  # each MoE layer's plan bumped the device seq by one
         return vals[:m], {"crc": fold_row_sums(sums), "rows_mine": sum(rows), "experts_mine": sum(experts),
-                          "rows_total": n_moe * self.moe.cap, "bytes_sent": sum(self.moe.bytes_sent(r) for r in rows)}
+                          "rows_total": n_moe * self.moe.cap, "bytes_sent": sum(self.moe.bytes_sent(r) for r in rows)
+                          }, (logits if self.keep_logits else self.logits), seconds
 
     def _capture(self):
         torch.cuda.synchronize(self.engine.device)
@@ -368,15 +435,14 @@ class GraphStep:
             return
         self.graph = g
 
-    def _finish(self, step: int):
-        """Bound the wait for the step (a dead peer must not hang the host), then report a fabric timeout."""
-        if self.engine.device.type != "cuda":
+    def _finish(self, step: int, done):
+        """Bound the wait for the step (a dead peer must not hang the host); collect then reports a fabric
+        timeout the device recorded."""
+        if done is None:
             return  # the CPU reference mode waits inside the fabric's exchange, with its timeout
-        done = torch.cuda.Event()
-        done.record()
         fab = self.engine.fabric
         n_moe = max(len(self.engine.cfg.moe_layers), 1)
-        limit = fab.timeout * (n_moe + 1) + 30
+        limit = fab.timeout * (n_moe + 1) * len(self.slots) + 30  # the steps launched before it too
         deadline = time.monotonic() + limit
         spins = 0
         while not done.query():
@@ -387,7 +453,3 @@ class GraphStep:
                                         f"{limit:.0f} s "
                                         f"(fabric {fab.name}, graphed step): a peer is dead or stalled")
                 time.sleep(0)
-        if self.moe.mode == "cuda-ipc":
-            err = self.moe.err.tolist()
-            if err[0]:
-                raise fab.timeout_error(int(err[1]), int(err[3]), step, int(err[2]))

@@ -26,6 +26,9 @@ from rocket_mpi.run import _pick_device  # noqa: E402
 # ahead of it ends and waits; its duration would then count that wait too. Off here unless asked for, so that the
 # per-kernel times add up to the step's device time.
 os.environ.setdefault("ROCKET_EXPERTS_PDL", "0")
+# Steps launched ahead of the host's reads (graph.steps_ahead) would put the next step's launches inside the profiled
+# steps' window: one step at a time here.
+os.environ.setdefault("ROCKET_STEPS_AHEAD", "0")
 
 ckpt = sys.argv[1]
 m = int(sys.argv[2]) if len(sys.argv) > 2 else 8

@@ -325,6 +325,67 @@ def test_cpu_device_path_matches_host_path(ckpt_name, spans, request, monkeypatc
     assert out["device"] == out["host"]
 
 
+def _ahead_runs(ckpt, path, streams, n, monkeypatch, device="cpu", reader=None):
+    """generate() under ROCKET_STEPS_AHEAD = 0, 1, 2 -> per setting (tokens, per-step counters, spans, logits) and
+    the steps in flight each launch found (GraphStep.launch wrapped)."""
+    import rocket_mpi.graph as graph
+    from rocket_mpi.engine import Engine
+    from rocket_mpi.prompts import default_prompts
+    seen: list[int] = []
+    real = graph.GraphStep.launch
+
+    def launch(self, step, longest):
+        seen.append(len(self.pending))
+        return real(self, step, longest)
+
+    monkeypatch.setattr(graph.GraphStep, "launch", launch)
+    runs, in_flight = {}, {}
+    for ahead in ("0", "1", "2"):
+        monkeypatch.setenv("ROCKET_STEPS_AHEAD", ahead)
+        eng = Engine(ckpt, reader=reader(ckpt) if reader else None, device=device)
+        assert eng.set_decode_path(path, "local") == path
+        logits: list[torch.Tensor] = []
+        seen.clear()
+        r = eng.generate(default_prompts(streams, eng.cfg.vocab_size), n,
+                         on_step=lambda step, lg: logits.append(lg.cpu().view(torch.int32)))
+        assert r.path == path and not r.note, r.note
+        runs[ahead] = (r.tokens, [(s.row_crc, s.rows_owned, s.weight_bytes) for s in r.steps], r.spans,
+                       torch.stack(logits))
+        in_flight[ahead] = list(seen)
+    return runs, in_flight
+
+
+@pytest.mark.parametrize("ckpt_name", ["tiny_nvfp4_ckpt", "glm5_ckpt"])
+def test_steps_launched_ahead_change_nothing_cpu(ckpt_name, request, monkeypatch):
+    """ROCKET_STEPS_AHEAD=1 / 2 (the host launches the next steps before reading one back) decodes the same tokens,
+    counters and logits as 0, in the CPU reference mode of the fixed-shape step; the spans cross mid-run
+    (ROCKET_GRAPH_SPANS=4), where no step may be in flight, and steps are launched ahead elsewhere."""
+    torch.set_num_threads(1)
+    monkeypatch.setenv("ROCKET_GRAPH_SPANS", "4")
+    runs, in_flight = _ahead_runs(request.getfixturevalue(ckpt_name), "device", 8, 9, monkeypatch)
+    assert runs["1"][2] == runs["0"][2] and len(runs["0"][2]) == 2, runs["0"][2]
+    for ahead in ("1", "2"):
+        assert runs[ahead][:3] == runs["0"][:3]
+        assert torch.equal(runs[ahead][3], runs["0"][3])
+    assert max(in_flight["0"]) == 0 and max(in_flight["1"]) == 1 and max(in_flight["2"]) == 2, in_flight
+    # a new span starts with nothing in flight
+    first_steps = [s for s, _ in runs["0"][2]]
+    assert all(in_flight[a][s - 1] == 0 for a in ("1", "2") for s in first_steps), (in_flight, first_steps)
+
+
+def test_steps_ahead_switch(monkeypatch):
+    import rocket_mpi.graph as graph
+    from rocket_mpi.errors import RocketError
+    monkeypatch.delenv("ROCKET_STEPS_AHEAD", raising=False)
+    assert graph.steps_ahead() == 1
+    monkeypatch.setenv("ROCKET_STEPS_AHEAD", "0")
+    assert graph.steps_ahead() == 0
+    for bad in ("3", "-1", "yes", ""):
+        monkeypatch.setenv("ROCKET_STEPS_AHEAD", bad)
+        with pytest.raises(RocketError, match=f"ROCKET_STEPS_AHEAD={bad!r}"):
+            graph.steps_ahead()
+
+
 def test_graph_spans_rule_and_switch(monkeypatch):
     import rocket_mpi.graph as graph
     from rocket_mpi.errors import RocketError
@@ -566,6 +627,21 @@ def test_gpu_graph_decode_equals_eager_device_step(streams, preset, spans, monke
         assert len(r.spans) == (1 if spans == "auto" else 2 if streams == 8 else 3), r.spans
         runs[path] = (r.tokens, [s.row_crc for s in r.steps])
     assert runs["graph"] == runs["device"]
+
+
+@gpu
+@pytest.mark.parametrize("streams,preset", [(1, "default"), (8, "default"), (8, "glm5-tiny")])
+def test_gpu_graph_steps_launched_ahead_change_nothing(streams, preset, monkeypatch):
+    """Replays launched ahead of the host's reads (ROCKET_STEPS_AHEAD=1, 2) decode the same tokens, counters and
+    logits (bit for bit) as one step at a time, across a span change (ROCKET_GRAPH_SPANS=4)."""
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    monkeypatch.setenv("ROCKET_GRAPH_SPANS", "4")
+    runs, in_flight = _ahead_runs(f"preset:{preset}:nvfp4", "graph", streams, 12, monkeypatch, "cuda",
+                                  lambda c: SyntheticReader(c, "cuda"))
+    for ahead in ("1", "2"):
+        assert runs[ahead][:3] == runs["0"][:3]
+        assert torch.equal(runs[ahead][3], runs["0"][3])
+    assert max(in_flight["0"]) == 0 and max(in_flight["2"]) == 2, in_flight
 
 
 @gpu

@@ -373,17 +373,25 @@ def test_steps_launched_ahead_change_nothing_cpu(ckpt_name, request, monkeypatch
     assert all(in_flight[a][s - 1] == 0 for a in ("1", "2") for s in first_steps), (in_flight, first_steps)
 
 
+def _check_switch(monkeypatch, name, read, values: dict, bad: tuple):
+    """read() under each of `values` (None: unset) gives its value; each of `bad` is one error naming it."""
+    from rocket_mpi.errors import RocketError
+    for v, want in values.items():
+        if v is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, v)
+        assert read() == want, (name, v)
+    for b in bad:
+        monkeypatch.setenv(name, b)
+        with pytest.raises(RocketError, match=f"{name}={b!r}"):
+            read()
+
+
 def test_steps_ahead_switch(monkeypatch):
     import rocket_mpi.graph as graph
-    from rocket_mpi.errors import RocketError
-    monkeypatch.delenv("ROCKET_STEPS_AHEAD", raising=False)
-    assert graph.steps_ahead() == 1
-    monkeypatch.setenv("ROCKET_STEPS_AHEAD", "0")
-    assert graph.steps_ahead() == 0
-    for bad in ("3", "-1", "yes", ""):
-        monkeypatch.setenv("ROCKET_STEPS_AHEAD", bad)
-        with pytest.raises(RocketError, match=f"ROCKET_STEPS_AHEAD={bad!r}"):
-            graph.steps_ahead()
+    _check_switch(monkeypatch, "ROCKET_STEPS_AHEAD", graph.steps_ahead, {None: 1, "0": 0, "2": 2},
+                  ("3", "-1", "yes", ""))
 
 
 def test_graph_spans_rule_and_switch(monkeypatch):
@@ -393,16 +401,9 @@ def test_graph_spans_rule_and_switch(monkeypatch):
     assert graph.span_for(5, 4096, 0) == 4096 and graph.span_for(3, 4, 4) == 4 and graph.span_for(4, 9, 4) == 8
     with pytest.raises(RocketError, match="position 9 past the cache's 9 positions"):
         graph.span_for(9, 9, 4)
-    monkeypatch.delenv("ROCKET_GRAPH_SPANS", raising=False)
-    assert graph.span_switch() == graph.SPAN_MIN == 256
-    monkeypatch.setenv("ROCKET_GRAPH_SPANS", "capacity")
-    assert graph.span_switch() == 0
-    monkeypatch.setenv("ROCKET_GRAPH_SPANS", "12")
-    assert graph.span_switch() == 12
-    for bad in ("0", "-4", "pow2", ""):
-        monkeypatch.setenv("ROCKET_GRAPH_SPANS", bad)
-        with pytest.raises(RocketError, match=f"ROCKET_GRAPH_SPANS={bad!r}"):
-            graph.span_switch()
+    assert graph.SPAN_MIN == 256
+    _check_switch(monkeypatch, "ROCKET_GRAPH_SPANS", graph.span_switch, {None: 256, "capacity": 0, "12": 12},
+                  ("0", "-4", "pow2", ""))
 
 
 def test_step_fuse_knob_bad_value_is_one_error(monkeypatch):

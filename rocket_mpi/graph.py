@@ -395,9 +395,9 @@ class GraphStep:
         self.pending.append((step, slot, event, t0))
 
     def collect(self, step: int) -> tuple[list[int], dict, torch.Tensor | None, float]:
-        """Wait for step `step` (the oldest launched) -> (chosen tokens, counters, its logits where kept, seconds:
-        from its launch or the previous step's end, whichever is later, to its end, so steps launched ahead count
-        what they add to the run)."""
+        """Wait for step `step` (the oldest launched) -> (chosen tokens, counters, its logits where kept else None,
+        seconds: from its launch or the previous step's end, whichever is later, to its end, so steps launched ahead
+        count what they add to the run)."""
         if not self.pending or self.pending[0][0] != step:
             raise RocketError(f"decode step {step} collected, but the steps in flight are "
                               f"{[p[0] for p in self.pending]}")
@@ -420,7 +420,7 @@ class GraphStep:
         self.engine.seq += n_moe  # each MoE layer's plan bumped the device seq by one
         return vals[:m], {"crc": fold_row_sums(sums), "rows_mine": sum(rows), "experts_mine": sum(experts),
                           "rows_total": n_moe * self.moe.cap, "bytes_sent": sum(self.moe.bytes_sent(r) for r in rows)
-                          }, (logits if self.keep_logits else self.logits), seconds
+                          }, logits, seconds
 
     def _capture(self):
         torch.cuda.synchronize(self.engine.device)

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 
 import torch
 from safetensors.torch import save_file
 
-from rocket_mpi.checkpoint import nvfp4
+from rocket_mpi.checkpoint import make_dsa, make_glm5
+from rocket_mpi.checkpoint.specs import make_tensor, tensor_specs
+from rocket_mpi.config import QuantConfig
 from rocket_mpi.errors import RocketError
+from rocket_mpi.ops import nvfp4
 
 PRESETS: dict[str, dict] = {
     # tests: every feature on, odd-ish sizes kept small
@@ -52,32 +54,16 @@ CORPUS = (
 )
 
 
-# Other families add presets from their own modules: each defines PRESETS {name: full config.json dict}
-# and tensor_specs(cfg) yielding (name, shape, kind) like the function below.
-FAMILY_MODULES = ("rocket_mpi.checkpoint.make_dsa", "rocket_mpi.checkpoint.make_glm5")
+# The other families' presets and tensor specs (each module: PRESETS {name: full config.json dict}, tensor_specs)
+FAMILY_MODULES = (make_dsa, make_glm5)
 
 
 def _family_for_preset(preset: str):
-    import importlib
-    for name in FAMILY_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        if preset in mod.PRESETS:
-            return mod
-    return None
+    return next((mod for mod in FAMILY_MODULES if preset in mod.PRESETS), None)
 
 
 def all_presets() -> list[str]:
-    import importlib
-    names = list(PRESETS)
-    for name in FAMILY_MODULES:
-        try:
-            names += list(importlib.import_module(name).PRESETS)
-        except ModuleNotFoundError:
-            pass
-    return names
+    return list(PRESETS) + [name for mod in FAMILY_MODULES for name in mod.PRESETS]
 
 
 def config_dict(preset: str) -> dict:
@@ -93,74 +79,6 @@ def config_dict(preset: str) -> dict:
             "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None, "initializer_range": 0.02, **p}
 
 
-def _gen(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF)
-
-
-def _randn(seed, name, shape, std):
-    return torch.randn(shape, generator=_gen(seed, name)) * std
-
-
-def tensor_specs(cfg: dict):
-    """(name, shape, kind) of every tensor, kind in {linear, expert, norm, embed, router, bias, attn_bias}."""
-    h, d = cfg["hidden_size"], cfg["head_dim"]
-    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    yield "model.embed_tokens.weight", (cfg["vocab_size"], h), "embed"
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        yield f"{p}.input_layernorm.weight", (h,), "norm"
-        yield f"{p}.post_attention_layernorm.weight", (h,), "norm"
-        for proj, n in (("q_proj", nq * d), ("k_proj", nkv * d), ("v_proj", nkv * d)):
-            yield f"{p}.self_attn.{proj}.weight", (n, h), "linear"
-            if cfg["attention_bias"]:
-                yield f"{p}.self_attn.{proj}.bias", (n,), "attn_bias"
-        yield f"{p}.self_attn.o_proj.weight", (h, nq * d), "linear"
-        if cfg["use_qk_norm"]:
-            yield f"{p}.self_attn.q_norm.weight", (d,), "norm"
-            yield f"{p}.self_attn.k_norm.weight", (d,), "norm"
-        yield from mlp_specs(p, cfg, dense=i < cfg["first_k_dense_replace"])
-    yield from head_specs(cfg)
-
-
-def swiglu_specs(prefix: str, hidden: int, inter: int, kind: str = "linear"):
-    for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
-        yield f"{prefix}.{proj}.weight", shape, kind
-
-
-def mlp_specs(p: str, cfg: dict, dense: bool):
-    """Layer p's MLP: a dense SwiGLU, or the MoE block (router, correction bias, shared and routed experts)
-    every family here stores the same way."""
-    h, e, mi = cfg["hidden_size"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    if dense:
-        yield from swiglu_specs(f"{p}.mlp", h, cfg["intermediate_size"])
-        return
-    yield f"{p}.mlp.gate.weight", (e, h), "router"
-    yield f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias"
-    yield from swiglu_specs(f"{p}.mlp.shared_experts", h, mi * cfg["n_shared_experts"])
-    for x in range(e):
-        yield from swiglu_specs(f"{p}.mlp.experts.{x}", h, mi, "expert")
-
-
-def head_specs(cfg: dict):
-    yield "model.norm.weight", (cfg["hidden_size"],), "norm"
-    yield "lm_head.weight", (cfg["vocab_size"], cfg["hidden_size"]), "linear"
-
-
-def make_tensor(seed: int, name: str, shape, kind: str) -> torch.Tensor:
-    """Realistic magnitudes: linears N(0, 0.02), norms near 1, a non-zero correction bias."""
-    if kind == "norm":
-        return (1.0 + _randn(seed, name, shape, 0.1)).to(torch.bfloat16)
-    if kind == "bias":
-        return (torch.rand(shape, generator=_gen(seed, name)) - 0.5) * 0.1   # fp32, like real checkpoints
-    if kind == "router":
-        return _randn(seed, name, shape, 0.02)                              # fp32 router weight
-    if kind == "attn_bias":
-        return _randn(seed, name, shape, 0.1).to(torch.bfloat16)
-    if kind == "embed":
-        return _randn(seed, name, shape, 1.0).to(torch.bfloat16)
-    return _randn(seed, name, shape, 0.02).to(torch.bfloat16)
-
-
 def exclude_patterns(cfg: dict, quant_all: bool) -> list[str]:
     pats = ["lm_head", "*.mlp.gate"]
     if not quant_all:
@@ -171,7 +89,6 @@ def exclude_patterns(cfg: dict, quant_all: bool) -> list[str]:
 
 def quantize_tensors(tensors: dict[str, torch.Tensor], cfg: dict, quant_all: bool) -> dict[str, torch.Tensor]:
     """Quantise Linears the way ModelOpt's HF export does; gate and up of one expert share weight_scale_2."""
-    from rocket_mpi.config import QuantConfig
     q = QuantConfig(exclude_modules=tuple(exclude_patterns(cfg, quant_all)))
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():

@@ -1,11 +1,11 @@
 """make-checkpoint presets of the GLM-5 family (glm_moe_dsa): MLA + DSA indexer, 256-expert MoE.
 
-make.py finds this module through FAMILY_MODULES; PRESETS holds full config.json dicts and
+make.py lists this module in FAMILY_MODULES; PRESETS holds full config.json dicts and
 tensor_specs(cfg) names every tensor as GlmMoeDsaForCausalLM.save_pretrained writes it.
 """
 from __future__ import annotations
 
-from rocket_mpi.checkpoint import make
+from rocket_mpi.checkpoint import specs
 
 
 def _config(**kw) -> dict:
@@ -56,7 +56,7 @@ PRESETS["glm5-4l"] = {**PRESETS["glm5"], "num_hidden_layers": 4, "first_k_dense_
 
 
 def tensor_specs(cfg: dict):
-    """(name, shape, kind) of every tensor, kind as make.make_tensor takes it."""
+    """(name, shape, kind) of every tensor, kind as specs.make_tensor takes it."""
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     ql, c = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, r, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -86,5 +86,5 @@ def tensor_specs(cfg: dict):
             yield f"{a}.indexer.k_norm.weight", (idim,), "norm"
             yield f"{a}.indexer.k_norm.bias", (idim,), "attn_bias"
             yield f"{a}.indexer.weights_proj.weight", (ih, h), "linear"
-        yield from make.mlp_specs(p, cfg, dense=mlp_types[i] == "dense")
-    yield from make.head_specs(cfg)
+        yield from specs.mlp_specs(p, cfg, dense=mlp_types[i] == "dense")
+    yield from specs.head_specs(cfg)

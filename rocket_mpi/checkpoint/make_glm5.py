@@ -2,13 +2,13 @@
 
 Shapes follow transformers' Glm5NextTextConfig; tensor names are the ones transformers writes
 (per-expert projections, q/k/v_conv1d, hc_{attn,ffn}_{fn,base,scale}, self_attn.f_a_proj ...).
-Values come from make.py's make_tensor kinds, so a tensor does not depend on which others exist.
+Values come from specs.py's make_tensor kinds, so a tensor does not depend on which others exist.
 """
 from __future__ import annotations
 
-from rocket_mpi.checkpoint import make
+from rocket_mpi.checkpoint import specs
 
-from rocket_mpi.model.glm5_next import TEXT_DEFAULTS, normalize_config
+from rocket_mpi.config.glm5_next import TEXT_DEFAULTS, normalize_config
 
 _COMMON = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "dtype": "bfloat16",
            "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None, "initializer_range": 0.02,
@@ -64,8 +64,8 @@ def tensor_specs(cfg: dict):
             yield from _kda_specs(a, c)
         else:
             yield from _mla_specs(a, c, c["indexer_types"][i] == "full")
-        yield from make.mlp_specs(p, c, dense=c["mlp_layer_types"][i] == "dense")
-    yield from make.head_specs(c)
+        yield from specs.mlp_specs(p, c, dense=c["mlp_layer_types"][i] == "dense")
+    yield from specs.head_specs(c)
 
 
 def _kda_specs(a: str, c: dict):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from rocket_mpi.checkpoint import nvfp4
+from rocket_mpi.ops import nvfp4
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import CheckpointError
 

@@ -11,10 +11,11 @@ import hashlib
 
 import torch
 
-from rocket_mpi.checkpoint import make
+from rocket_mpi.checkpoint import make, specs
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.config import ModelConfig, QuantConfig
 from rocket_mpi.errors import CheckpointError
+from rocket_mpi.ops import nvfp4
 
 PREFIX = "preset:"
 
@@ -63,7 +64,7 @@ class SyntheticReader(CheckpointReader):
 
     def _draw(self, name: str) -> torch.Tensor:
         shape, kind = self.specs[name]
-        g = torch.Generator(device=self.device).manual_seed(make._gen(self.seed, name).initial_seed())
+        g = torch.Generator(device=self.device).manual_seed(specs._gen(self.seed, name).initial_seed())
         std = {"norm": 0.1, "attn_bias": 0.1, "embed": 1.0}.get(kind, 0.02)
         if kind == "bias":
             return (torch.rand(shape, generator=g, device=self.device) - 0.5) * 0.1
@@ -83,7 +84,6 @@ class SyntheticReader(CheckpointReader):
             if mod.endswith(("gate_proj", "up_proj")):
                 sib = mod.rsplit(".", 1)[0]
                 amax = max(float(self._draw(f"{sib}.{p}.weight").float().abs().max()) for p in ("gate_proj", "up_proj"))
-            from rocket_mpi.checkpoint import nvfp4
             self._cache = {key: nvfp4.quantize(w, amax)}  # keep one module: weight, scale, scale_2 come in a row
         q = self._cache[key]
         return {"": q[0], "_scale": q[1], "_scale_2": q[2]}[part]

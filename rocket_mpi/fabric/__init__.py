@@ -1,9 +1,18 @@
 """Fabric backends behind one interface (base.Fabric.exchange)."""
 from __future__ import annotations
 
+import socket
+
 from rocket_mpi.errors import AgreedError, FabricError
+from rocket_mpi.fabric.base import LocalFabric
+from rocket_mpi.fabric.cuda_ipc import CudaIpcFabric
+from rocket_mpi.fabric.mpi import MpiFabric
+from rocket_mpi.fabric.nccl import NcclFabric
+from rocket_mpi.fabric.shm import ShmFabric
+from rocket_mpi.fabric.verbs import VerbsFabric, port_states
 
 BACKENDS = ("auto", "local", "shm", "mpi", "verbs", "cuda-ipc", "nccl")
+GRAPHED_FABRICS = ("local", "cuda-ipc", "nccl")  # with a SlotExchange on a GPU: the fixed-shape step runs over them
 
 
 def verbs_status() -> str | None:
@@ -12,7 +21,6 @@ def verbs_status() -> str | None:
         import pyverbs.device  # noqa: F401
     except ImportError:
         return "pyverbs is not installed (apt-get install python3-pyverbs)"
-    from rocket_mpi.fabric.verbs import port_states
     try:
         states = port_states()
     except FabricError as e:
@@ -22,12 +30,13 @@ def verbs_status() -> str | None:
     return None
 
 
-def choose(name: str, comm, device: str) -> str:
+def choose(name: str, comm, device: str, hostname: str | None = None) -> str:
     """Resolve --fabric auto: verbs where an RDMA device is up across hosts, else shm/cuda-ipc on one
-    host, else mpi/nccl."""
+    host, else mpi/nccl. hostname: this rank's host as the choice sees it (default: the real one; tests stand
+    one machine in for several with Settings.hostname)."""
     if comm is None or comm.size == 1:
         return "local"
-    hosts = set(comm.allgather(_hostname()))
+    hosts = set(comm.allgather(hostname or socket.gethostname()))
     if name != "auto":
         return name
     if device == "cuda":
@@ -55,41 +64,27 @@ def fabric_precheck(name: str, device: str = "cpu") -> None:
         raise FabricError(f"--fabric {name}: unknown (choose from {', '.join(BACKENDS)})")
 
 
-def _hostname() -> str:
-    """This rank's host, as the fabric choice sees it. ROCKET_HOSTNAME overrides it, so one machine can
-    stand in for several hosts in tests of the cross-host choices."""
-    import os
-    import socket
-    return os.environ.get("ROCKET_HOSTNAME") or socket.gethostname()
-
-
 def make_fabric(name: str, comm, max_rows: int, hidden: int, timeout: float, rails=None,
-                rail_split_min_bytes: int = 8192, gid_index=None, device=None):
+                rail_split_min_bytes: int = 8192, gid_index=None, device=None, hostname: str | None = None):
     if name == "local":
-        from rocket_mpi.fabric.base import LocalFabric
         return LocalFabric(0, 1, max_rows, hidden, timeout)
     if name == "shm":
-        hosts = set(comm.allgather(_hostname()))
+        hosts = set(comm.allgather(hostname or socket.gethostname()))
         if len(hosts) > 1:  # every rank saw the same host list: they agree, rank 0 says it once
             raise AgreedError(f"fabric shm needs all ranks on one host, these span {len(hosts)} hosts; "
                               f"use --fabric mpi or verbs")
-        from rocket_mpi.fabric.shm import ShmFabric
         return ShmFabric(comm, max_rows, hidden, timeout, rails=len(rails) if isinstance(rails, list) else (rails or 1),
                          rail_split_min_bytes=rail_split_min_bytes)
     if name == "mpi":
-        from rocket_mpi.fabric.mpi import MpiFabric
         return MpiFabric(comm, max_rows, hidden, timeout)
     if name == "verbs":
         why = verbs_status()
         if why is not None:
             raise FabricError(f"fabric verbs: {why}; use --fabric mpi (any hosts) or shm (one host)")
-        from rocket_mpi.fabric.verbs import VerbsFabric
         return VerbsFabric(comm, max_rows, hidden, timeout, rails=rails, rail_split_min_bytes=rail_split_min_bytes,
                            gid_index=gid_index)
     if name == "nccl":
-        from rocket_mpi.fabric.nccl import NcclFabric
         return NcclFabric(comm, max_rows, hidden, timeout, device)
     if name == "cuda-ipc":
-        from rocket_mpi.fabric.cuda_ipc import CudaIpcFabric
         return CudaIpcFabric(comm, max_rows, hidden, timeout, device)
     raise FabricError(f"--fabric {name}: unknown (choose from {', '.join(BACKENDS)})")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rocket_mpi.errors import FabricError, FabricTimeout
+from rocket_mpi.ops.plan import META_SEQ
 
 
 @dataclass
@@ -47,6 +48,17 @@ class Fabric:
     def _exchange(self, seq, offsets, block, layer, step) -> torch.Tensor:
         raise NotImplementedError
 
+    def slot_exchange(self, cap: int, device: torch.device) -> "SlotExchange":
+        """The fixed-shape decode step's exchange for blocks of at most `cap` rows (SlotExchange). On a CPU any
+        fabric takes it through its own exchange; one rank needs none; a GPU fabric that can run inside a CUDA
+        graph overrides this."""
+        if device.type == "cpu":
+            return HostSlots(self, cap)
+        if self.size == 1:
+            return LocalSlots(self, cap, device)
+        raise FabricError(f"fabric {self.name} has no exchange for the fixed-shape decode step on {device}: it is "
+                          f"host-driven (use --decode-path host)")
+
     def close(self) -> None:
         pass
 
@@ -59,6 +71,67 @@ class Fabric:
     def timeout_error(self, peer: int, layer: int, step: int, seq: int, what: str = "rows") -> FabricTimeout:
         return FabricTimeout(f"rank {self.rank}: fabric {self.name} timed out after {self.timeout:g} s waiting for "
                              f"{what} from rank {peer} at layer {layer}, step {step} (seq {seq}): peer dead or stalled")
+
+
+class SlotExchange:
+    """What the fixed-shape decode step (moe/step.py DeviceMoE) needs of a fabric.
+
+    Rank r's block of at most `cap` rows lives at slot-space rows set * set_stride + r * cap on every rank (set =
+    seq % n_sets: row buffer sets used in turn where a fabric needs double buffering), a place that does not depend
+    on routing, so the step has fixed shapes and can be captured in a CUDA graph.
+
+        out                        [cap, H] bf16: where this rank's expert kernel writes its block
+        exchange(meta, layer, step) -> every rank's rows in slot space, as the scatter reads them (meta: the
+                                   device plan's, ops/plan.py; its seq word is the doorbell value)
+        bytes_sent(rows_mine)      bytes this rank sent for one layer
+        err                        device words a timeout inside a captured exchange is recorded in (or None);
+                                   check(words, step) raises it after the step, naming peer, layer and step
+    """
+    mode = "host"
+    n_sets = 1
+    err = None
+
+    def __init__(self, fabric: "Fabric", cap: int):
+        self.fabric, self.cap = fabric, cap
+        self.row_bytes = fabric.hidden * 2
+
+    def exchange(self, meta: torch.Tensor, layer: int, step: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bytes_sent(self, rows_mine: int) -> int:
+        return rows_mine * self.row_bytes * (self.fabric.size - 1)
+
+    def check(self, words: list[int], step: int) -> None:
+        pass
+
+
+class HostSlots(SlotExchange):
+    """CPU ranks: every rank's cap rows through the fabric's own exchange at fixed offsets."""
+
+    def __init__(self, fabric: "Fabric", cap: int):
+        super().__init__(fabric, cap)
+        self.set_stride = fabric.size * cap
+        self.out = torch.zeros(cap, fabric.hidden, dtype=torch.bfloat16)
+        self.offsets = [r * cap for r in range(fabric.size + 1)]
+
+    def exchange(self, meta, layer, step):
+        return self.fabric.exchange(int(meta[META_SEQ]), self.offsets, self.out, layer, step)
+
+    def bytes_sent(self, rows_mine):
+        return self.cap * self.row_bytes * (self.fabric.size - 1)
+
+
+class LocalSlots(SlotExchange):
+    """One rank: the block is the row set."""
+    mode = "local"
+
+    def __init__(self, fabric: "Fabric", cap: int, device: torch.device):
+        super().__init__(fabric, cap)
+        self.set_stride = cap
+        self.out = torch.empty(cap, fabric.hidden, dtype=torch.bfloat16, device=device)
+
+    def exchange(self, meta, layer, step):
+        return self.out
 
 
 class LocalFabric(Fabric):

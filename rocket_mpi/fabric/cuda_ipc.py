@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from rocket_mpi.errors import FabricError
-from rocket_mpi.fabric.base import Fabric
+from rocket_mpi import ops
+from rocket_mpi.fabric.base import Fabric, SlotExchange
 from rocket_mpi.fabric.nccl import _wait_event
 
 RING = 64
@@ -26,6 +27,7 @@ FLAGS_OFFSET = 1024
 IPC_MAX_BLOCKS = 32  # flag words per sender (csrc/rocket.h kIpcMaxBlocks): one per block of the push kernel
 MAX_RANKS = RING_OFFSET // 8
 BELL_BYTES = FLAGS_OFFSET + 8 * MAX_RANKS * IPC_MAX_BLOCKS  # the header; rows start here
+PUSH_BLOCKS = 32  # blocks of the graphed step's exchange kernel: one flag word each (at most IPC_MAX_BLOCKS)
 
 
 def _check(res, what: str):
@@ -133,6 +135,43 @@ class CudaIpcFabric(Fabric):
             raise self.timeout_error(",".join(map(str, late)) or "?", layer, step, seq) from None
         return rows[:offsets[-1]]
 
+    def slot_exchange(self, cap, device):
+        if device.type == "cpu" or self.size == 1:
+            return super().slot_exchange(cap, device)
+        return IpcSlots(self, cap)
+
     def close(self):
         torch.cuda.synchronize(self.device)
         self.peer_storages.clear()
+
+
+class IpcSlots(SlotExchange):
+    """ipc_exchange_flags, one kernel (csrc/ipc_bells.cu): block rows into every peer's buffer over NVLink, each
+    block then writes its own flag word (seq) on every peer, and block 0 spins on ours with a timeout (recorded in
+    `err` on the device, raised by the host after the step). The fabric's two row slots are the two sets."""
+    mode = "cuda-ipc"
+    n_sets = 2
+
+    def __init__(self, fab: CudaIpcFabric, cap: int):
+        super().__init__(fab, cap)
+        self.set_stride = fab.slot_bytes // fab.row_bytes
+        if self.set_stride < fab.size * cap:
+            raise FabricError(f"cuda-ipc: row buffers of {self.set_stride} rows, the graphed step needs "
+                              f"{fab.size * cap}")
+        fab.enable_peer_access()
+        dev = fab.device
+        self.rows = fab.buf[BELL_BYTES:BELL_BYTES + 2 * fab.slot_bytes].view(torch.bfloat16).view(-1, fab.hidden)
+        self.out = torch.empty(cap, fab.hidden, dtype=torch.bfloat16, device=dev)
+        self.dst = [fab.base[r] + BELL_BYTES for r in range(fab.size)]
+        self.peer_flags = [fab.base[r] + FLAGS_OFFSET + 8 * IPC_MAX_BLOCKS * fab.rank for r in range(fab.size)]
+        self.err = torch.zeros(4, dtype=torch.long, device=dev)
+
+    def exchange(self, meta, layer, step):
+        f = self.fabric
+        ops._ext.require().ipc_exchange_flags(self.out, meta, self.dst, self.peer_flags, self.cap, self.set_stride,
+                                              f.rank, PUSH_BLOCKS, f.flags, self.err, f.timeout, layer)
+        return self.rows
+
+    def check(self, words, step):
+        if words[0]:
+            raise self.fabric.timeout_error(int(words[1]), int(words[3]), step, int(words[2]))

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch
 
-from rocket_mpi.fabric.base import Fabric
+from rocket_mpi.fabric.base import Fabric, SlotExchange
 
 
 def _free_port() -> int:
@@ -54,9 +54,32 @@ class NcclFabric(Fabric):
             _wait_event(self, self.done, layer, step, seq)
         return rows[:offsets[-1]]
 
+    def slot_exchange(self, cap, device):
+        if device.type == "cpu" or self.size == 1:
+            return super().slot_exchange(cap, device)
+        return NcclSlots(self, cap, device)
+
     def close(self):
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+class NcclSlots(SlotExchange):
+    """Every rank's cap rows gathered with all_gather_into_tensor (NCCL captures it in the step's graph)."""
+    mode = "nccl"
+
+    def __init__(self, fabric: NcclFabric, cap: int, device: torch.device):
+        super().__init__(fabric, cap)
+        self.set_stride = fabric.size * cap
+        self.rows = torch.empty(self.set_stride, fabric.hidden, dtype=torch.bfloat16, device=device)
+        self.out = self.rows[fabric.rank * cap:(fabric.rank + 1) * cap]
+
+    def exchange(self, meta, layer, step):
+        self.fabric.dist.all_gather_into_tensor(self.rows, self.out)
+        return self.rows
+
+    def bytes_sent(self, rows_mine):
+        return self.cap * self.row_bytes * (self.fabric.size - 1)
 
 
 def _wait_event(fab: Fabric, event: torch.cuda.Event, layer: int, step: int, seq: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi import kernels
+from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
@@ -43,7 +43,7 @@ class Layer:
     router_w: torch.Tensor | None = None                   # [E, H] fp32
     router_b: torch.Tensor | None = None                   # [E] fp32
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
-    mlp_packed: object = None                              # pack_stack: kernels.pack_mlp of mlp / shared
+    mlp_packed: object = None                              # pack_stack: ops.pack_mlp of mlp / shared
     shared_packed: object = None
 
 
@@ -110,14 +110,14 @@ class Glm4MoeModel:
 
     def pack_stack(self) -> None:
         """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs also in BF16 tiles (kernels/stack.py), which
-        steps of at most kernels.STACK_KERNEL_MAX_ROWS rows take; the dense weights stay for larger steps and
+        steps of at most ops.STACK_KERNEL_MAX_ROWS rows take; the dense weights stay for larger steps and
         prefill, where cuBLAS is faster (results/README.md, session 16). On the CPU the packed forms run torch's
         own ops on the unpacked weights, so the logits are the same bits (the tests' check of this glue)."""
         for L in self.layers:
             a = L.attn
             if a.qkv is None:
-                a.qkv = kernels.pack_linear([a.q, a.k, a.v], [a.q_bias, a.k_bias, a.v_bias])
-                a.o_packed = kernels.pack_linear([a.o])
+                a.qkv = ops.pack_linear([a.q, a.k, a.v], [a.q_bias, a.k_bias, a.v_bias])
+                a.o_packed = ops.pack_linear([a.o])
             pack_mlps(L)
 
     def nbytes(self) -> int:
@@ -162,18 +162,15 @@ class Glm4MoeModel:
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
         over the cache's first `span` positions (None: its whole capacity; every pos < span, graph.span_for) under
         a length mask. The caller advances pos and cache.lengths.
-        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the attention (by default two matmuls
-        around the scaled, masked softmax, or a kernel of kernels.decode_attention as ROCKET_DECODE_ATTENTION picks)
-        run as fused kernels
-        (kernels.rms_norm / rope_kv_ / decode_attention / decode_softmax), the residual adds in the packed linears'
-        epilogues: fewer launches in the graph, the same math (the sums in the kernels' own order). With the step's glue fused (graph.step_fused): the embedding with
-        the first RMSNorm, RoPE reading the table at pos in rope_kv_, each MoE scatter with the next RMSNorm
-        (kernels: the same bits)."""
-        from rocket_mpi.graph import step_fused
+        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the softmax between the attention's
+        two matmuls run as kernels (ops.rms_norm / rope_kv_ / decode_softmax), the residual adds in the packed
+        linears' epilogues: fewer launches in the graph, the same math (the sums in the kernels' own order). The
+        step's glue is fused there too: the embedding with the first RMSNorm, RoPE reading the table at pos in
+        rope_kv_, each MoE scatter with the next RMSNorm (the same bits as the separate ops)."""
         cfg = self.cfg
         dev = self.embed.device
-        fused = dev.type == "cuda" and kernels.available()
-        glue = fused and step_fused(dev)
+        fused = dev.type == "cuda" and ops.available()
+        glue = fused
         if fused:  # rows of the capacity's cos/sin table (Rope.table): read at pos by rope_kv_, or one gather
             table = self.rope.table(cache.capacity + 1, dev)  # + 1: pos = capacity writes nothing
             cos, sin = (table[0], table[1]) if glue else table[:, pos]
@@ -181,7 +178,7 @@ class Glm4MoeModel:
             cos, sin = self.rope.cos_sin(pos)
         h = None
         if glue:
-            x, h = kernels.embed_rms_norm(self.embed, tokens, self.layers[0].input_norm, cfg.rms_norm_eps)
+            x, h = ops.embed_rms_norm(self.embed, tokens, self.layers[0].input_norm, cfg.rms_norm_eps)
         else:
             x = self.embed[tokens]
         span = cache.capacity if span is None else span
@@ -229,9 +226,9 @@ class Glm4MoeModel:
         the packed stack runs)."""
         cfg = self.cfg
         t, d = h.shape[0], cfg.head_dim
-        packed = a.qkv is not None and t <= kernels.STACK_KERNEL_MAX_ROWS
+        packed = a.qkv is not None and t <= ops.STACK_KERNEL_MAX_ROWS
         if packed:
-            q, k, v = (y.view(t, -1, d) for y in kernels.linear(h, a.qkv))
+            q, k, v = (y.view(t, -1, d) for y in ops.linear(h, a.qkv))
         else:
             q = F.linear(h, a.q, a.q_bias).view(t, -1, d)
             k = F.linear(h, a.k, a.k_bias).view(t, -1, d)
@@ -243,10 +240,8 @@ class Glm4MoeModel:
         kc, vc = cache.k[i], cache.v[i]
         if fused:  # the fixed-shape decode step on a GPU: RoPE and the cache write in one kernel, the softmax in one
             tab, pos, span, _ = decode  # tab: cos / sin are the Rope.table halves, read at pos
-            kernels.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos, table=tab is not None)
-            out = kernels.decode_attention(q, kc, vc, pos, self.scale, span)
-            if out is None:  # more streams or a longer span than the fused kernel takes (kernels.decode_attention)
-                out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], None, self.scale, pos)
+            ops.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos, table=tab is not None)
+            out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], None, self.scale, pos)
             out = out.reshape(t, -1)
         elif decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
@@ -273,7 +268,7 @@ class Glm4MoeModel:
                 off += n
             out = torch.cat(outs)
         if packed:
-            return kernels.linear(out, a.o_packed, residual=(x,))[0]
+            return ops.linear(out, a.o_packed, residual=(x,))[0]
         return x + F.linear(out, a.o)
 
 
@@ -283,18 +278,15 @@ def _attend(q, k, v, hide, scale, pos=None):
     seen (the decode step builds it once, not an inverted mask per layer: one kernel fewer per layer). Plain
     matmuls: deterministic on every backend (SDPA's fused kernels are slow under deterministic settings).
     With `pos` instead of `hide` (one query per stream, on a GPU): the scale, the mask (keys past pos[b]) and the
-    softmax with its cast in one kernel (kernels.decode_softmax) instead of four."""
+    softmax with its cast in one kernel (ops.decode_softmax) instead of four."""
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, (hq // hkv) * tq, d)                       # heads of one kv group share k/v
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hq, tq, -1)
     if pos is not None:
-        probs = kernels.decode_softmax(scores, pos, scale)
+        probs = ops.decode_softmax(scores, pos, scale)
     else:
         scores = (scores * scale).masked_fill(hide, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs.view(b, hkv, (hq // hkv) * tq, -1), v)
     return out.view(b, hq, tq, d)
-
-
-MODEL = Glm4MoeModel

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rocket_mpi import ops
+
 
 @dataclass
 class HyperConnection:
@@ -33,27 +35,18 @@ class HcArgs:
     norm_eps: float        # rms_norm_eps of the unweighted input norm
 
 
-def fused(device) -> bool:
-    """Whether the fixed-shape step (forward_static) takes csrc/hc.cu's kernels for hc_pre / hc_post: on a GPU with
-    the extension, unless ROCKET_HC_FUSE=0. In torch, hc_pre is ~140 kernels per call (the Sinkhorn loop), here two."""
-    from rocket_mpi import kernels
-    return kernels.gpu_switch("ROCKET_HC_FUSE", device, "the hyper-connection kernels")
-
-
 def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs, fuse: bool = False,
            norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, H] BF16 -> (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] BF16). fuse: the same in
     csrc/hc.cu's kernels (sums in their own order: within rounding of this, tests/test_device_plan.py). norm =
     (weight, eps): the block's input RMSNorm of collapsed in place of it; with fuse in the kernels' launch (the bits
-    of kernels.rms_norm after them), else layers.rms_norm."""
-    if fuse:
-        from rocket_mpi import kernels
-        out = kernels.hc_pre(streams, hc.fn, hc.base, hc.scale, a.sinkhorn_iters, a.eps, a.norm_eps, norm)
+    of ops.rms_norm after them), else layers.rms_norm."""
+    if fuse:  # in torch hc_pre is ~140 kernels per call (the Sinkhorn loop), in csrc/hc.cu two
+        out = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, a.sinkhorn_iters, a.eps, a.norm_eps, norm)
         return out if norm is None else (out[0], out[1], out[3])
     if norm is not None:
-        from rocket_mpi.model.layers import rms_norm
         post, comb, collapsed = hc_pre(hc, streams, a)
-        return post, comb, rms_norm(collapsed, *norm)
+        return post, comb, ops.rms_norm_ref(collapsed, *norm)
     t, n, _ = streams.shape
     flat = streams.reshape(t, -1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + a.norm_eps)      # unweighted RMSNorm
@@ -77,7 +70,6 @@ def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, streams: to
     """post [T, N], comb [T, N, N] fp32; y [T, H] and streams [T, N, H] BF16 -> new streams [T, N, H]. fuse: one
     kernel (csrc/hc.cu), rounding where these BF16 ops round."""
     if fuse:
-        from rocket_mpi import kernels
-        return kernels.hc_post(post, comb, y, streams)
+        return ops.hc_post(post, comb, y, streams)
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)

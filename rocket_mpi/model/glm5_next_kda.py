@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rocket_mpi import ops
 from rocket_mpi.model.layers import linears
 
 DT = torch.bfloat16
@@ -82,35 +83,26 @@ def kda_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch
     return state, (state * q[..., None]).sum(dim=-2)
 
 
-def fused(device) -> bool:
-    """Whether the fixed-shape step takes csrc/kda.cu's kernel for a KDA token (from the q|k|v projection to o_proj's
-    input: ~35 torch kernels, and the recurrent state read and written once instead of ~10 times): on a GPU with the
-    extension, unless ROCKET_KDA_FUSE=0."""
-    from rocket_mpi import kernels
-    return kernels.gpu_switch("ROCKET_KDA_FUSE", device, "the KDA decode kernel")
-
-
 def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                 segments: list[tuple[int, int, int]], args: KdaArgs, idx: torch.Tensor | None = None,
                 fuse: bool = False) -> torch.Tensor:
     """h [T, H] BF16 (streams' new tokens packed); segments (stream, offset, n). Advances conv_state
     [M, 3D, K] BF16 and rec_state [M, h, dk, dv] fp32 of those streams in place. Returns [T, H] BF16.
     idx [M] on the device instead of segments: one token for each of those streams (the fixed-shape step). With
-    fuse, everything after the q|k|v projection up to o_proj in one kernel (kernels.kda_decode: the same math, its
+    fuse, everything after the q|k|v projection up to o_proj in one kernel (ops.kda_decode: the same math, its
     sums in their own order; a prefill's tokens one after another in the launch instead of ~10 torch kernels each)."""
     t = h.shape[0]
     nh, dk, kk = args.heads, args.head_dim, args.conv_kernel
     P = a.packed or {}
     mixed, f_ah, g_ah = linears(h, [a.qkv, a.f_a, a.g_a], packs=P.get("h"))  # [T, 3D] BF16 pre-conv; gates' low rank
-    if fuse and (idx is not None or segments):
-        from rocket_mpi import kernels
+    if fuse and (idx is not None or segments):  # ~35 torch kernels, the recurrent state read ~10 times: here one
         counts = None
         if idx is None:  # a prefill or a host-path step: each stream's tokens in order, in the launch
             counts = [n for _, _, n in segments]
             if [off for _, off, _ in segments] != [sum(counts[:i]) for i in range(len(counts))]:
                 raise ValueError(f"kda_forward: segments {segments} are not packed one after another")
             idx = torch.tensor([s for s, _, _ in segments], device=h.device)
-        y = kernels.kda_decode(mixed, conv_state, a.conv, _lin(a, "f_b", f_ah), _lin(a, "b", h), _lin(a, "g_b", g_ah),
+        y = ops.kda_decode(mixed, conv_state, a.conv, _lin(a, "f_b", f_ah), _lin(a, "b", h), _lin(a, "g_b", g_ah),
                                a.dt_bias, a.A_log, a.o_norm, rec_state, idx, nh, dk, args.lower_bound, args.eps, counts)
         return _lin(a, "o", y)
     conv_w = a.conv[:, None, :]                                       # [3D, 1, K]
@@ -150,6 +142,6 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
 
 
 def _lin(a: KDA, name: str, x: torch.Tensor) -> torch.Tensor:
-    """x through the KDA weight `name`: its packed copy for steps of at most kernels.STACK_KERNEL_MAX_ROWS rows
+    """x through the KDA weight `name`: its packed copy for steps of at most ops.STACK_KERNEL_MAX_ROWS rows
     where it has one (layers.linears), else F.linear."""
     return linears(x, [getattr(a, name)], packs=(a.packed or {}).get(name))[0]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_decode, latent_input_linears, linears,
+from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_input_linears, linears,
                                      matmul_fp32, norm_of, prefill_blocks, rms_norm)
 
 DT = torch.bfloat16
@@ -191,7 +191,7 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     """One new token per stream at positions pos [M] (device), batched over streams with fixed shapes:
     h [M, H] -> ([M, H] BF16, its selection (cols, valid) [M, n_cols], which a "shared" layer reuses). Each
     stream's chosen pools and tail (_pool_cols: at most index_topk + kpool latents, a fixed number of columns, the
-    unused ones masked) are gathered and attended in the absorbed form (layers.latent_decode): the same tokens and
+    unused ones masked) are gathered and attended in the absorbed form (layers.latent_attention): the same tokens and
     weights as mla_forward, other sum orders; nothing of the step is O(span) but the indexer's pool scores. While
     span // kpool <= index_topk // kpool the indexer's top-k takes every complete pool, so it is not scored (its
     keys and pools are still kept for later steps) and the step attends over the span in order under a mask.
@@ -223,17 +223,11 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
             shared = _pool_cols(chosen, taken, pos, args)
     cols, valid = shared
     rows = c.latent[idx[:, None], cols]                                               # [M, n_cols, kv_lora]
-    if latent_decode():
-        # q . (W_uk l) == (q W_uk) . l and sum_j p_j (W_uv l_j) == W_uv (sum_j p_j l_j): the selected latents are
-        # the keys and values of one shared head, read once per stream; kv_b's halves are applied to 64 heads' q
-        # and output instead of to every selected latent (2064 of them at index_topk 2048: ~69 GFLOP per stream
-        # and MLA layer at the Flash width, against ~0.3 here).
-        return linears(_absorbed(a, q, rows, valid, args), [a.o], [a.o_bias], P.get("o"))[0], shared
-    kv = F.linear(rows, a.kv_b).view(m, cols.shape[1], args.heads, args.qk_dim + args.v_dim)
-    k, v = kv.split([args.qk_dim, args.v_dim], dim=-1)
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=valid[:, None, None, :], scale=args.qk_dim ** -0.5)
-    return F.linear(o[:, :, 0].reshape(m, -1), a.o, a.o_bias), shared
+    # q . (W_uk l) == (q W_uk) . l and sum_j p_j (W_uv l_j) == W_uv (sum_j p_j l_j): the selected latents are
+    # the keys and values of one shared head, read once per stream; kv_b's halves are applied to 64 heads' q
+    # and output instead of to every selected latent (2064 of them at index_topk 2048: ~69 GFLOP per stream
+    # and MLA layer at the Flash width, against ~0.3 here).
+    return linears(_absorbed(a, q, rows, valid, args), [a.o], [a.o_bias], P.get("o"))[0], shared
 
 
 def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens: list[int], args: MlaArgs,

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi import kernels
+from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
-from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_decode, latent_input_linears,
+from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_input_linears,
                                      linears, load_embed_head,
                                      load_ffn, load_swiglu, matmul_fp32, mlp_forward, move_stack, norm_of,
                                      pack_linears, pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled,
@@ -41,75 +41,6 @@ DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
 # not config.rms_norm_eps (which only the block norms use)
 LATENT_NORM_EPS = 1e-6
-
-# -- config.json ------------------------------------------------------------------------
-# MLA / DSA shapes: no silent GLM-5 defaults, a checkpoint must say them
-_REQUIRED = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-             "index_head_dim", "index_n_heads", "index_topk")
-# transformers' GlmMoeDsaConfig defaults where they differ from ModelConfig's key map
-_DEFAULTS = {"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
-             "norm_topk_prob": True, "attention_bias": False, "rms_norm_eps": 1e-5}
-
-
-def normalize_config(raw: dict, source: str) -> dict:
-    """config.json of GlmMoeDsaForCausalLM -> the common keys, plus moe_layer_indices and indexer_types."""
-    raw = dict(raw)
-    for key in ("num_hidden_layers", "num_attention_heads", *_REQUIRED):
-        v = raw.get(key)
-        if v is None:
-            raise ConfigError(f"{source}: missing required field '{key}'")
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {v!r}")
-    for key, v in _DEFAULTS.items():
-        if raw.get(key) is None:
-            raw[key] = v
-    n = raw["num_hidden_layers"]
-    # MLA expands one latent to every head: there are no KV-head groups (GlmMoeDsaConfig's default 64 is
-    # unused by its attention), so the common key is pinned to the head count
-    raw["num_key_value_heads"] = raw["num_attention_heads"]
-    if raw["qk_rope_head_dim"] % 2 or raw["index_head_dim"] < raw["qk_rope_head_dim"]:
-        raise ConfigError(f"{source}: qk_rope_head_dim {raw['qk_rope_head_dim']} must be even and at most "
-                          f"index_head_dim {raw['index_head_dim']}")
-    # transformers points head_dim at the rope slice and ropes all of it (partial_rotary_factor unused)
-    raw["head_dim"] = raw["qk_rope_head_dim"]
-    raw["rope_parameters"] = {**(raw.get("rope_parameters") or {}), "partial_rotary_factor": 1.0}
-    raw["indexer_types"] = _indexer_types(raw, n, source)
-    raw["moe_layer_indices"] = _moe_layers(raw, n, source)
-    return raw
-
-
-def _indexer_types(raw: dict, n: int, source: str) -> list[str]:
-    """Per layer "full" (own indexer) or "shared" (previous full layer's top-k), as GlmMoeDsaConfig derives it."""
-    types = raw.get("indexer_types")
-    if types is None:
-        pattern = raw.get("index_topk_pattern")
-        if pattern is not None:
-            letters = {"F": "full", "S": "shared"}
-            if isinstance(pattern, str) and not set(pattern) <= set(letters):
-                raise ConfigError(f"{source}: index_topk_pattern '{pattern}' may hold only F and S")
-            types = [letters[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-        else:
-            freq = max(raw.get("index_topk_freq", 1), 1)
-            offset = raw.get("index_skip_topk_offset", 2)
-            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-    types = list(types)
-    if len(types) != n or not set(types) <= {"full", "shared"}:
-        raise ConfigError(f"{source}: indexer_types must list 'full' or 'shared' for each of {n} layers, got {types}")
-    if types[0] != "full":
-        raise ConfigError(f"{source}: indexer_types[0] is 'shared' but no earlier layer runs an indexer")
-    return types
-
-
-def _moe_layers(raw: dict, n: int, source: str) -> list[int]:
-    kinds = raw.get("mlp_layer_types")
-    if kinds is None:
-        k = raw["first_k_dense_replace"]
-        return list(range(min(k, n), n))
-    if len(kinds) != n or not set(kinds) <= {"dense", "sparse"}:
-        raise ConfigError(f"{source}: mlp_layer_types must list 'dense' or 'sparse' for each of {n} layers, "
-                          f"got {kinds}")
-    return [i for i, kind in enumerate(kinds) if kind == "sparse"]
-
 
 # -- weights ----------------------------------------------------------------------------
 @dataclass
@@ -186,10 +117,10 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """x [T, heads, r], cos/sin [T, r] (cat(freqs, freqs)): pairs (x0, x1), (x2, x3), ... each turned by one
     frequency. The result is laid out de-interleaved (rotated evens, then odds) as transformers'
     apply_rotary_pos_emb_interleave does; q and k share the layout, so their dot products do not see it.
-    On a GPU with the extension one launch of kernels.rope_interleaved (the same bits as these ~8 torch kernels,
+    On a GPU with the extension one launch of ops.rope_interleaved (the same bits as these ~8 torch kernels,
     4 calls per layer and step)."""
-    if x.is_cuda and kernels.available():
-        return kernels.rope_interleaved(x, cos, sin)
+    if x.is_cuda and ops.available():
+        return ops.rope_interleaved(x, cos, sin)
     return rope_interleaved_ops(x, cos, sin)
 
 
@@ -291,7 +222,7 @@ class GlmMoeDsaModel:
     def pack_stack(self) -> None:
         """Every layer's q_a | kv_a | indexer wk (one launch over the normed input), q_b, the indexer's wq_b, o and
         the SwiGLU MLPs also in BF16 tiles (as glm4_moe.pack_stack), which steps of at most
-        kernels.STACK_KERNEL_MAX_ROWS rows take: decode steps read the weights at about copy bandwidth with no
+        ops.STACK_KERNEL_MAX_ROWS rows take: decode steps read the weights at about copy bandwidth with no
         split-K reduce kernels. On the CPU the packed forms run F.linear on the unpacked weights: the same bits."""
         for L in self.layers:
             a, ix = L.attn, L.attn.indexer
@@ -374,8 +305,8 @@ class GlmMoeDsaModel:
         """-> (x + the attention block of layer i over h = its normed x, the selection). pos [M] on the device:
         the fixed-shape decode step (forward_static) over the cache's first `span` positions (None: its
         capacity), starts/seqlens unused. The linears take their packed copies where the model has them
-        (pack_stack) and the step has at most kernels.STACK_KERNEL_MAX_ROWS rows, x + o in the o projection's
-        epilogue; fused: the RMSNorms in kernels.rms_norm (the fixed-shape step on a GPU)."""
+        (pack_stack) and the step has at most ops.STACK_KERNEL_MAX_ROWS rows, x + o in the o projection's
+        epilogue; fused: the RMSNorms in ops.rms_norm (the fixed-shape step on a GPU)."""
         t, nh, c = h.shape[0], self.heads, self.latent
         dev = h.device
         norm, P, own = norm_of(fused), a.packed or {}, a.indexer is not None
@@ -463,26 +394,16 @@ class GlmMoeDsaModel:
         """Each of B queries' heads q [B, heads, c + rope] over its own rows [B, k, c + rope] (valid [B, k]) ->
         [B, heads, c]: a decode step's streams or a prefill's rows past index_topk keys."""
         c = self.latent
-        if latent_decode():
-            return latent_attention(q, rows, rows[..., :c], valid, self.scale)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], rows[:, None], rows[:, None, :, :c],
-                                           attn_mask=valid[:, None, None, :], scale=self.scale,
-                                           enable_gqa=True)                               # [B, heads, 1, c]
-        return o[:, :, 0]
+        return latent_attention(q, rows, rows[..., :c], valid, self.scale)
 
     def _prefill_block(self, q, rows, mask) -> torch.Tensor:
         """A prefill block's queries q [r, heads, c + rope] over its stream's latent rows [w, c + rope] under its
         selection mask [r, w] -> [r, heads, c]: the r x heads queries as one stream's query rows of
-        latent_attention (fp32 scores, the rows read once for every head), or, with ROCKET_MLA_LATENT=0, SDPA with
-        enable_gqa (its math path on a GPU: the shared latent repeated for each head)."""
+        latent_attention (fp32 scores, the rows read once for every head)."""
         c, (r, nh) = self.latent, q.shape[:2]
-        if latent_decode():
-            valid = mask[:, None, :].expand(r, nh, mask.shape[1]).reshape(1, r * nh, -1)
-            return latent_attention(q.reshape(1, r * nh, -1), rows[None], rows[None, :, :c], valid,
-                                    self.scale).view(r, nh, c)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], rows[None, None], rows[None, None, :, :c],
-                                           attn_mask=mask.contiguous(), scale=self.scale, enable_gqa=True)
-        return o[0].transpose(0, 1)                                                       # [r, heads, c]
+        valid = mask[:, None, :].expand(r, nh, mask.shape[1]).reshape(1, r * nh, -1)
+        return latent_attention(q.reshape(1, r * nh, -1), rows[None], rows[None, :, :c], valid,
+                                self.scale).view(r, nh, c)
 
     def _decode_attention(self, i, a: Attention, q_cat, kv_new, ik, iq, iw, cache: LatentCache, pos, span: int,
                           selection):
@@ -518,19 +439,18 @@ class GlmMoeDsaModel:
         graph.span_for) under a length mask (_decode_attention); everything else
         is forward's decode step. The caller advances pos and cache.lengths. Returns
         the logits [M, V] in bf16 (see glm4_moe.forward_static). On a GPU with the extension, as glm4_moe's step:
-        the RMSNorms in kernels.rms_norm, the packed linears (pack_stack), the shared expert beside the routed
-        ones with x + (routed + shared) in the scatter, and with the step's glue fused (graph.step_fused) the
-        embedding with the first norm and each MoE scatter with the next norm."""
-        from rocket_mpi.graph import step_fused
+        the RMSNorms in ops.rms_norm, the packed linears (pack_stack), the shared expert beside the routed
+        ones with x + (routed + shared) in the scatter, and the step's glue fused: the embedding with the first
+        norm and each MoE scatter with the next norm."""
         eps = self.cfg.rms_norm_eps
         dev = self.embed.device
-        fused = dev.type == "cuda" and kernels.available()
-        glue = fused and step_fused(dev)
+        fused = dev.type == "cuda" and ops.available()
+        glue = fused
         norm = norm_of(fused)
         cos, sin = self.rope.cos_sin(pos)
         h = None
         if glue:
-            x, h = kernels.embed_rms_norm(self.embed, tokens, self.layers[0].input_norm, eps)
+            x, h = ops.embed_rms_norm(self.embed, tokens, self.layers[0].input_norm, eps)
         else:
             x = self.embed[tokens]
         n, selection = len(self.layers), None
@@ -553,6 +473,3 @@ class GlmMoeDsaModel:
         if h is None:
             h = norm(x, self.norm, eps)
         return F.linear(h, self.lm_head)  # bf16, as glm4_moe.forward_static
-
-
-MODEL = GlmMoeDsaModel

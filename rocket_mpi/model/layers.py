@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
 
+from rocket_mpi import ops
+from rocket_mpi.ops.norm import rms_norm_ref as rms_norm  # noqa: F401 (the families take the references from here)
+from rocket_mpi.ops.pack import TILE_N
+from rocket_mpi.ops.stack import swiglu_mlp  # noqa: F401
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 statistics, cast back, then scale (transformers' RMSNorm order)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+
 
 
 PREFILL_ROWS = 512  # query rows per attention block of a prefill at most (prefill_blocks)
@@ -50,20 +49,6 @@ def distinct_writes():
         torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
-def latent_decode() -> bool:
-    """Whether MLA decode steps (and GLM-5's prefill) attend over the cached latent rows with latent_attention (the
-    default) or as before session 26 (ROCKET_MLA_LATENT=0, for A/B runs): GLM-5.3-Flash expanding every selected
-    latent through kv_b, GLM-5 calling SDPA with enable_gqa. Read when a step is built, so a captured graph keeps what it had;
-    every rank reads the same environment, so the choice never splits parity. A value other than 0 / 1 is one
-    error naming it."""
-    from rocket_mpi.errors import RocketError
-    knob = os.environ.get("ROCKET_MLA_LATENT", "1")
-    if knob not in ("0", "1"):
-        raise RocketError(f"ROCKET_MLA_LATENT={knob!r}: use 1 (decode attention over the latent rows, the "
-                          "default) or 0")
-    return knob == "1"
-
-
 _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype=): bf16 in, fp32 out (CUDA)
 
 
@@ -95,49 +80,35 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.bmm(p.to(values.dtype), values)
 
 
-def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None
-               ) -> torch.Tensor:
-    """x [T, H] @ gate_up [2I, H] -> silu(gate) * up [T, I] -> @ down [H, I] -> [T, H]. With `limit`
-    (GLM-5.3-Flash's swiglu_limit): gate.clamp(max=limit) and up.clamp(-limit, limit) before the activation."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.linear(F.silu(gate) * up, down)
-
-
 def mlp_forward(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=None, residual=(),
                 limit: float | None = None) -> torch.Tensor:
     """A dense or shared-expert SwiGLU MLP (gate_up, down; swiglu_mlp's `limit`), then + each of `residual` in
     order (r + y, one bf16 rounding each, as the stack writes x + mlp); with its `packed` copy (pack_mlps), steps
-    of at most kernels.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's BF16 tiles, the adds in its
+    of at most ops.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's BF16 tiles, the adds in its
     epilogue."""
-    from rocket_mpi import kernels
-    if packed is not None and x.shape[0] <= kernels.STACK_KERNEL_MAX_ROWS:
-        return kernels.swiglu_dense(x, packed, residual, limit)
-    return kernels.add_residuals(swiglu_mlp(x, *mlp, limit), residual)
+    if packed is not None and x.shape[0] <= ops.STACK_KERNEL_MAX_ROWS:
+        return ops.swiglu_dense(x, packed, residual, limit)
+    return ops.add_residuals(swiglu_mlp(x, *mlp, limit), residual)
 
 
 def pack_linears(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
-    """A packed copy (kernels.pack_linear: one launch where the parts fuse) of linears that share their input, or
+    """A packed copy (ops.pack_linear: one launch where the parts fuse) of linears that share their input, or
     None where a shape is not whole tiles of 16 (the tiny test presets' narrow heads): those keep F.linear."""
-    from rocket_mpi import kernels
-    from rocket_mpi.kernels.pack import TILE_N
     if any(w.shape[0] % TILE_N or w.shape[1] % TILE_N for w in weights):
         return None
-    return kernels.pack_linear(list(weights), biases)
+    return ops.pack_linear(list(weights), biases)
 
 
 def linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, packs=None, residual=()
             ) -> list[torch.Tensor]:
-    """x through linears of one input -> one tensor per weight: steps of at most kernels.STACK_KERNEL_MAX_ROWS rows
+    """x through linears of one input -> one tensor per weight: steps of at most ops.STACK_KERNEL_MAX_ROWS rows
     through their packed copy (pack_linears) where they have one, else F.linear each. `residual` (one weight
     only): + each in order (r + y, the stack's x + o), in the kernel's epilogue where it runs."""
-    from rocket_mpi import kernels
-    if packs is not None and x.shape[0] <= kernels.STACK_KERNEL_MAX_ROWS:
-        return kernels.linear(x, packs, residual)
+    if packs is not None and x.shape[0] <= ops.STACK_KERNEL_MAX_ROWS:
+        return ops.linear(x, packs, residual)
     outs = [F.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
     if residual:
-        outs[0] = kernels.add_residuals(outs[0], residual)
+        outs[0] = ops.add_residuals(outs[0], residual)
     return outs
 
 
@@ -151,27 +122,23 @@ def latent_input_linears(a) -> tuple[list[torch.Tensor], list[torch.Tensor | Non
 
 
 def norm_of(fused: bool):
-    """The RMSNorm a step takes: kernels.rms_norm (one launch, its own sum order) where the step's kernels are
+    """The RMSNorm a step takes: ops.rms_norm (one launch, its own sum order) where the step's kernels are
     fused (a GPU with the extension), else rms_norm (torch ops)."""
-    from rocket_mpi import kernels
-    return kernels.rms_norm if fused else rms_norm
+    return ops.rms_norm if fused else rms_norm
 
 
 def pack_mlps(layer) -> None:
     """A copy of a layer's dense MLP and shared expert (where it has them) in the expert kernel's BF16 tiles."""
-    from rocket_mpi import kernels
     for name in ("mlp", "shared"):
         m = getattr(layer, name, None)
         if isinstance(m, tuple) and getattr(layer, name + "_packed", None) is None:
-            setattr(layer, name + "_packed", kernels.pack_mlp(*m))
+            setattr(layer, name + "_packed", ops.pack_mlp(*m))
 
 
 def stack_kernel_enabled(device) -> bool:
-    """The replicated stack's linears run in the expert kernel's BF16 tiles (kernels/stack.py): on a GPU with
-    the extension built, unless ROCKET_STACK=torch (or ROCKET_KERNELS=0)."""
-    from rocket_mpi import kernels
-    from rocket_mpi.moe.experts import kernels_enabled
-    return kernels.stack_switch() == "kernel" and kernels_enabled(device)
+    """The replicated stack's linears run in the expert kernel's BF16 tiles (ops/stack.py) on a GPU with the
+    extension built."""
+    return ops.on_gpu(device)
 
 
 class Rope:

@@ -26,14 +26,13 @@ itself instead of a prep launch writing fragments (results/README.md, session 17
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.kernels import _ext
-from rocket_mpi.kernels.pack import (TILE_K, TILE_N, PackedExperts, deinterleave_gate_up, pack_bf16_direct,
+from rocket_mpi.ops import _ext
+from rocket_mpi.ops.pack import (TILE_K, TILE_N, PackedExperts, deinterleave_gate_up, pack_bf16_direct,
                                      pack_experts_bf16, round_up, unpack_bf16, unpack_bf16_direct)
 
 FUSE_ALIGN = 2 * TILE_N  # features of one warp in the kernel: fused parts must end on these
@@ -59,14 +58,14 @@ class PackedLinear:
         return self.w.numel() * self.w.element_size() + b
 
 
-def stack_switch() -> str:
-    """ROCKET_STACK: 'kernel' (default: the stack's linears in the expert kernel's BF16 tiles on a GPU) or
-    'torch' (cuBLAS through F.linear). A bad value is one error line from the command."""
-    from rocket_mpi.errors import RocketError
-    v = os.environ.get("ROCKET_STACK", "kernel")
-    if v not in ("kernel", "torch"):
-        raise RocketError(f"ROCKET_STACK={v!r}: expected 'kernel' (default) or 'torch'")
-    return v
+def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None
+               ) -> torch.Tensor:
+    """x [T, H] @ gate_up [2I, H] -> silu(gate) * up [T, I] -> @ down [H, I] -> [T, H]. With `limit`
+    (GLM-5.3-Flash's swiglu_limit): gate.clamp(max=limit) and up.clamp(-limit, limit) before the activation."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.linear(F.silu(gate) * up, down)
 
 
 def _pack_one(ws: list[torch.Tensor], bs: list[torch.Tensor | None]) -> PackedLinear:
@@ -140,7 +139,7 @@ def linear(x: torch.Tensor, packs: list[PackedLinear], residual=()) -> list[torc
 
 
 def pack_mlp(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
-    """A SwiGLU MLP (layers.swiglu_mlp's gate_up [2I, H], down [H, I]) as one BF16 expert."""
+    """A SwiGLU MLP (swiglu_mlp's gate_up [2I, H], down [H, I]) as one BF16 expert."""
     i2, h = gate_up.shape
     i = i2 // 2
     if down.shape != (h, i):
@@ -152,8 +151,7 @@ def pack_mlp(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
 
 
 def swiglu_dense_ref(x: torch.Tensor, p: PackedExperts, limit: float | None = None) -> torch.Tensor:
-    """layers.swiglu_mlp on the unpacked weights: bit for bit the torch path."""
-    from rocket_mpi.model.layers import swiglu_mlp
+    """swiglu_mlp on the unpacked weights: bit for bit the torch path."""
     gate, up = deinterleave_gate_up(unpack_bf16_direct(p.q_gu[0]))
     gate_up = torch.cat((gate[:p.inter, :p.hidden], up[:p.inter, :p.hidden]), 0)
     return swiglu_mlp(x, gate_up, unpack_bf16(p.q_dn[0])[:p.hidden, :p.inter], limit)

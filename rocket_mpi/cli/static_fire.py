@@ -6,8 +6,9 @@ import json
 import os
 import tempfile
 
-from rocket_mpi import launch
+from rocket_mpi.cli import launch
 from rocket_mpi.errors import RocketError
+from rocket_mpi.settings import Settings
 
 
 def _decode_args(args, sweep, out):
@@ -20,7 +21,7 @@ def _decode_args(args, sweep, out):
     return a
 
 
-def static_fire(args) -> int:
+def static_fire(args, settings: Settings) -> int:
     sweep = sorted(set(args.sweep))
     work = args.workdir or tempfile.mkdtemp(prefix="rocket-static-fire-")
     os.makedirs(work, exist_ok=True)
@@ -34,7 +35,7 @@ def static_fire(args) -> int:
         if val:
             split_args += [flag, val]
     split_args += ["--rail-split-min-bytes", str(args.rail_split_min_bytes)]
-    split = launch.mpirun(args.ranks, split_args, budget, launcher_cmd=args.launcher)
+    split = launch.mpirun(args.ranks, split_args, budget, launcher_cmd=args.launcher or settings.mpiexec)
     print(split.stdout, end="")
     if split.returncode != 0:
         print(f"STATIC FIRE FAIL: the {args.ranks}-rank split exited {split.returncode}: {_tail(split.stderr)}")

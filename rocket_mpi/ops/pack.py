@@ -52,7 +52,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from rocket_mpi.checkpoint import nvfp4
+from rocket_mpi.ops import _ext, nvfp4
 
 TILE_N = 16
 TILE_K = 64
@@ -483,3 +483,9 @@ def pack_experts_bf16(experts: Mapping[int, Sequence[torch.Tensor]], hidden: int
     """{expert id: (gate [I, H], up [I, H], down [H, I]) bf16} -> PackedExperts of BF16 tiles (pack_bf16),
     slots in ascending expert id: the same kernel as NVFP4 without the decode (s_* empty, s2_* ones)."""
     return _pack_all(experts, hidden, inter, True, device)
+
+
+def dequant_packed_cuda(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The kernel's own decode of one packed matrix -> bf16 [N_pad, K_pad] (E2M1 * scale * 2^-8).
+    A test hook: equal bit for bit to pack.emulate_decode."""
+    return _ext.require().dequant_packed(q.contiguous(), s.contiguous())

@@ -40,5 +40,5 @@ def require():
     mod = load()
     why = reason()
     if mod is None or why:
-        raise RuntimeError(f"rocket_mpi.kernels: {why}")
+        raise RuntimeError(f"rocket_mpi.ops: {why}")
     return mod

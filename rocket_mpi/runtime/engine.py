@@ -6,23 +6,23 @@ the fabric, only finished BF16 rows.
 """
 from __future__ import annotations
 
-import os
 import resource
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 
 from rocket_mpi.checkpoint.reader import CheckpointReader
-from rocket_mpi.config import PREFILL_CHUNK, ModelConfig, family
+from rocket_mpi.config import PREFILL_CHUNK, ModelConfig
 from rocket_mpi.errors import RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
-from rocket_mpi.moe.experts import ExpertStore, kernels_enabled
-from rocket_mpi.moe.router import route
-from rocket_mpi.moe.rows import plan_rows
-from rocket_mpi.moe.scatter import moe_scatter_add
-from rocket_mpi.placement import Placement
+from rocket_mpi.model import model_class
+from rocket_mpi.moe.experts import ExpertStore
+from rocket_mpi.moe.placement import Placement
+from rocket_mpi.moe.step import HostMoE
+from rocket_mpi.ops import plan as kplan
+from rocket_mpi.runtime.graph import STEPS_AHEAD, GraphStep, unsupported
+from rocket_mpi.settings import Settings
 
 WARMUP_STEPS = 3
 CACHE_QUANTUM = 64  # cache positions per stream: a multiple of this (Engine.generate)
@@ -89,49 +89,6 @@ class RunResult:
                 "decode_steps": len(self.steps[1:]), "decode_s": sum(s.seconds for s in self.steps[1:])}
 
 
-def row_checksum(rows: torch.Tensor, acc):
-    """Checksum of a layer's full row set, chained over a step's layers (the static fire shows it at a
-    divergence). CPU: crc32 of the bytes. GPU: row_sum (kept on the device, so the per-layer path gains no
-    device-to-host copy; read once per step) chained as fold_row_sums does."""
-    if rows.device.type == "cpu":
-        return zlib.crc32(rows.contiguous().view(torch.uint8).numpy(), int(acc))
-    return (acc * 1_000_003 + row_sum(rows)) & 0xFFFFFFFF
-
-
-def row_sum(rows: torch.Tensor) -> torch.Tensor:
-    """Position-weighted sum of the rows' 16-bit words (int64; the graphed step's moe_scatter_add sums the same)."""
-    words = rows.reshape(-1).view(torch.int16).to(torch.int64)
-    return (words * _checksum_weights(words.numel(), rows.device)).sum()
-
-
-def fold_row_sums(sums: list[int]) -> int:
-    """The GPU checksum chain of row_checksum over per-layer row_sum values."""
-    acc = 0
-    for v in sums:
-        acc = (acc * 1_000_003 + v) & 0xFFFFFFFF
-    return acc
-
-
-_WEIGHTS: dict = {}
-
-
-def _checksum_weights(n: int, device) -> torch.Tensor:
-    w = _WEIGHTS.get(device)
-    if w is None or w.numel() < n:
-        w = _WEIGHTS[device] = torch.arange(1, max(n, 1 << 16) + 1, device=device) % 65521 + 1
-    return w[:n]
-
-
-def parse_fault(spec: str | None):
-    """ROCKET_FAULT='stall:rank=1,step=2', 'die:rank=1,step=2' (tests of dead and stalled peers) or
-    'oom:rank=1,step=L' (the rank runs out of memory loading MoE layer L's experts) -> (kind, rank, step)."""
-    if not spec:
-        return None
-    kind, _, rest = spec.partition(":")
-    kv = dict(p.split("=") for p in rest.split(",") if p)
-    return kind, int(kv.get("rank", 1)), int(kv.get("step", 1))
-
-
 def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: BaseException) -> RocketError:
     """One line for a rank whose share of the model does not fit: where, what it was loading, how much was
     in use, and what would make it fit."""
@@ -149,17 +106,18 @@ def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: Ba
 
 class Engine:
     def __init__(self, ckpt_dir: str, rank: int = 0, size: int = 1, placement: Placement | None = None,
-                 reader: CheckpointReader | None = None, device: str = "cpu"):
+                 reader: CheckpointReader | None = None, device: str = "cpu", settings: Settings | None = None):
         t0 = time.perf_counter()
+        self.settings = settings or Settings.from_env()  # the command line passes the one it read
         self.reader = reader or CheckpointReader(ckpt_dir)
         self.cfg: ModelConfig = self.reader.config
         self.rank, self.size = rank, size
         self.placement = placement or Placement.contiguous(self.cfg, size)
-        model_cls = family(self.cfg.model_type).MODEL
+        model_cls = model_class(self.cfg.model_type)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.fault = parse_fault(os.environ.get("ROCKET_FAULT"))
+        fault = self.settings.fault
         what = "the replicated stack"
         try:
             self.model = model_cls.load(self.reader)
@@ -168,7 +126,7 @@ class Engine:
             for layer in self.cfg.moe_layers:
                 owned = self.placement.owned(layer, rank)
                 what = f"MoE layer {layer}'s experts ({len(owned)} of {self.cfg.n_routed_experts} on this rank)"
-                if self.fault and self.fault[0] == "oom" and self.fault[1] == rank and self.fault[2] == layer:
+                if fault and fault.kind == "oom" and fault.rank == rank and fault.step == layer:
                     raise torch.OutOfMemoryError("ROCKET_FAULT: injected out of memory")
                 self.experts[layer] = ExpertStore.load(self.reader, layer, owned, prefix(self.reader, layer),
                                                        self.device)
@@ -180,15 +138,12 @@ class Engine:
                     store.to(self.device)
         except (torch.OutOfMemoryError, MemoryError) as e:
             raise out_of_memory(rank, size, self.device, what, e) from None
-        self._cuda_scatter = kernels_enabled(self.device)
         self.load_seconds = time.perf_counter() - t0
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
-        self.seq = 0
+        self.seq = 0   # the exchanges so far: each one's doorbell value
         self.step = 0
-        self._crc = 0
-        self._rows_owned = 0
-        self._rows_total = 0
-        self._expert_bytes = 0
+        self.moe = HostMoE(self)
+        self.steps_ahead = STEPS_AHEAD  # graphed steps launched before the oldest is read back (tests vary it)
         self.decode_path = "host"
         self.prefill_chunk = PREFILL_CHUNK
         self.decode_path_auto = False  # set_decode_path: auto falls back to host where a step exceeds a limit
@@ -196,8 +151,6 @@ class Engine:
     def set_decode_path(self, want: str, fabric_name: str) -> str:
         """auto | graph | device | host (rocket_mpi/graph.py): where decode steps plan their rows and
         whether they run as one CUDA graph. auto takes graph where it can run. Returns the path taken."""
-        from rocket_mpi.graph import span_switch, unsupported
-        span_switch()  # a bad ROCKET_GRAPH_SPANS fails at set-up on every path
         why = unsupported(self, fabric_name, graph=want != "device")
         self.decode_path_auto = want == "auto"
         if want == "auto":  # graph where it runs and its capture has been checked on a GPU for this family
@@ -229,53 +182,6 @@ class Engine:
     @staticmethod
     def peak_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    # -- the MoE layer ---------------------------------------------------------------
-    def moe(self, layer: int, x: torch.Tensor, L, shared=None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts of `layer` over x (normed) -> [T, H]; with `shared` (a callable: the shared expert
-        over x) and `residual`, residual + (routed + shared); residual None: routed + shared (graph.DeviceMoE's
-        contract)."""
-        routed = self._routed(layer, x, L)
-        if shared is None:
-            return routed
-        from rocket_mpi.kernels import add_residuals
-        return add_residuals(routed, (shared(),) if residual is None else (shared(), residual))
-
-    def _routed(self, layer: int, x: torch.Tensor, L) -> torch.Tensor:
-        weights, experts = route(x, L.router_w, L.router_b, self.cfg)
-        store = self.experts[layer]
-        # the plan is host bookkeeping over T x k integers: one small device-to-host copy per layer
-        plan = plan_rows(experts.cpu(), weights.cpu(), self.placement.owners[layer], store.s2_down, self.size)
-        if x.device.type != "cpu":
-            plan.tokens, plan.by_token, plan.coef = (plan.tokens.to(x.device), plan.by_token.to(x.device),
-                                                     plan.coef.to(x.device))
-        lo, hi = plan.block(self.rank)
-        block = store.compute(x, plan.tokens, plan.segments[self.rank], lo)
-        self.seq += 1
-        if self.fault and self.fault[1] == self.rank and self.fault[2] == self.step:
-            block = self._inject(self.fault[0], block)
-        rows = self.fabric.exchange(self.seq, plan.offsets, block, layer, self.step).to(x.device)
-        self._crc = row_checksum(rows, self._crc)
-        self._rows_owned += hi - lo
-        self._rows_total += plan.rows
-        self._expert_bytes += len(plan.segments[self.rank]) * store.read_bytes_per_expert
-        if rows.device.type == "cuda" and self._cuda_scatter:
-            from rocket_mpi import kernels  # bitwise the torch reference (tests/test_kernels.py), fewer launches
-            return kernels.moe_scatter_add(rows, plan.by_token, plan.coef)
-        return moe_scatter_add(rows, plan.by_token, plan.coef)
-
-    def _inject(self, kind: str, block: torch.Tensor) -> torch.Tensor:
-        """Test hook (ROCKET_FAULT): a dead peer, a stalled peer, or a wrong row that the gate must catch."""
-        import sys
-        print(f"rank {self.rank}: ROCKET_FAULT injecting '{kind}' at step {self.step}", file=sys.stderr, flush=True)
-        if kind == "die":
-            os._exit(9)
-        if kind == "stall":
-            time.sleep(3600)
-        if kind == "corrupt" and block.numel():
-            block = block.clone()
-            block[0] = 100.0  # far outside what a row holds: some greedy choice must change
-        return block
 
     # -- generation ------------------------------------------------------------------
     def max_rows(self, prompts_list: list[list[list[int]]]) -> int:
@@ -318,11 +224,11 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None, capacity: int = 0) -> RunResult:
         """capacity: cache positions per stream if more than the longest prompt + n_tokens (benchmarks: the
-        graphed step's cost at a long run's cache, with ROCKET_GRAPH_SPANS=capacity its fixed shapes span all of it)."""
+        graphed step's cost at a long run's cache)."""
         self.check_prompts(prompts, n_tokens)
         m = len(prompts)
         # positions rounded up to a multiple of CACHE_QUANTUM: a span that is the capacity keeps the attention's
-        # matmuls on aligned rows (an odd span of 3003 cost air8 0.8 ms more per step than 2048; session 27)
+        # matmuls on aligned rows (an odd span costs the matmuls more than a round one, docs/PERFORMANCE.md)
         need = max(max(len(p) for p in prompts) + n_tokens, capacity)
         cache = self.model.new_cache(m, -(-need // CACHE_QUANTUM) * CACHE_QUANTUM)
         result = RunResult(m, [[] for _ in range(m)])
@@ -330,8 +236,7 @@ class Engine:
         seqlens = [len(p) for p in prompts]
         result.path = "host" if self.decode_path == "host" or n_tokens < 2 else self.decode_path
         if result.path != "host":
-            from rocket_mpi.kernels.plan import stream_limit
-            why = stream_limit(m, self.cfg)  # the same on every rank: same streams, same model
+            why = kplan.stream_limit(m, self.cfg)  # the same on every rank: same streams, same model
             if why and self.decode_path_auto:
                 result.path = "host"
             elif why:
@@ -343,9 +248,8 @@ class Engine:
             self.step = step
             if step > 0 and result.path != "host":
                 if static is None:
-                    from rocket_mpi.graph import GraphStep, steps_ahead
                     static = GraphStep(self, cache, tokens, graph=result.path == "graph",
-                                       keep_logits=on_step is not None, ahead=steps_ahead())
+                                       keep_logits=on_step is not None, ahead=self.steps_ahead)
                 # this step if it is not in flight yet, then up to static.ahead more while they keep its span; the
                 # host's lengths count every step launched (they pick the spans)
                 while launched < step or (launched + 1 < n_tokens and len(static.pending) <= static.ahead
@@ -362,7 +266,7 @@ class Engine:
                 if static.graph_error and not result.note:
                     result.note = f"CUDA graph capture failed, steps ran eagerly: {static.graph_error}"
             else:
-                self._crc, self._rows_owned, self._rows_total, self._expert_bytes = 0, 0, 0, 0
+                self.moe.reset()
                 f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
                 t0 = time.perf_counter()
                 if step == 0:  # the prompts, in chunks where they pass prefill_chunk
@@ -373,9 +277,9 @@ class Engine:
                 nxt = torch.argmax(logits, dim=-1)
                 chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
                 dt = time.perf_counter() - t0
-                log = StepLog(dt, self.fabric.stats.seconds - f0, self._rows_owned, self._rows_total,
-                              self.fabric.stats.bytes_sent - b0, int(self._crc),
-                              self._expert_bytes + self.stack_read_bytes())
+                mo = self.moe
+                log = StepLog(dt, self.fabric.stats.seconds - f0, mo.rows_owned, mo.rows_total,
+                              self.fabric.stats.bytes_sent - b0, int(mo.crc), mo.expert_bytes + self.stack_read_bytes())
                 tokens, seqlens = nxt, [1] * m
             for s, t in enumerate(chosen):
                 result.tokens[s].append(t)

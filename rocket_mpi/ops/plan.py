@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from rocket_mpi.moe.rows import plan_rows
+from rocket_mpi.ops import _ext
+from rocket_mpi.ops.experts import launch_plan
+from rocket_mpi.ops.rows import plan_rows
 
 META_HEAD = 6
 META_TILES, META_GROUPS, META_ROWS, META_SET, META_SEQ, META_EXPERTS = range(META_HEAD)
@@ -76,7 +78,6 @@ def moe_plan_ref(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tens
                  s2_down: torch.Tensor, rank: int, n_ranks: int, n_sets: int, set_stride: int,
                  seq: int) -> dict[str, torch.Tensor]:
     """What moe_plan computes, from the host plan. `seq` is the counter before the call (the plan uses seq + 1)."""
-    from rocket_mpi.kernels import launch_plan
     experts, weights = experts.cpu(), weights.cpu().float()
     owner = owner.cpu().long()
     t, k = experts.shape
@@ -123,7 +124,6 @@ def moe_plan(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, 
         if zero is not None:
             zero.zero_()
         return out
-    from rocket_mpi.kernels import _ext
     out = _ext.require().moe_plan(experts.contiguous(), weights.float().contiguous(), owner, slot, canon, s2_down,
                                   rank, n_ranks, n_sets, set_stride, seq, meta_out, zero)
     return dict(zip(PLAN_KEYS, out))

@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from rocket_mpi.config import ModelConfig
+from rocket_mpi.ops import _ext
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
+def route_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (weights [T, k] fp32, experts [T, k] int64).
 
@@ -18,7 +19,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: ModelC
 
 
 def route_logits(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """route() from the fp32 logits [T, E] on (what csrc/router.cu moe_route computes)."""
+    """route_ref() from the fp32 logits [T, E] on (what csrc/router.cu moe_route computes)."""
     t = logits.shape[0]
     e, g = cfg.n_routed_experts, cfg.n_group
     scores = logits.sigmoid()                                # [T, E]
@@ -33,3 +34,15 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> 
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, experts
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe/router.py route on CUDA in two kernels (router.cu): the same experts and weights up to the
+    fp32 sum order of the logits (tests/test_device_plan.py). CPU tensors take route itself."""
+    if not x.is_cuda:
+        return route_ref(x, weight, bias, cfg)
+    C = _ext.require()
+    partial = C.router_logits(x.contiguous(), weight)  # [slices of H, T, E]: moe_route sums them in order
+    w, e = C.moe_route(partial, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob),
+                       float(cfg.routed_scaling_factor))
+    return w, e

@@ -4,11 +4,8 @@
 
 Per message size, medians over --reps replays of one graph holding --iters exchanges back to back:
   exchange us    one symmetric exchange (both ranks send the size, each waits for the other's rows):
-                 cuda-ipc = ipc_exchange_flags, one kernel, a flag word per block (the decode step's, graph.py),
-                 one block per 4 KiB up to 32 (the step's count), nccl = all_gather_into_tensor;
-  doorbell us    cuda-ipc only: ipc_exchange, one kernel, one doorbell per rank rung by the last block to
-                 finish (an atomic counter; the second version);
-  2 kernels us   cuda-ipc only: ipc_push + ipc_wait, doorbells, two kernels (the first version);
+                 cuda-ipc = ipc_exchange_flags, one kernel, a flag word per block (the decode step's exchange,
+                 fabric/cuda_ipc.py IpcSlots), one block per 4 KiB up to 32, nccl = all_gather_into_tensor;
   GB/s           size / exchange time: what one rank's rows move at;
   peer copy GB/s a plain peer copy (cudaMemcpyAsync to the peer's mapped buffer) of the same size, timed
                  with events, every rank copying at once; and the exchange's share of it;
@@ -21,8 +18,12 @@ import math
 import statistics
 
 import torch
+import torch.distributed as dist
 
+from rocket_mpi import ops
+from rocket_mpi.cli.report import human, num
 from rocket_mpi.errors import FabricError
+from rocket_mpi.fabric.cuda_ipc import BELL_BYTES, FLAGS_OFFSET, IPC_MAX_BLOCKS
 
 ROW_HIDDEN = 32   # rows of 64 bytes, as fabric-bench
 ROW_BYTES = ROW_HIDDEN * 2
@@ -30,15 +31,14 @@ ROW_BYTES = ROW_HIDDEN * 2
 
 def push_blocks(nbytes: int) -> int:
     """Blocks of the push kernel: one per 4 KiB, one per flag word at most (fabric/cuda_ipc.py IPC_MAX_BLOCKS)."""
-    from rocket_mpi.fabric.cuda_ipc import IPC_MAX_BLOCKS
     return max(1, min(IPC_MAX_BLOCKS, nbytes // 4096))
 
 
 class GraphExchange:
     """`iters` exchanges of `nbytes` per rank, captured once; replay() runs them all."""
 
-    def __init__(self, fab, comm, nbytes: int, iters: int, device, mode: str = "flags"):
-        self.fab, self.comm, self.device, self.mode = fab, comm, device, mode
+    def __init__(self, fab, comm, nbytes: int, iters: int, device):
+        self.fab, self.comm, self.device = fab, comm, device
         self.blocks = push_blocks(nbytes)
         self.rank, self.size = comm.rank, comm.size
         self.rows = nbytes // ROW_BYTES
@@ -46,7 +46,6 @@ class GraphExchange:
         self.src = (torch.arange(self.rows * ROW_HIDDEN, device=device, dtype=torch.int32) * (self.rank + 3)
                     ).to(torch.int16).view(torch.bfloat16).view(self.rows, ROW_HIDDEN)
         if fab.name == "cuda-ipc":
-            from rocket_mpi.fabric.cuda_ipc import BELL_BYTES
             slot_rows = fab.slot_bytes // fab.row_bytes
             if fab.row_bytes != ROW_BYTES or slot_rows < self.size * self.rows:
                 raise FabricError(f"graph bench: cuda-ipc buffers of {slot_rows} rows of {fab.row_bytes} B are too "
@@ -54,10 +53,7 @@ class GraphExchange:
             fab.enable_peer_access()
             self.recv = fab.buf[BELL_BYTES:BELL_BYTES + fab.slot_bytes].view(torch.bfloat16).view(-1, ROW_HIDDEN)
             self.dst = [fab.base[r] + BELL_BYTES for r in range(self.size)]
-            from rocket_mpi.fabric.cuda_ipc import FLAGS_OFFSET, IPC_MAX_BLOCKS
-            self.peer_bells = [fab.base[r] + 8 * self.rank for r in range(self.size)]
             self.peer_flags = [fab.base[r] + FLAGS_OFFSET + 8 * IPC_MAX_BLOCKS * self.rank for r in range(self.size)]
-            self.counter = torch.zeros(1, dtype=torch.int32, device=device)
             self.err = torch.zeros(4, dtype=torch.long, device=device)
             start = max(int(fab.bells.max()), int(fab.flags.max())) + 1 if self.size > 1 else 1
             start = max(comm.allgather(start))
@@ -69,23 +65,13 @@ class GraphExchange:
         self.graph = None
 
     def _body(self):
-        from rocket_mpi import kernels
         if self.fab.name == "cuda-ipc":
-            C = kernels._ext.require()
+            C = ops._ext.require()
             for i in range(self.iters):
-                if self.mode == "flags":
-                    C.ipc_exchange_flags(self.src, self.metas[i], self.dst, self.peer_flags, self.rows, 0, self.rank,
-                                         self.blocks, self.fab.flags, self.err, self.fab.timeout, -1)
-                elif self.mode == "bells":
-                    C.ipc_exchange(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0,
-                                   self.rank, self.blocks, self.fab.bells, self.err, self.fab.timeout, -1)
-                else:
-                    C.ipc_push(self.src, self.metas[i], self.dst, self.peer_bells, self.counter, self.rows, 0,
-                               self.rank, self.blocks)
-                    C.ipc_wait(self.fab.bells, self.metas[i], self.err, self.fab.timeout, self.rank, -1)
+                C.ipc_exchange_flags(self.src, self.metas[i], self.dst, self.peer_flags, self.rows, 0, self.rank,
+                                     self.blocks, self.fab.flags, self.err, self.fab.timeout, -1)
             self.metas[:, 4] += self.iters  # the next replay's seqs
         else:
-            import torch.distributed as dist
             for _ in range(self.iters):
                 dist.all_gather_into_tensor(self.recv, self.src)
 
@@ -139,7 +125,6 @@ def peer_copy_gbps(fab, comm, nbytes: int, device, reps: int = 20) -> float:
     """A plain cudaMemcpyAsync of nbytes into the peer's mapped buffer (cuda-ipc), timed with events."""
     if fab.name != "cuda-ipc":
         return float("nan")
-    from rocket_mpi.fabric.cuda_ipc import BELL_BYTES
     peer = (comm.rank + 1) % comm.size
     st = fab.peer_storages[peer]
     dst = torch.empty(0, dtype=torch.uint8, device=device).set_(st)[BELL_BYTES + fab.slot_bytes:][:nbytes]
@@ -187,10 +172,10 @@ def peer_copy_bar(fab, comm, device, nbytes: int = 256 << 20, reps: int = 10) ->
     return out[0], out[1]
 
 
-def _time_one(fab, comm, n: int, k: int, reps: int, device, mode: str) -> tuple[float, str]:
-    """(us per exchange, why capture failed or "") of one captured exchange variant. Built only now: its
-    seqs start past every doorbell and flag value the variants before it left."""
-    ex = GraphExchange(fab, comm, n, k, device, mode)
+def _time_one(fab, comm, n: int, k: int, reps: int, device) -> tuple[float, str]:
+    """(us per exchange, why capture failed or "") of one captured exchange. Built only now: its seqs start past
+    every flag value the sizes before it left."""
+    ex = GraphExchange(fab, comm, n, k, device)
     ex.check()
     why = ex.capture()
     if comm.allreduce(1 if why else 0) == 0:
@@ -207,20 +192,17 @@ def run(fab, comm, sizes: list[int], iters: int | None, reps: int, device) -> li
     bar_alone, bar_all = peer_copy_bar(fab, comm, device)
     for n in sizes:
         k = iters or max(10, min(200, (64 << 20) // max(n, 1)))
-        us, why = _time_one(fab, comm, n, k, reps, device, "flags")
+        us, why = _time_one(fab, comm, n, k, reps, device)
         ipc = fab.name == "cuda-ipc"
-        bells = _time_one(fab, comm, n, k, reps, device, "bells")[0] if ipc else float("nan")
-        split = _time_one(fab, comm, n, k, reps, device, "split")[0] if ipc else float("nan")
         copy = peer_copy_gbps(fab, comm, n, device)
         out.append({"bytes": n, "exchange_us": us, "gbs": float("nan") if math.isnan(us) else n / (us * 1e-6) / 1e9,
-                    "copy_gbs": copy, "note": why, "bells_us": bells, "split_us": split,
+                    "copy_gbs": copy, "note": why,
                     "blocks": push_blocks(n) if ipc else 0, "bar_alone": bar_alone,
                     "bar_all": bar_all})
     return out
 
 
 def format_table(results: list[dict], header: str) -> str:
-    from rocket_mpi.fabric_bench import human, num
     def pct(a, b):
         return "-" if math.isnan(a) or math.isnan(b) else f"{100 * a / b:.0f}"
 
@@ -228,12 +210,11 @@ def format_table(results: list[dict], header: str) -> str:
     if results and not math.isnan(results[0].get("bar_alone", math.nan)):
         lines.append(f"bandwidth bar, a 256 MiB plain peer copy: {results[0]['bar_alone']:.0f} GB/s one rank copying, "
                      f"{results[0]['bar_all']:.0f} GB/s each with every rank copying")
-    lines.append(f"{'message':>9}  {'blocks':>6}  {'exchange us':>12}  {'doorbell us':>12}  "
-                 f"{'2 kernels us':>12}  {'GB/s':>8}  {'peer copy GB/s':>14}  {'% of copy':>9}  {'% of bar':>8}")
+    lines.append(f"{'message':>9}  {'blocks':>6}  {'exchange us':>12}  {'GB/s':>8}  {'peer copy GB/s':>14}  "
+                 f"{'% of copy':>9}  {'% of bar':>8}")
     for r in results:
         lines.append(f"{human(r['bytes']):>9}  {r.get('blocks', 0) or '-':>6}  {num(r['exchange_us']):>12}  "
-                     f"{num(r.get('bells_us', math.nan)):>12}  "
-                     f"{num(r.get('split_us', math.nan)):>12}  {num(r['gbs']):>8}  {num(r['copy_gbs']):>14}  "
+                     f"{num(r['gbs']):>8}  {num(r['copy_gbs']):>14}  "
                      f"{pct(r['gbs'], r['copy_gbs']):>9}  {pct(r['gbs'], r.get('bar_alone', math.nan)):>8}"
                      + (f"  capture failed: {r['note']}" if r["note"] else ""))
     return "\n".join(lines)

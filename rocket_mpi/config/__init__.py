@@ -11,35 +11,16 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from rocket_mpi.config import glm5_next, glm_moe_dsa
 from rocket_mpi.errors import ConfigError
 
-# model_type -> the module that implements the family (rocket_mpi/model/); each module may define
-# `normalize_config(raw: dict, source: str) -> dict` to map its config.json onto the common keys below
-# (for example lifting a nested text_config); family-only keys stay readable in ModelConfig.raw.
 PREFILL_CHUNK = 4096  # prompt tokens per prefill forward, all streams together (--prefill-chunk; Engine._forward)
 
-FAMILIES = {
-    "glm4_moe": "rocket_mpi.model.glm4_moe",
-    "glm_moe_dsa": "rocket_mpi.model.glm_moe_dsa",
-    "glm5_next": "rocket_mpi.model.glm5_next",
-    "glm5_next_text": "rocket_mpi.model.glm5_next",  # a config saved from the text model alone
-}
-
-
-def _family_module(model_type: str):
-    import importlib
-    try:
-        return importlib.import_module(FAMILIES[model_type])
-    except ModuleNotFoundError:
-        return None
-
-
-def _exists(mod: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(mod) is not None
-
-
-SUPPORTED_MODEL_TYPES = tuple(mt for mt, mod in FAMILIES.items() if _exists(mod))
+# config.json normalisers (config/<family>.py) of the families whose config differs from the common keys below,
+# e.g. lifting a nested text_config; family-only keys stay readable in ModelConfig.raw
+_NORMALIZE = {"glm_moe_dsa": glm_moe_dsa.normalize_config, "glm5_next": glm5_next.normalize_config,
+              "glm5_next_text": glm5_next.normalize_config}  # glm5_next_text: a config saved from the text model
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "glm_moe_dsa", "glm5_next", "glm5_next_text")
 
 _MISSING = object()
 
@@ -70,14 +51,6 @@ _KEY_MAP: dict[str, tuple[tuple[str, ...], object]] = {
     "dtype": (("dtype", "torch_dtype"), "bfloat16"),
     "eos_token_id": (("eos_token_id",), None),
 }
-
-
-def family(model_type: str):
-    """The module implementing a model family: defines MODEL (a class with load/new_cache/forward)."""
-    mod = _family_module(model_type)
-    if mod is None:
-        raise ConfigError(f"model_type '{model_type}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    return mod
 
 
 @dataclass(frozen=True)
@@ -157,7 +130,7 @@ class ModelConfig:
             raise ConfigError(
                 f"{source}: model_type '{mt}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        norm = getattr(_family_module(mt), "normalize_config", None)
+        norm = _NORMALIZE.get(mt)
         if norm is not None:
             raw = norm(raw, source)
         vals: dict = {"model_type": mt, "source": source, "quant": quant, "raw": raw,

@@ -31,9 +31,15 @@ from collections import deque
 import numpy as np
 import torch
 
-from rocket_mpi.cli import _pos_int
+from rocket_mpi.cli import graph_bench
+from rocket_mpi.cli.flags import add_fabric_flags, pos_int
+from rocket_mpi.cli.report import human, num
 from rocket_mpi.errors import FabricError, FabricTimeout
+from rocket_mpi.fabric import choose, fabric_precheck, make_fabric, verbs_status
 from rocket_mpi.fabric.base import DoorbellFabric
+from rocket_mpi.runtime.decode import pick_device
+from rocket_mpi.runtime.dist import collective, run_guarded, wait_all, watchdog, world
+from rocket_mpi.settings import Settings
 
 HIDDEN = 32                  # bench rows of 64 bytes: sizes are whole rows
 ROW = HIDDEN * 2
@@ -70,54 +76,44 @@ def parse_sizes(spec: str) -> list[int]:
     return sorted(set(sizes))
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, formatter) -> None:
     p = sub.add_parser("fabric-bench", help="transport table of a fabric (run under mpiexec -n 2)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fabric", default="auto", choices=("auto", "shm", "mpi", "verbs", "cuda-ipc", "nccl"))
+                       description=__doc__, formatter_class=formatter)
+    add_fabric_flags(p, choices=("auto", "shm", "mpi", "verbs", "cuda-ipc", "nccl"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: rows live on each rank's GPU (cuda-ipc, nccl); pingpong only")
-    p.add_argument("--rails", help="verbs: device[:port],... or a count of ACTIVE ports; shm: a count of virtual rails")
-    p.add_argument("--gid-index", type=int, default=None, help="verbs: GID index (default: RoCE v2 IPv4)")
     p.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
                    help=f"message sizes, '2K..4M' (powers of two) or a list (default {DEFAULT_SIZES})")
-    p.add_argument("--iters", type=_pos_int, default=None,
+    p.add_argument("--iters", type=pos_int, default=None,
                    help="messages (or exchanges) per repetition (default: 64 MiB worth, 100..5000)")
-    p.add_argument("--reps", type=_pos_int, default=5, help="repetitions; the table shows medians")
-    p.add_argument("--split-min", type=_pos_int, default=8192,
-                   help="rail_split_min_bytes: messages this large are split over the rails")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds any wait may last")
+    p.add_argument("--reps", type=pos_int, default=5, help="repetitions; the table shows medians")
     p.add_argument("--plot", help="write GB/s and us against size to this PNG (needs matplotlib)")
     p.add_argument("--perftest", action="store_true",
                    help="also run ib_write_bw / ib_write_lat on the same sizes and rails (verbs) and compare")
-    p.add_argument("--perftest-iters", type=_pos_int, default=1000, help="perftest's -n")
+    p.add_argument("--perftest-iters", type=pos_int, default=1000, help="perftest's -n")
     p.add_argument("--graph", action="store_true",
                    help="--device cuda, cuda-ipc or nccl: the exchange as the graphed decode step runs it, captured "
                         "in a CUDA graph, beside a plain peer copy (rocket_mpi/graph_bench.py)")
 
 
 # -- entry -----------------------------------------------------------------------------------------------
-def main(args) -> int:
-    from rocket_mpi.dist import run_guarded, world
+def main(args, settings: Settings) -> int:
     comm = world()
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
     if size != 2:
         if rank == 0:
-            print(f"rocket_mpi fabric-bench: error: needs exactly 2 ranks (mpiexec -n 2 python -m rocket_mpi "
+            print(f"rocket_mpi: error: fabric-bench needs exactly 2 ranks (mpiexec -n 2 python -m rocket_mpi "
                   f"fabric-bench ...), got {size}", file=sys.stderr, flush=True)
         return 1
-    return run_guarded(comm, "rocket_mpi fabric-bench", lambda: _bench(args, comm))
+    return run_guarded(comm, "rocket_mpi", lambda: _bench(args, settings, comm))
 
 
-def _bench(args, comm) -> int:
-    from rocket_mpi.dist import collective, watchdog
-    from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
-
+def _bench(args, settings: Settings, comm) -> int:
     device = torch.device("cpu")
     if args.device == "cuda":
-        from rocket_mpi.run import _pick_device
-        device = _pick_device("cuda", comm)
-    with watchdog(comm, args.timeout, "choosing the fabric"):
-        name = choose(args.fabric, comm, args.device)
+        device = pick_device("cuda", comm)
+    with watchdog(comm, args.fabric_timeout, "choosing the fabric"):
+        name = choose(args.fabric, comm, args.device, settings.hostname)
 
     def precheck():
         if args.perftest:  # first: without perftest or a device there is nothing to compare, whatever the fabric
@@ -133,17 +129,16 @@ def _bench(args, comm) -> int:
             raise FabricError(f"--graph needs --device cuda and --fabric cuda-ipc or nccl, not {args.device}/{name}")
         if name == "shm" and args.rails and not args.rails.isdigit():
             raise FabricError(f"--rails {args.rails}: shm takes a count of virtual rails")
-    collective(comm, args.timeout, "fabric checks", precheck)
+    collective(comm, args.fabric_timeout, "fabric checks", precheck)
 
     rails = None
     if args.rails:
         rails = int(args.rails) if name == "shm" else args.rails.split(",")
     max_rows = 4 * max(args.sizes) // ROW  # pingpong needs 2 messages per slot, a stream a ring of >= 4
-    with watchdog(comm, max(args.timeout, 60.0), f"setting up fabric {name}"):
-        fab = make_fabric(name, comm, max_rows, HIDDEN, args.timeout, rails, args.split_min, args.gid_index,
-                          device)
+    with watchdog(comm, max(args.fabric_timeout, 60.0), f"setting up fabric {name}"):
+        fab = make_fabric(name, comm, max_rows, HIDDEN, args.fabric_timeout, rails, args.rail_split_min_bytes,
+                          args.gid_index, device, settings.hostname)
     if args.graph:
-        from rocket_mpi import graph_bench
         try:
             results = graph_bench.run(fab, comm, args.sizes, args.iters, args.reps, device)
         finally:
@@ -152,9 +147,9 @@ def _bench(args, comm) -> int:
             print(graph_bench.format_table(results, describe(fab, args)), flush=True)
         return 0
     try:
-        bench = Bench(fab, comm, args.timeout, device)
+        bench = Bench(fab, comm, args.fabric_timeout, device)
         results = [bench.measure(n, iters_for(n, args.iters), args.reps) for n in args.sizes]
-        cmp = run_perftest(comm, fab, args.sizes, args.perftest_iters, args.timeout) if args.perftest else None
+        cmp = run_perftest(comm, fab, args.sizes, args.perftest_iters, args.fabric_timeout) if args.perftest else None
     finally:
         fab.close()
     if comm.rank == 0:
@@ -175,7 +170,7 @@ def describe(fab, args) -> str:
         rails = f"{fab.rails} virtual rails"
     else:
         rails = "1 rail" if hasattr(fab, "rails") else "no rails"
-    split = f", split at {args.split_min} B" if getattr(fab, "rails", 1) > 1 else ""
+    split = f", split at {args.rail_split_min_bytes} B" if getattr(fab, "rails", 1) > 1 else ""
     iters = f"{args.iters} messages" if args.iters else "64 MiB of messages (100..5000)"
     return f"fabric {fab.name}, 2 ranks, {rails}{split}; medians of {args.reps} repetitions x {iters}"
 
@@ -370,18 +365,6 @@ def mpi_stream(comm, peer: int, tx: np.ndarray, rx: np.ndarray, nbytes: int, cou
 
 
 # -- report ------------------------------------------------------------------------------------------------
-def human(n: int) -> str:
-    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k and n % k == 0:
-            return f"{n // k} {unit}"
-    return f"{n} B"
-
-
-def num(v: float) -> str:
-    """Two decimals as in the report, three significant digits below 1 so slow rows do not print as 0.00."""
-    return f"{v:.2f}" if v >= 1 else f"{v:.3g}"
-
-
 def format_table(results: list[dict], header: str) -> str:
     cols = [("oneway GB/s", "oneway_gbs")]
     if any("one_rail_gbs" in r for r in results):
@@ -445,7 +428,6 @@ PERFTEST_PORT = 18515
 
 def perftest_status() -> str | None:
     """None where ib_write_bw, ib_write_lat and an ACTIVE RDMA port are all here, else what is missing."""
-    from rocket_mpi.fabric import verbs_status
     missing = [b for b in ("ib_write_bw", "ib_write_lat") if shutil.which(b) is None]
     if missing:
         return f"{' and '.join(missing)} not found (apt-get install perftest)"
@@ -473,7 +455,6 @@ def parse_perftest(tool: str, nbytes: int, out: str) -> float:
 def run_perftest(comm, fab, sizes: list[int], iters: int, timeout: float) -> dict[int, tuple[float, float]]:
     """Rank 1 serves, rank 0 connects; ib_write_bw on every rail at once (one tcp port each), ib_write_lat on
     rail 0. Returns, on rank 0, size -> (ib_write_bw GB/s summed over rails, ib_write_lat us)."""
-    from rocket_mpi.dist import wait_all
     server = comm.allgather(socket.gethostname())[1]
     out = {}
     for n in sizes:

@@ -3,39 +3,42 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
 
 from rocket_mpi import __version__
-from rocket_mpi.dist import collective as _collective
-from rocket_mpi.dist import handshake, run_guarded, wait_all, watchdog, world
+from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
 from rocket_mpi.errors import RocketError
-from rocket_mpi.moe.experts import bit_switches
+from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
+from rocket_mpi.moe.placement import Placement
+from rocket_mpi.runtime.dist import collective as _collective
+from rocket_mpi.runtime.dist import handshake, local_rank, run_guarded, wait_all, watchdog, world
+from rocket_mpi.runtime.engine import Engine
+from rocket_mpi.runtime.prompts import default_prompts, load_tokenizer, read_prompts
+from rocket_mpi.settings import RunSettings, Settings
 
 
-def decode(args) -> int:
+def decode(args: RunSettings, settings: Settings, report=None) -> int:
+    """Run one decode (alone, or as one rank under mpirun): bootstrap, load this rank's share, decode, gather.
+    Rank 0 writes args.out and calls report(doc, cfg) with the run's document (cli/report.py prints it)."""
     comm = world()
-    return run_guarded(comm, "rocket_mpi", lambda: _decode(args, comm))
+    return run_guarded(comm, "rocket_mpi", lambda: _decode(args, settings, comm, report))
 
 
-def _decode(args, comm) -> int:
-    from rocket_mpi.checkpoint.reader import CheckpointReader
-    from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
-    from rocket_mpi.engine import Engine
-    from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
-    from rocket_mpi.placement import Placement
-    from rocket_mpi.prompts import default_prompts, load_tokenizer, read_prompts
-
+def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
+    fab = args.fabric
     torch.set_num_threads(args.threads)
-    device = _pick_device(args.device, comm)
+    device = pick_device(args.device, comm)
     if device.type == "cuda" and size > 1:
         with watchdog(comm, args.startup_timeout, "comparing the ranks' GPUs"):
             shared = gpu_sharing(comm.allgather(gpu_identity(device)))
         if shared and rank == 0:
             print(f"warning: {shared}", file=sys.stderr, flush=True)
-    sweep = args.sweep or [args.streams]
+    sweep = list(args.streams)
 
     def setup():
         if is_synthetic(args.checkpoint):
@@ -57,7 +60,7 @@ def _decode(args, comm) -> int:
     # no collective may run inside a _collective step: a rank that failed earlier would never join it
     reader, placement, runs, text = _collective(comm, args.startup_timeout, "set-up", setup)
     with watchdog(comm, args.startup_timeout, "choosing the fabric"):
-        fabric_name = choose(args.fabric, comm, args.device)
+        fabric_name = choose(fab.name, comm, args.device, settings.hostname)
     _collective(comm, args.startup_timeout, "fabric checks", lambda: fabric_precheck(fabric_name, args.device))
     cfg = reader.config
     facts = {"version": __version__, "model_type": cfg.model_type,
@@ -67,24 +70,20 @@ def _decode(args, comm) -> int:
              "fabric": fabric_name, "placement": placement.digest(), "decode path": args.decode_path,
              "prefill chunk": args.prefill_chunk,
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
-             "kernel switches": bit_switches()}
+             "settings": settings.bits()}
     handshake(comm, facts, args.startup_timeout)
 
     engine = _collective(comm, args.startup_timeout, "checkpoint loading",
-                         lambda: Engine(args.checkpoint, rank, size, placement, reader, device))
+                         lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings))
     for p in runs:
         _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
     engine.prefill_chunk = args.prefill_chunk
     max_rows = max(engine.max_rows(runs), 1)
-    rails = args.rails
-    if rails and fabric_name == "shm":
-        rails = int(rails) if rails.isdigit() else len(rails.split(","))
-    elif rails:
-        rails = rails.split(",")
     # the fabric's endpoint exchange is collective: a watchdog, not _collective, bounds it
     with watchdog(comm, args.startup_timeout, f"setting up fabric {fabric_name}"):
-        engine.fabric = make_fabric(fabric_name, comm, max_rows, cfg.hidden_size, args.fabric_timeout,
-                                    rails, args.rail_split_min_bytes, args.gid_index, device)
+        engine.fabric = make_fabric(fabric_name, comm, max_rows, cfg.hidden_size, fab.timeout,
+                                    fab.rail_spec(fabric_name), fab.rail_split_min_bytes, fab.gid_index, device,
+                                    settings.hostname)
     path = _collective(comm, args.startup_timeout, "decode path",
                        lambda: engine.set_decode_path(args.decode_path, fabric_name))
     with watchdog(comm, args.startup_timeout, "agreeing on the decode path"):
@@ -128,8 +127,8 @@ def _decode(args, comm) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f)
-    if not args.quiet:
-        print_report(doc, cfg)
+    if report is not None:
+        report(doc, cfg)
     return 0
 
 
@@ -145,12 +144,6 @@ def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:
     busiest = max(s["weight_bytes_per_step"] for s in per_rank)
     return {"one_rank_bytes_per_step": one, "busiest_rank_bytes_per_step": busiest,
             "split_ceiling": one / busiest if busiest else 0.0}
-
-
-def _roofline(s: dict, gbps) -> str:
-    if not gbps or not s["ms_per_step"]:
-        return "-"
-    return f"{100 * (s['weight_bytes_per_step'] / 1e9 / gbps * 1e3) / s['ms_per_step']:.0f}"
 
 
 def measure_copy_bandwidth(device) -> float | None:
@@ -174,9 +167,8 @@ def measure_copy_bandwidth(device) -> float | None:
     return 2 * n / (sorted(times)[2] * 1e-3) / 1e9
 
 
-def _pick_device(name: str, comm):
+def pick_device(name: str, comm):
     """cpu, or the GPU of this rank's local rank (one rank per GPU), with deterministic kernels."""
-    import os
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -187,7 +179,6 @@ def _pick_device(name: str, comm):
     # path and in the captured graph; every buffer here is written before it is read
     torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    from rocket_mpi.dist import local_rank
     dev = torch.device("cuda", local_rank(comm) % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     return dev
@@ -216,52 +207,3 @@ def gpu_sharing(ids: list[tuple[str, str, int]]) -> str:
                       for ranks, (host, _, index) in shared)
     return (f"{where}: ranks on one GPU take turns with it and run many times slower; start one rank per GPU "
             f"(mpirun -np <GPUs per node x nodes>, or Slurm --ntasks-per-node = --gpus-per-node)")
-
-
-def print_report(doc: dict, cfg) -> None:
-    from rocket_mpi.engine import TIMED_STEPS, WARMUP_STEPS
-    n = doc["ranks"]
-    print(f"rocket_mpi decode: {doc['model_type']} {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts "
-          f"top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}; {n} rank(s), fabric {doc['fabric']}")
-    for ld in doc["load"]:
-        print(f"  rank {ld['rank']}: {ld['experts']} expert slots loaded in {ld['load_s']:.2f} s, "
-              f"resident {ld['resident_gib']:.3f} GiB (peak RSS {ld['peak_rss_gib']:.2f} GiB)")
-    hdr = f"{'rank':>4} {'M':>3} {'ms/step':>9} {'tok/s':>8} {'fabric ms':>9} {'fabric %':>8} {'rows/step':>9} " \
-          f"{'KiB sent/step':>13} {'GB read/step':>12} {'roofline %':>10}"
-    bw = {ld["rank"]: ld.get("copy_gbps") for ld in doc["load"]}
-    for run in doc["runs"]:
-        steps = run["per_rank"][0]["steps"]
-        print(f"\nM={run['streams']}: {steps} timed decode steps after warm-up, decode path {run['path']}")
-        if run.get("note"):
-            print(f"  note: {run['note']}")
-        pre = run.get("prefill", {})
-        if pre.get("forwards", 1) > 1:
-            print(f"  prefill: {pre['tokens']} prompt tokens in {pre['forwards']} forwards of at most {pre['chunk']} "
-                  f"(--prefill-chunk)")
-        if len(run.get("spans", ())) > 1:  # graph.span_for: each new span runs a step eagerly and captures anew
-            print("  attention spans: " + ", ".join(f"{sp} from step {st}" for st, sp in run["spans"]))
-        print(hdr)
-        for s in run["per_rank"]:
-            host = s.get("path", "host") == "host"  # the fixed-shape step does not time the exchange apart
-            fab_ms, fab_pct = (f"{s['fabric_ms']:.2f}", f"{s['fabric_pct']:.1f}") if host else ("-", "-")
-            print(f"{s['rank']:>4} {s['M']:>3} {s['ms_per_step']:>9.2f} {s['tok_per_s']:>8.1f} {fab_ms:>9} "
-                  f"{fab_pct:>8} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f} "
-                  f"{s['weight_bytes_per_step'] / 1e9:>12.3f} {_roofline(s, bw.get(s['rank'])):>10}")
-        r0 = run["per_rank"][0]
-        if r0.get("decode_steps", 0) > WARMUP_STEPS + TIMED_STEPS:  # steps past the timed window: the whole run too
-            print(f"whole run (rank 0): prefill {r0['prefill_s']:.2f} s, {r0['decode_steps']} decode steps in "
-                  f"{r0['decode_s']:.2f} s ({1e3 * r0['decode_s'] / r0['decode_steps']:.2f} ms per step, "
-                  f"{r0['M'] * r0['decode_steps'] / r0['decode_s']:.1f} tok/s)")
-        if any(bw.values()):
-            print("roofline % = (GB read/step / measured copy GB/s) / ms per step; copy GB/s counts read + write: "
-                  + ", ".join(f"rank {r}: {v:.0f}" for r, v in bw.items() if v))
-        if run.get("split_ceiling"):
-            stack = doc["load"][0]["stack_bytes"]
-            print(f"split ceiling {run['split_ceiling']:.2f}x: one rank alone would read "
-                  f"{run['one_rank_bytes_per_step'] / 1e9:.3f} GB per step, the busiest rank reads "
-                  f"{run['busiest_rank_bytes_per_step'] / 1e9:.3f} GB (every rank reads the "
-                  f"replicated stack, {stack / 1e9:.3f} GB; only the experts are split)")
-        print(f"stream 0 tokens: {run['tokens'][0]}")
-        if run.get("text"):
-            print(f"stream 0 text:   {run['text'][0]!r}")
-    sys.stdout.flush()

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+from rocket_mpi.settings import Settings
 from rocket_mpi.errors import RocketError
 
 _STRIP_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD", "OMPI_MCA_orte", "HYDRA_", "MPI_LOCAL", "MV2_COMM_WORLD")
@@ -22,11 +23,9 @@ def clean_env(extra: dict | None = None) -> dict:
 def launcher(cmd: str | None = None) -> list[str]:
     """mpiexec beside this Python (the mpich wheel puts one in the venv), else on PATH; Open MPI gets the
     flags it needs to run as root and oversubscribed."""
+    cmd = cmd or Settings.from_env().mpiexec
     if cmd:
         return cmd.split()
-    env_cmd = os.environ.get("ROCKET_MPIEXEC")
-    if env_cmd:
-        return env_cmd.split()
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     exe = here if os.path.exists(here) else shutil.which("mpiexec") or shutil.which("mpirun")
     if exe is None:

@@ -1,0 +1,73 @@
+"""The decode command's report: the per-rank step table, the roofline and the split ceiling (rank 0 prints it)."""
+from __future__ import annotations
+
+import sys
+
+from rocket_mpi.runtime.engine import TIMED_STEPS, WARMUP_STEPS
+
+
+def _roofline(s: dict, gbps) -> str:
+    if not gbps or not s["ms_per_step"]:
+        return "-"
+    return f"{100 * (s['weight_bytes_per_step'] / 1e9 / gbps * 1e3) / s['ms_per_step']:.0f}"
+
+
+def print_report(doc: dict, cfg) -> None:
+    """What a decode ran, and per run of the sweep its per-rank table (cli/__init__.py calls it on rank 0)."""
+    n = doc["ranks"]
+    print(f"rocket_mpi decode: {doc['model_type']} {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts "
+          f"top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}; {n} rank(s), fabric {doc['fabric']}")
+    for ld in doc["load"]:
+        print(f"  rank {ld['rank']}: {ld['experts']} expert slots loaded in {ld['load_s']:.2f} s, "
+              f"resident {ld['resident_gib']:.3f} GiB (peak RSS {ld['peak_rss_gib']:.2f} GiB)")
+    hdr = f"{'rank':>4} {'M':>3} {'ms/step':>9} {'tok/s':>8} {'fabric ms':>9} {'fabric %':>8} {'rows/step':>9} " \
+          f"{'KiB sent/step':>13} {'GB read/step':>12} {'roofline %':>10}"
+    bw = {ld["rank"]: ld.get("copy_gbps") for ld in doc["load"]}
+    for run in doc["runs"]:
+        steps = run["per_rank"][0]["steps"]
+        print(f"\nM={run['streams']}: {steps} timed decode steps after warm-up, decode path {run['path']}")
+        if run.get("note"):
+            print(f"  note: {run['note']}")
+        pre = run.get("prefill", {})
+        if pre.get("forwards", 1) > 1:
+            print(f"  prefill: {pre['tokens']} prompt tokens in {pre['forwards']} forwards of at most {pre['chunk']} "
+                  f"(--prefill-chunk)")
+        if len(run.get("spans", ())) > 1:  # graph.span_for: each new span runs a step eagerly and captures anew
+            print("  attention spans: " + ", ".join(f"{sp} from step {st}" for st, sp in run["spans"]))
+        print(hdr)
+        for s in run["per_rank"]:
+            host = s.get("path", "host") == "host"  # the fixed-shape step does not time the exchange apart
+            fab_ms, fab_pct = (f"{s['fabric_ms']:.2f}", f"{s['fabric_pct']:.1f}") if host else ("-", "-")
+            print(f"{s['rank']:>4} {s['M']:>3} {s['ms_per_step']:>9.2f} {s['tok_per_s']:>8.1f} {fab_ms:>9} "
+                  f"{fab_pct:>8} {s['rows_per_step']:>9.0f} {s['bytes_per_step'] / 1024:>13.1f} "
+                  f"{s['weight_bytes_per_step'] / 1e9:>12.3f} {_roofline(s, bw.get(s['rank'])):>10}")
+        r0 = run["per_rank"][0]
+        if r0.get("decode_steps", 0) > WARMUP_STEPS + TIMED_STEPS:  # steps past the timed window: the whole run too
+            print(f"whole run (rank 0): prefill {r0['prefill_s']:.2f} s, {r0['decode_steps']} decode steps in "
+                  f"{r0['decode_s']:.2f} s ({1e3 * r0['decode_s'] / r0['decode_steps']:.2f} ms per step, "
+                  f"{r0['M'] * r0['decode_steps'] / r0['decode_s']:.1f} tok/s)")
+        if any(bw.values()):
+            print("roofline % = (GB read/step / measured copy GB/s) / ms per step; copy GB/s counts read + write: "
+                  + ", ".join(f"rank {r}: {v:.0f}" for r, v in bw.items() if v))
+        if run.get("split_ceiling"):
+            stack = doc["load"][0]["stack_bytes"]
+            print(f"split ceiling {run['split_ceiling']:.2f}x: one rank alone would read "
+                  f"{run['one_rank_bytes_per_step'] / 1e9:.3f} GB per step, the busiest rank reads "
+                  f"{run['busiest_rank_bytes_per_step'] / 1e9:.3f} GB (every rank reads the "
+                  f"replicated stack, {stack / 1e9:.3f} GB; only the experts are split)")
+        print(f"stream 0 tokens: {run['tokens'][0]}")
+        if run.get("text"):
+            print(f"stream 0 text:   {run['text'][0]!r}")
+    sys.stdout.flush()
+
+
+def human(n: int) -> str:
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k} {unit}"
+    return f"{n} B"
+
+
+def num(v: float) -> str:
+    """Two decimals as in the report, three significant digits below 1 so slow rows do not print as 0.00."""
+    return f"{v:.2f}" if v >= 1 else f"{v:.3g}"

@@ -108,3 +108,5 @@ class RunSettings:
     prefill_chunk: int = 4096
     out: str | None = None
     fabric: FabricSettings = FabricSettings()
+    log_level: str = "info"          # debug, info, warning, error
+    progress: bool = True            # rank 0's progress bars (off with --quiet)

@@ -124,6 +124,7 @@ def write_checkpoint(out_dir: str, cfg: dict, tensors: dict[str, torch.Tensor], 
     names = list(tensors)
     if shards <= 1:
         save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        _readable(os.path.join(out_dir, "model.safetensors"))
     else:
         per = -(-len(names) // shards)
         weight_map = {}
@@ -131,12 +132,20 @@ def write_checkpoint(out_dir: str, cfg: dict, tensors: dict[str, torch.Tensor], 
             fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
             part = {n: tensors[n] for n in names[k * per:(k + 1) * per]}
             save_file(part, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            _readable(os.path.join(out_dir, fname))
             weight_map.update({n: fname for n in part})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     if tokenizer:
         write_tokenizer(out_dir, cfg["vocab_size"])
+
+
+def _readable(path: str) -> None:
+    """The mode a file written with open() gets (safetensors writes 0600): the checkpoint's files alike."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def write_tokenizer(out_dir: str, vocab_size: int) -> None:

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--streams", type=pos_int, default=8, help="M, streams decoded together")
     d.add_argument("--sweep", type=int_list, help="several M in one run, e.g. 1,8 (overrides --streams)")
     d.add_argument("--out", help="JSON with the generated tokens (rank 0 writes it)")
-    d.add_argument("--quiet", action="store_true", help="no report table (errors still print)")
+    d.add_argument("--quiet", action="store_true", help="no report, progress bars or info lines (warnings and errors "
+                                                        "still print)")
 
     s = sub.add_parser("static-fire", help="N-rank split vs one rank: every stream's tokens must match",
                        formatter_class=_Help)

@@ -93,7 +93,7 @@ def add_parser(sub, formatter) -> None:
     p.add_argument("--perftest-iters", type=pos_int, default=1000, help="perftest's -n")
     p.add_argument("--graph", action="store_true",
                    help="--device cuda, cuda-ipc or nccl: the exchange as the graphed decode step runs it, captured "
-                        "in a CUDA graph, beside a plain peer copy (rocket_mpi/graph_bench.py)")
+                        "in a CUDA graph, beside a plain peer copy (cli/graph_bench.py)")
 
 
 # -- entry -----------------------------------------------------------------------------------------------

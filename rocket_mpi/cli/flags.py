@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from rocket_mpi.config import PREFILL_CHUNK
+from rocket_mpi.runtime.progress import LEVELS
 from rocket_mpi.fabric import BACKENDS
 from rocket_mpi.settings import FabricSettings, RunSettings
 
@@ -73,10 +74,14 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=pos_int, default=PREFILL_CHUNK,
                    help="prompt tokens per prefill forward, all streams together: longer prompts are prefilled in "
                         "chunks, which bounds the prefill's memory and the fabric's row buffers")
+    p.add_argument("--log-level", default="info", choices=LEVELS,
+                   help="what the ranks log on stderr (rank 0 from this level, the others warnings and errors)")
 
 
 def run_settings(args, streams: list[int]) -> RunSettings:
     return RunSettings(checkpoint=args.checkpoint, streams=tuple(streams), tokens=args.tokens, prompts=args.prompts,
                        placement=args.placement, device=args.device, threads=args.threads,
                        startup_timeout=args.startup_timeout, decode_path=args.decode_path,
-                       prefill_chunk=args.prefill_chunk, out=getattr(args, "out", None), fabric=fabric_settings(args))
+                       prefill_chunk=args.prefill_chunk, out=getattr(args, "out", None), fabric=fabric_settings(args),
+                       log_level="warning" if getattr(args, "quiet", False) else args.log_level,
+                       progress=not getattr(args, "quiet", False))

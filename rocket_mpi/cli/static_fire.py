@@ -15,7 +15,8 @@ def _decode_args(args, sweep, out):
     a = ["decode", "--checkpoint", args.checkpoint, "--sweep", ",".join(map(str, sweep)), "--tokens",
          str(args.tokens), "--threads", str(args.threads), "--out", out,
          "--fabric-timeout", str(args.fabric_timeout), "--startup-timeout", str(args.startup_timeout),
-         "--device", args.device, "--decode-path", args.decode_path, "--prefill-chunk", str(args.prefill_chunk)]
+         "--device", args.device, "--decode-path", args.decode_path, "--prefill-chunk", str(args.prefill_chunk),
+         "--log-level", args.log_level]
     if args.prompts:
         a += ["--prompts", args.prompts]
     return a

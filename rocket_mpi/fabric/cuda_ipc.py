@@ -70,7 +70,7 @@ class CudaIpcFabric(Fabric):
                 self.base[r] = st.data_ptr()
         comm.Barrier()
         self.bells = self.buf[:8 * self.size].view(torch.int64)
-        # the graphed step's flag words: [sender][block] (graph.py, ipc_exchange_flags)
+        # the graphed step's flag words: [sender][block] (fabric/cuda_ipc.py IpcSlots, ipc_exchange_flags)
         self.flags = self.buf[FLAGS_OFFSET:FLAGS_OFFSET + 8 * IPC_MAX_BLOCKS * self.size].view(torch.int64).view(
             self.size, IPC_MAX_BLOCKS)
         self.rows = [self.buf[BELL_BYTES + k * self.slot_bytes: BELL_BYTES + (k + 1) * self.slot_bytes]

@@ -4,7 +4,7 @@ Every rank runs all of this for all M streams with the same weights, so the norm
 entering each MoE layer is bit-identical on every rank. The routed experts are reached only through
 `moe(layer, x, L)`, which the engine binds to the expert split; the fixed-shape step also hands it the shared
 expert and the residual (`moe(layer, x, L, shared=f, residual=x0)` -> x0 + (routed + f())), so that the graphed
-step can run the shared expert beside the routing (graph.DeviceMoE).
+step can run the shared expert beside the routing (moe/step.py DeviceMoE).
 """
 from __future__ import annotations
 
@@ -109,9 +109,9 @@ class Glm4MoeModel:
         return self
 
     def pack_stack(self) -> None:
-        """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs also in BF16 tiles (kernels/stack.py), which
+        """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs also in BF16 tiles (ops/stack.py), which
         steps of at most ops.STACK_KERNEL_MAX_ROWS rows take; the dense weights stay for larger steps and
-        prefill, where cuBLAS is faster (results/README.md, session 16). On the CPU the packed forms run torch's
+        prefill, where cuBLAS is faster. On the CPU the packed forms run torch's
         own ops on the unpacked weights, so the logits are the same bits (the tests' check of this glue)."""
         for L in self.layers:
             a = L.attn
@@ -207,7 +207,7 @@ class Glm4MoeModel:
             h = norm(x, L.post_norm, cfg.rms_norm_eps)
             if L.mlp is not None:
                 x, h = mlp_forward(h, L.mlp, L.mlp_packed, residual=(x,)), None              # x + mlp
-            elif static:  # the fixed-shape step's MoE (graph.DeviceMoE): the shared expert beside the routing
+            elif static:  # the fixed-shape step's MoE (moe/step.py DeviceMoE): the shared expert beside the routing
                 hs = h  # the shared expert's input (the lambda runs inside moe, after h is rebound below)
                 shared = lambda: mlp_forward(hs, L.shared, L.shared_packed)  # noqa: E731
                 if glue:  # the scatter also makes the next input norm (the final norm after the last layer)

@@ -86,10 +86,10 @@ def _prefix(reader: CheckpointReader) -> str:
 
 
 class Glm5NextModel:
-    # forward_static's capture checked on the H200 (session 10: graph == eager step, static fire on the
-    # graphed step, host and graph paths decode the same tokens): --decode-path auto takes the graph
+    # forward_static's capture checked on a GPU (graph == eager step, static fire on the graphed step, host
+    # and graph paths decode the same tokens): --decode-path auto takes the graph
     GRAPH_CHECKED = True
-    # optional timing hook (scripts/bench_glm5.py): a callable key -> context manager around each
+    # optional timing hook (benchmarks/bench_glm5.py): a callable key -> context manager around each
     # sub-block, keys ("attn", layer), ("ffn", layer), ("head",). None: a shared no-op context.
     timers = None
 
@@ -326,7 +326,7 @@ class Glm5NextModel:
             post, comb, h = collapse(L.ffn_hc, streams, L.post_norm)
             if L.mlp is not None:
                 y = mlp_forward(h, L.mlp, L.mlp_packed, limit=self.limit)
-            else:  # routed + shared, the shared expert beside the routed ones on a GPU (graph.DeviceMoE)
+            else:  # routed + shared, the shared expert beside the routed ones on a GPU (moe/step.py DeviceMoE)
                 hs = h
                 y = moe(i, h, L, shared=lambda: mlp_forward(hs, L.shared, L.shared_packed, limit=self.limit))
             streams = hc_post(post, comb, y, streams, fuse)

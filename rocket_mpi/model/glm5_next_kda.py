@@ -12,9 +12,9 @@ then a gated RMSNorm (fp32, sigmoid gate from a low-rank projection) and o_proj.
 
 transformers runs a chunked form for prefill and this recurrent form for decode; they are equal up to
 fp32 rounding. Here every token takes the recurrent form: on a GPU one launch of csrc/kda.cu (a decode's
-tokens side by side, a prefill's stream by stream in order with the state in registers: an 8192-token prefill of
-glm5-flash-4l 0.43-0.47 s against 2.84-2.93 s for the torch loop, results/README.md session 28); on the CPU (or
-ROCKET_KDA_FUSE=0) one torch loop per stream for a prefill, one step batched over all streams for a decode.
+tokens side by side, a prefill's stream by stream in order with the state in registers, several times faster than
+the torch loop); on the CPU one torch loop per stream for a prefill, one step batched over all streams for a
+decode.
 """
 from __future__ import annotations
 

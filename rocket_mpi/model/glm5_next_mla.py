@@ -196,7 +196,7 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     span // kpool <= index_topk // kpool the indexer's top-k takes every complete pool, so it is not scored (its
     keys and pools are still kept for later steps) and the step attends over the span in order under a mask.
     The linears take their packed copies where the model has them (pack_stack) and h has at most
-    kernels.STACK_KERNEL_MAX_ROWS rows; fused: the RMSNorms in kernels.rms_norm (the fixed-shape step on a GPU)."""
+    ops.STACK_KERNEL_MAX_ROWS rows; fused: the RMSNorms in ops.rms_norm (the fixed-shape step on a GPU)."""
     m, dev = h.shape[0], h.device
     norm, P, ix = norm_of(fused), a.packed or {}, a.indexer
     qa, kv, *wk_h = linears(h, *latent_input_linears(a), P.get("h"))

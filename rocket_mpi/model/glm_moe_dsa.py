@@ -133,10 +133,10 @@ def rope_interleaved_ops(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 class GlmMoeDsaModel:
-    # forward_static's capture checked on the H200 (session 10: graph == eager step, static fire on the
-    # graphed step, host and graph paths decode the same tokens): --decode-path auto takes the graph
+    # forward_static's capture checked on a GPU (graph == eager step, static fire on the graphed step, host
+    # and graph paths decode the same tokens): --decode-path auto takes the graph
     GRAPH_CHECKED = True
-    # optional timing hook (scripts/bench_glm5.py): a callable key -> context manager around each
+    # optional timing hook (benchmarks/bench_glm5.py): a callable key -> context manager around each
     # sub-block, keys ("attn", layer), ("ffn", layer), ("head",). None: a shared no-op context.
     timers = None
 

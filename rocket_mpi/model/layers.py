@@ -37,10 +37,10 @@ def prefill_blocks(n: int, per_row: int = 0) -> list[tuple[int, int]]:
 @contextlib.contextmanager
 def distinct_writes():
     """Around index writes whose indices are distinct by construction (one row per stream at its position, topk's
-    picks): torch's deterministic mode (run.py) would sort the indices and check their bounds first, a radix
-    sort, min / max reductions, compares and _assert_async per write on a GPU (GLM-5 4l at M=1, capacity 4096:
-    1762 -> 1146 kernels, 2.46 -> 2.25 ms of kernel time per eager step, session 26); with no index twice the
-    plain kernel writes every element once, so the bits are the same (GPU test)."""
+    picks): torch's deterministic mode (runtime/decode.py) would sort the indices and check their bounds first, a
+    radix sort, min / max reductions, compares and _assert_async per write on a GPU (a third of an eager GLM-5
+    step's kernels); with no index twice the plain kernel writes every element once, so the bits are the same
+    (GPU test)."""
     was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(False)
     try:
@@ -55,9 +55,8 @@ _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, m, k] @ b [B, k, n] (or one b [k, n] for every batch) of bf16 values -> fp32 [B, m, n]: bf16 products
     (exact in fp32), fp32 sums. On a GPU the bf16 tensor cores (bmm / mm with out_dtype); on the CPU, or a torch
-    without out_dtype (before 2.8), the same products from fp32 copies in an fp32 GEMM (on an H200 that GEMM was
-    19 % of a 16384-token GLM-5 4l prefill's GPU time; with this form the prefill took 0.90 against 1.04 s, and
-    4.94 against 6.76 s at 65536 tokens: results/README.md, session 29)."""
+    without out_dtype (before 2.8), the same products from fp32 copies in an fp32 GEMM (on a GPU that GEMM is a
+    long prefill's largest cost, so the GPU path avoids it)."""
     if a.is_cuda and _BMM_FP32_OUT:
         if b.dim() == 2:
             return torch.mm(a.reshape(-1, a.shape[-1]), b, out_dtype=torch.float32).view(*a.shape[:-1], b.shape[-1])
@@ -71,10 +70,9 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     stream attends over that stream's rows, one shared key / value head. q [M, heads, d], keys [M, n, d], values [M, n, dv], valid
     [M, n] bool (or [M, heads, n]: a mask per query row, a prefill's rows x heads) -> [M, heads, dv]. Two batched
     GEMMs that read each stream's rows once for all its heads, the scores kept in fp32 (bf16 products, fp32 sums;
-    on the CPU from fp32 copies: the same products) for an fp32 softmax.
-    On an H200 at 2064 rows (results/README.md, session 26) 19 / 34 / 58 us at M = 1 / 8 / 16 per call, where
-    SDPA took 200-230 us with the heads as one head's query rows (one block per stream) and 0.6-10 ms with
-    enable_gqa (its math path, the rows repeated per head). A stream with no valid row gets NaN, as SDPA gives."""
+    on the CPU from fp32 copies: the same products) for an fp32 softmax. SDPA is several times slower here: with
+    the heads as one head's query rows it runs one block per stream, and with enable_gqa its math path repeats
+    the rows per head. A stream with no valid row gets NaN, as SDPA gives."""
     s = matmul_fp32(q, keys.transpose(1, 2))
     p = (s * scale).masked_fill(~(valid[:, None, :] if valid.dim() == 2 else valid), float("-inf")).softmax(dim=-1)
     return torch.bmm(p.to(values.dtype), values)

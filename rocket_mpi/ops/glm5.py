@@ -13,7 +13,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
            norm_eps: float, norm: tuple[torch.Tensor, float] | None = None):
     """glm5_next_hc.hc_pre in two launches (csrc/hc.cu): (post [T, N], comb [T, N, N] fp32, collapsed [T, H] bf16).
     With norm = (weight, eps): (post, comb, collapsed, rms_norm(collapsed, weight, eps)), the norm in the second
-    launch where the row fits norm.cuh's layout (the bits of kernels.rms_norm after it, which runs otherwise)."""
+    launch where the row fits norm.cuh's layout (the bits of ops.rms_norm after it, which runs otherwise)."""
     if norm is None:
         return _ext.require().hc_pre(streams.contiguous(), fn, base, scale, iters, eps, norm_eps)
     return _ext.require().hc_pre(streams.contiguous(), fn, base, scale, iters, eps, norm_eps, norm[0], float(norm[1]))

@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def embed_rms_norm(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(table[ids], rms_norm(table[ids], w, eps)) in one launch: the decode step's embedding and first norm, the
-    same bits as the gather and then kernels.rms_norm (an id outside the table reads as a zero row)."""
+    same bits as the gather and then ops.rms_norm (an id outside the table reads as a zero row)."""
     return _ext.require().rms_norm(table, w, eps, index=ids)
 
 def argmax_(logits: torch.Tensor, tokens: torch.Tensor, ticket: torch.Tensor, pos: torch.Tensor | None = None

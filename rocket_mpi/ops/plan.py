@@ -1,6 +1,6 @@
 """The device row plan (csrc/moe_plan.cu) and its torch reference.
 
-The host plan (rocket_mpi/moe/rows.py plan_rows + kernels.launch_plan) gives each rank's block at
+The host plan (ops/rows.py plan_rows + ops.launch_plan) gives each rank's block at
 offsets that depend on routing, so the host must read the routing every layer. The device plan puts
 every rank's block at a fixed place in "slot space" instead:
 
@@ -111,8 +111,8 @@ def moe_plan(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, 
              seq: torch.Tensor, meta_out: torch.Tensor | None = None, zero: torch.Tensor | None = None
              ) -> dict[str, torch.Tensor]:
     """The device plan (one kernel, no host read; `seq` [1] int64 on the device is bumped by one). CPU
-    tensors take the reference (the CPU mode of graph.py's fixed-shape step). meta_out: where the meta goes (a
-    row of the step's report, graph.py), returned as "meta"; zero: one int64 the plan sets to 0 (the layer's
+    tensors take the reference (the CPU mode of runtime/graph.py's fixed-shape step). meta_out: where the meta goes (a
+    row of the step's report, runtime/graph.py), returned as "meta"; zero: one int64 the plan sets to 0 (the layer's
     checksum sum, before the scatter adds to it)."""
     if not experts.is_cuda:
         table = {e: s for e, s in enumerate(slot.tolist()) if s >= 0}

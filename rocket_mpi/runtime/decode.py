@@ -17,6 +17,7 @@ from rocket_mpi.moe.placement import Placement
 from rocket_mpi.runtime.dist import collective as _collective
 from rocket_mpi.runtime.dist import handshake, local_rank, run_guarded, wait_all, watchdog, world
 from rocket_mpi.runtime.engine import Engine
+from rocket_mpi.runtime.progress import log, setup_logging
 from rocket_mpi.runtime.prompts import default_prompts, load_tokenizer, read_prompts
 from rocket_mpi.settings import RunSettings, Settings
 
@@ -31,6 +32,8 @@ def decode(args: RunSettings, settings: Settings, report=None) -> int:
 def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
     fab = args.fabric
+    setup_logging(rank, args.log_level)
+    log.info(f"rocket_mpi {__version__}: {size} rank(s), device {args.device}, checkpoint {args.checkpoint}")
     torch.set_num_threads(args.threads)
     device = pick_device(args.device, comm)
     if device.type == "cuda" and size > 1:
@@ -59,6 +62,8 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
 
     # no collective may run inside a _collective step: a rank that failed earlier would never join it
     reader, placement, runs, text = _collective(comm, args.startup_timeout, "set-up", setup)
+    log.info(f"{reader.config.model_type}: {reader.config.num_hidden_layers} layers, {reader.config.n_routed_experts} "
+             f"routed experts; streams {sweep}, {args.tokens} tokens each")
     with watchdog(comm, args.startup_timeout, "choosing the fabric"):
         fabric_name = choose(fab.name, comm, args.device, settings.hostname)
     _collective(comm, args.startup_timeout, "fabric checks", lambda: fabric_precheck(fabric_name, args.device))
@@ -71,10 +76,15 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
              "prefill chunk": args.prefill_chunk,
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
              "settings": settings.bits()}
+    log.info(f"fabric {fabric_name}" + (" (--fabric auto)" if fab.name == "auto" else "") + "; loading this "
+             "rank's share of the checkpoint")
     handshake(comm, facts, args.startup_timeout)
 
     engine = _collective(comm, args.startup_timeout, "checkpoint loading",
-                         lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings))
+                         lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
+                                        progress=args.progress and rank == 0))
+    log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
+             f"{engine.resident_bytes() / 2**30:.2f} GiB resident")
     for p in runs:
         _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
     engine.prefill_chunk = args.prefill_chunk
@@ -91,6 +101,7 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     if len(set(paths)) > 1:  # every rank must take the same path (parity); all ranks see the same list
         raise RocketError(f"the ranks chose different decode paths: {paths}")
     wait_all(comm, args.startup_timeout, "the start of decoding")
+    log.info(f"decode path {path}; decoding")
 
     copy_bw = measure_copy_bandwidth(device)
     load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "resident_gib": engine.resident_bytes() / 2**30,
@@ -195,8 +206,7 @@ def gpu_identity(device) -> tuple[str, str, int]:
 def gpu_sharing(ids: list[tuple[str, str, int]]) -> str:
     """'' when every rank has a GPU of its own, else one line naming the ranks that share one. Not an error
     (the tests put 3 ranks on 2 GPUs on purpose), but slow: ranks on one GPU take turns with its SMs, and the
-    graphed cuda-ipc exchange spins while it waits (3 ranks on 2 H200s: 11.6 ms per step against 0.5 ms for
-    2 ranks, results/h200_s11_run3_attnv2_fire_graph_ipc3.log)."""
+    graphed cuda-ipc exchange spins while it waits (an order of magnitude slower per step)."""
     by_gpu: dict[tuple[str, str], list[int]] = {}
     for rank, (host, uuid, _) in enumerate(ids):
         by_gpu.setdefault((host, uuid), []).append(rank)

@@ -22,11 +22,13 @@ from rocket_mpi.moe.placement import Placement
 from rocket_mpi.moe.step import HostMoE
 from rocket_mpi.ops import plan as kplan
 from rocket_mpi.runtime.graph import STEPS_AHEAD, GraphStep, unsupported
+from rocket_mpi.runtime.progress import bar
 from rocket_mpi.settings import Settings
 
 WARMUP_STEPS = 3
 CACHE_QUANTUM = 64  # cache positions per stream: a multiple of this (Engine.generate)
 TIMED_STEPS = 10
+LONG_RUN = 64  # decode steps from which rank 0 shows them as they happen (Engine.progress)
 
 
 def prefill_chunks(seqlens: list[int], chunk: int) -> list[list[int]]:
@@ -63,7 +65,7 @@ class RunResult:
     streams: int
     tokens: list[list[int]]
     steps: list[StepLog] = field(default_factory=list)
-    path: str = "host"       # the decode steps' path: host, device or graph (rocket_mpi/graph.py)
+    path: str = "host"       # the decode steps' path: host, device or graph (runtime/graph.py)
     note: str = ""           # why a wanted graph did not capture, if it did not
     spans: list = field(default_factory=list)  # the fixed-shape step's (first step, span) pairs (graph.span_for)
     prefill: tuple = (0, 1)  # (prompt tokens, forwards they took: more than one where they pass --prefill-chunk)
@@ -106,7 +108,8 @@ def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: Ba
 
 class Engine:
     def __init__(self, ckpt_dir: str, rank: int = 0, size: int = 1, placement: Placement | None = None,
-                 reader: CheckpointReader | None = None, device: str = "cpu", settings: Settings | None = None):
+                 reader: CheckpointReader | None = None, device: str = "cpu", settings: Settings | None = None,
+                 progress: bool = False):
         t0 = time.perf_counter()
         self.settings = settings or Settings.from_env()  # the command line passes the one it read
         self.reader = reader or CheckpointReader(ckpt_dir)
@@ -123,6 +126,7 @@ class Engine:
             self.model = model_cls.load(self.reader)
             prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
             self.experts = {}
+            loading = bar("loading MoE layers", len(self.cfg.moe_layers), progress, unit="layer")
             for layer in self.cfg.moe_layers:
                 owned = self.placement.owned(layer, rank)
                 what = f"MoE layer {layer}'s experts ({len(owned)} of {self.cfg.n_routed_experts} on this rank)"
@@ -130,6 +134,8 @@ class Engine:
                     raise torch.OutOfMemoryError("ROCKET_FAULT: injected out of memory")
                 self.experts[layer] = ExpertStore.load(self.reader, layer, owned, prefix(self.reader, layer),
                                                        self.device)
+                loading.update()
+            loading.close()
             if self.device.type != "cpu":
                 what = f"the replicated stack onto {self.device}"
                 self.model.to(self.device)
@@ -147,9 +153,10 @@ class Engine:
         self.decode_path = "host"
         self.prefill_chunk = PREFILL_CHUNK
         self.decode_path_auto = False  # set_decode_path: auto falls back to host where a step exceeds a limit
+        self.progress = progress       # progress bars for long prefills and runs (rank 0)
 
     def set_decode_path(self, want: str, fabric_name: str) -> str:
-        """auto | graph | device | host (rocket_mpi/graph.py): where decode steps plan their rows and
+        """auto | graph | device | host (runtime/graph.py): where decode steps plan their rows and
         whether they run as one CUDA graph. auto takes graph where it can run. Returns the path taken."""
         why = unsupported(self, fabric_name, graph=want != "device")
         self.decode_path_auto = want == "auto"
@@ -185,7 +192,7 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------
     def max_rows(self, prompts_list: list[list[list[int]]]) -> int:
-        # a prefill chunk's rows, or the graphed decode step's: each rank's block at a fixed place (graph.py)
+        # a prefill chunk's rows, or the graphed decode step's: each rank's block at a fixed place (runtime/graph.py)
         worst = max(max(min(sum(len(p) for p in prompts), self.prefill_chunk), len(prompts) * self.size)
                     for prompts in prompts_list)
         return worst * self.cfg.num_experts_per_tok
@@ -210,7 +217,7 @@ class Engine:
             return self.model.forward(tokens, cache, seqlens, self.moe), 1
         logits, off, used = None, 0, [0] * len(seqlens)
         chunks = prefill_chunks(seqlens, self.prefill_chunk)
-        for counts in chunks:
+        for counts in bar("prefill", len(chunks), self.progress, unit="chunk", items=chunks):
             n = sum(counts)
             out = self.model.forward(tokens[off:off + n], cache, counts, self.moe)
             off += n
@@ -244,7 +251,8 @@ class Engine:
         static = None
         launched = 0  # the fixed-shape step's last step launched
         per_expert = next((s.read_bytes_per_expert for s in self.experts.values() if s.owned), 0)
-        for step in range(n_tokens):
+        long_run = self.progress and n_tokens >= LONG_RUN
+        for step in bar(f"decoding {m} stream(s)", n_tokens, long_run, unit="step", items=range(n_tokens)):
             self.step = step
             if step > 0 and result.path != "host":
                 if static is None:

@@ -1,5 +1,7 @@
 // rocket_mpi._C: the only file that sees torch. Checks every tensor (device, dtype, shape, layout),
 // allocates outputs and scratch, and calls the plain launchers of rocket.h on the current stream.
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -34,6 +36,10 @@ void expect(const torch::Tensor& t, const char* name, c10::ScalarType dtype, int
 }
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// A launch's tuning argument (pdl, split) as the launcher's int: a value past int's range stays out of range, so the
+// launcher's check names it.
+int tuning_arg(int64_t v) { return static_cast<int>(std::clamp<int64_t>(v, INT_MIN, INT_MAX)); }
 
 // The packed experts' shapes against hidden / inter. NVFP4: q_* uint8 codes and s_* scale bytes; BF16 (q_*
 // bfloat16 [slots, tiles, K/64, 4, 256] in A-fragment order, pack.py pack_bf16): s_* empty, s2_gu ones.
@@ -75,9 +81,11 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     int64_t n_tiles, int64_t n_groups, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
-                    torch::Tensor& out, int64_t out_rows, int64_t dense_rows = 0,
-                    const std::vector<torch::Tensor>& residuals = {}, bool direct_k = false) {
+                    torch::Tensor& out, int64_t out_rows, int64_t pdl, int64_t dense_rows = 0,
+                    const std::vector<torch::Tensor>& residuals = {}, bool direct_k = false, int64_t split = 0) {
   rocket::ExpertsLaunch a{};
+  a.pdl = tuning_arg(pdl);
+  a.split = tuning_arg(split);
   a.direct_k = direct_k ? 1 : 0;
   a.n_res = static_cast<int>(residuals.size());
   for (size_t r = 0; r < residuals.size(); ++r) a.res[r] = residuals[r].data_ptr();
@@ -103,7 +111,7 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
   a.swiglu_limit = swiglu_limit.has_value() ? static_cast<float>(*swiglu_limit) : 0.0f;
   a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
   a.h_frag = reinterpret_cast<uint4*>(h_frag.data_ptr<int>());
-  torch::Tensor ready;  // per-pass counts (ROCKET_EXPERTS_PDL=3; prep zeroes them): NVFP4 plan launches only
+  torch::Tensor ready;  // per-pass counts (pdl kPdlPerPass; prep zeroes them): NVFP4 plan launches only
   if (pad_rows != nullptr && !a.bf16) {
     ready = torch::empty({n_groups}, x.options().dtype(torch::kInt));
     a.ready = ready.data_ptr<int>();
@@ -113,13 +121,16 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
   rocket::launch_nvfp4_experts(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
-// Returns {out, x_frag, h_frag}: the scratch fragments are kept for the tests' stage-by-stage checks.
+// Returns {out, x_frag, h_frag}: the scratch fragments are kept for the tests' stage-by-stage checks. pdl: how down
+// follows gate/up (rocket.h kPdl*: -1 auto, 0 off, 3 each pass of down waits for its own pass of gate/up); it never
+// changes the bits.
 std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const std::optional<torch::Tensor>& row_index,
                                                 const torch::Tensor& plan, int64_t n_tiles, int64_t n_groups,
                                                 int64_t n_rows, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                                                 const torch::Tensor& s2_gu, const torch::Tensor& q_dn,
                                                 const torch::Tensor& s_dn, int64_t hidden, int64_t inter,
-                                                std::optional<double> swiglu_limit) {
+                                                std::optional<double> swiglu_limit, int64_t pdl) {
+  rocket::check_launch_tuning(tuning_arg(pdl), 0);
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, experts have hidden " << hidden);
@@ -144,7 +155,7 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
   auto h_frag = torch::empty({n_tiles, ip / 32, 32, 4}, i32);
   if (n_tiles == 0 || n_groups == 0) return {out, x_frag, h_frag};
   launch_experts(x, ri, plan.data_ptr<int>(), plan.data_ptr<int>() + n_tiles * rocket::kRowTile, n_tiles, n_groups,
-                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows);
+                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows, pdl);
   return {out, x_frag, h_frag};
 }
 
@@ -152,9 +163,9 @@ torch::Tensor nvfp4_experts(const torch::Tensor& x, const std::optional<torch::T
                             const torch::Tensor& plan, int64_t n_tiles, int64_t n_groups, int64_t n_rows,
                             const torch::Tensor& q_gu, const torch::Tensor& s_gu, const torch::Tensor& s2_gu,
                             const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden, int64_t inter,
-                            std::optional<double> swiglu_limit) {
+                            std::optional<double> swiglu_limit, int64_t pdl) {
   return nvfp4_experts_stages(x, row_index, plan, n_tiles, n_groups, n_rows, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden,
-                              inter, swiglu_limit)[0];
+                              inter, swiglu_limit, pdl)[0];
 }
 
 torch::Tensor dequant_packed(const torch::Tensor& q, const torch::Tensor& s) {
@@ -266,7 +277,9 @@ std::vector<torch::Tensor> moe_route(const torch::Tensor& partial, const torch::
 void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, const torch::Tensor& pad_rows,
                         const torch::Tensor& groups, torch::Tensor& out, const torch::Tensor& q_gu,
                         const torch::Tensor& s_gu, const torch::Tensor& s2_gu, const torch::Tensor& q_dn,
-                        const torch::Tensor& s_dn, int64_t hidden, int64_t inter, std::optional<double> swiglu_limit) {
+                        const torch::Tensor& s_dn, int64_t hidden, int64_t inter, std::optional<double> swiglu_limit,
+                        int64_t pdl) {
+  rocket::check_launch_tuning(tuning_arg(pdl), 0);
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, experts have hidden " << hidden);
@@ -287,14 +300,17 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
   auto h_frag = torch::empty({cap, ip / 32, 32, 4}, i32);
   if (cap == 0) return;
   launch_experts(x, row_index.data_ptr<int64_t>(), pad_rows.data_ptr<int>(), groups.data_ptr<int>(), cap, cap, q_gu,
-                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0));
+                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0), pdl);
 }
 
 // A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: stack.py pack_mlp, gate/up's K
 // in direct_k_order) over the rows of x in order: the expert kernels without a plan; then + each residual in order.
+// pdl as nvfp4_experts_stages'; split: K slices of both GEMMs (0: by their widths; 1, 2, 4 or 8).
 torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s2_gu,
                            const torch::Tensor& q_dn, int64_t hidden, int64_t inter,
-                           const std::vector<torch::Tensor>& residuals, std::optional<double> swiglu_limit) {
+                           const std::vector<torch::Tensor>& residuals, std::optional<double> swiglu_limit,
+                           int64_t pdl, int64_t split) {
+  rocket::check_launch_tuning(tuning_arg(pdl), tuning_arg(split));
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   check_residuals(residuals, x.size(0), hidden, dev);
@@ -314,16 +330,17 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
   auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
   if (rows == 0) return out;
   launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, none, s2_gu, q_dn, none, hidden, inter,
-                 swiglu_limit, x_frag, h_frag, out, rows, rows, residuals, /*direct_k=*/true);
+                 swiglu_limit, x_frag, h_frag, out, rows, pdl, rows, residuals, /*direct_k=*/true, split);
   return out;
 }
 
 // y = x W^T (+ bias) for W in BF16 tiles [n_pad / 16, k_pad / 64, 4, 256] with K in direct_k_order (pack.py
 // pack_bf16_direct): one output [rows, n] (+ each residual in order), or, with `ends` (features where each part
-// ends, the last n), one tensor per part.
+// ends, the last n), one tensor per part. split: K slices (0: by the output's width; 1, 2, 4 or 8).
 std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, int64_t k,
                                        const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends,
-                                       const std::vector<torch::Tensor>& residuals) {
+                                       const std::vector<torch::Tensor>& residuals, int64_t split) {
+  rocket::check_launch_tuning(rocket::kPdlAuto, tuning_arg(split));
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   check_residuals(residuals, x.size(0), n, dev);
@@ -344,6 +361,7 @@ std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tens
   ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
   const c10::cuda::CUDAGuard guard(dev);
   rocket::LinearLaunch a{};
+  a.split = tuning_arg(split);
   std::vector<torch::Tensor> outs;
   int64_t start = 0;
   for (size_t s = 0; s < parts.size(); ++s) {
@@ -444,18 +462,16 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   return {by_token, coef, row_index, pad_rows, groups, canon_slot, meta, by_canon};
 }
 
-// cuda-ipc push: this rank's block (src, meta rows) into every rank's row buffer (dst addresses, set 0 row
-// 0; ours included), then the doorbell words (bells[r]: rank r's word for this rank; ours unused).
+// cuda-ipc push: this rank's block (src, meta rows) into every rank's row buffer (dst addresses, set 0 row 0; ours
+// included), then the flag words (flags[r]: rank r's words for this rank; ours unused).
 rocket::IpcPush push_args(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
-                          const std::vector<int64_t>& bells, const torch::Tensor* counter, int64_t cap,
-                          int64_t set_rows, int64_t rank) {
+                          const std::vector<int64_t>& flags, int64_t cap, int64_t set_rows, int64_t rank) {
   const c10::Device dev = src.device();
   expect(src, "src", torch::kBFloat16, 2, dev, 16);
   expect(meta, "meta", torch::kLong, 1, dev, 8);
-  if (counter) expect(*counter, "counter", torch::kInt, 1, dev, 4);
   const int64_t n = static_cast<int64_t>(dst.size());
-  ROCKET_CHECK(n >= 1 && n <= rocket::kPlanMaxRanks && static_cast<int64_t>(bells.size()) == n && rank < n,
-               dst.size() << " destinations, " << bells.size() << " doorbells, rank " << rank);
+  ROCKET_CHECK(n >= 1 && n <= rocket::kPlanMaxRanks && static_cast<int64_t>(flags.size()) == n && rank < n,
+               dst.size() << " destinations, " << flags.size() << " flag words, rank " << rank);
   ROCKET_CHECK(meta.numel() == rocket::kPlanMetaHead + n, "meta has " << meta.numel() << " values for " << n
                << " ranks");
   const int64_t row_bytes = src.size(1) * 2;
@@ -466,10 +482,9 @@ rocket::IpcPush push_args(const torch::Tensor& src, const torch::Tensor& meta, c
   for (int64_t r = 0; r < n; ++r) {
     ROCKET_CHECK(dst[r] % 16 == 0, "destination of rank " << r << " is not 16-byte aligned");
     a.dst[r] = reinterpret_cast<uint4*>(dst[r]);
-    a.bells[r] = reinterpret_cast<int64_t*>(bells[r]);
+    a.bells[r] = reinterpret_cast<int64_t*>(flags[r]);
   }
   a.meta = meta.data_ptr<int64_t>();
-  a.counter = counter ? reinterpret_cast<unsigned*>(counter->data_ptr<int>()) : nullptr;
   a.row_words = row_bytes / 16;
   a.cap_words = cap * a.row_words;
   a.set_words = set_rows * a.row_words;
@@ -478,53 +493,25 @@ rocket::IpcPush push_args(const torch::Tensor& src, const torch::Tensor& meta, c
   return a;
 }
 
-rocket::IpcWait wait_args(const torch::Tensor& bells, const torch::Tensor& meta, torch::Tensor& err, double timeout_s,
+rocket::IpcWait wait_args(const torch::Tensor& flags, const torch::Tensor& meta, torch::Tensor& err, double timeout_s,
                           int64_t rank, int64_t layer) {
-  const c10::Device dev = bells.device();
-  expect(bells, "bells", torch::kLong, 1, dev, 8);
+  const c10::Device dev = flags.device();
+  expect(flags, "flags", torch::kLong, 1, dev, 8);
   expect(meta, "meta", torch::kLong, 1, dev, 8);
   expect(err, "err", torch::kLong, 1, dev, 8);
   ROCKET_CHECK(err.numel() >= 4, "err needs 4 words");
   ROCKET_CHECK(timeout_s > 0, "timeout " << timeout_s);
   rocket::IpcWait a{};
-  a.bells = bells.data_ptr<int64_t>();
+  a.bells = flags.data_ptr<int64_t>();
   a.meta = meta.data_ptr<int64_t>();
   a.err = err.data_ptr<int64_t>();
   a.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
   a.rank = static_cast<int>(rank);
-  a.n_ranks = static_cast<int>(bells.numel());
   a.layer = static_cast<int>(layer);
   return a;
 }
 
-void ipc_push(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
-              const std::vector<int64_t>& bells, torch::Tensor& counter, int64_t cap, int64_t set_rows, int64_t rank,
-              int64_t blocks) {
-  const rocket::IpcPush a = push_args(src, meta, dst, bells, &counter, cap, set_rows, rank);
-  const c10::cuda::CUDAGuard guard(src.device());
-  rocket::launch_ipc_push(a, nullptr, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
-}
-
-void ipc_wait(const torch::Tensor& bells, const torch::Tensor& meta, torch::Tensor& err, double timeout_s,
-              int64_t rank, int64_t layer) {
-  const rocket::IpcWait a = wait_args(bells, meta, err, timeout_s, rank, layer);
-  const c10::cuda::CUDAGuard guard(bells.device());
-  rocket::launch_ipc_wait(a, c10::cuda::getCurrentCUDAStream().stream());
-}
-
-// ipc_push then ipc_wait as one kernel: the block that rings the doorbells waits for the peers'.
-void ipc_exchange(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
-                  const std::vector<int64_t>& peer_bells, torch::Tensor& counter, int64_t cap, int64_t set_rows,
-                  int64_t rank, int64_t blocks, const torch::Tensor& bells, torch::Tensor& err, double timeout_s,
-                  int64_t layer) {
-  const rocket::IpcPush a = push_args(src, meta, dst, peer_bells, &counter, cap, set_rows, rank);
-  ROCKET_CHECK(bells.device() == src.device(), "bells on " << bells.device() << ", rows on " << src.device());
-  const rocket::IpcWait w = wait_args(bells, meta, err, timeout_s, rank, layer);
-  const c10::cuda::CUDAGuard guard(src.device());
-  rocket::launch_ipc_push(a, &w, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
-}
-
-// The graphed step's exchange: one kernel, a flag word per (sender, block) instead of one doorbell per sender.
+// The graphed step's exchange: one kernel, a flag word per (sender, block).
 // peer_flags[r]: rank r's flag words for this rank; flags: ours, int64 [ranks, kIpcMaxBlocks].
 void ipc_exchange_flags(const torch::Tensor& src, const torch::Tensor& meta, const std::vector<int64_t>& dst,
                         const std::vector<int64_t>& peer_flags, int64_t cap, int64_t set_rows, int64_t rank,
@@ -535,7 +522,7 @@ void ipc_exchange_flags(const torch::Tensor& src, const torch::Tensor& meta, con
   const int64_t n = static_cast<int64_t>(dst.size());
   ROCKET_CHECK(flags.size(0) == n && flags.size(1) == rocket::kIpcMaxBlocks,
                "flags " << flags.sizes() << " for " << n << " ranks (" << rocket::kIpcMaxBlocks << " words each)");
-  const rocket::IpcPush a = push_args(src, meta, dst, peer_flags, nullptr, cap, set_rows, rank);  // no counter
+  const rocket::IpcPush a = push_args(src, meta, dst, peer_flags, cap, set_rows, rank);
   for (int64_t r = 0; r < n; ++r)
     ROCKET_CHECK(peer_flags[r] % 8 == 0, "flag words of rank " << r << " are not 8-byte aligned");
   rocket::IpcWait w = wait_args(flags.view({-1}), meta, err, timeout_s, rank, layer);  // our words, all peers
@@ -819,30 +806,6 @@ void rope_kv_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const 
                          c10::cuda::getCurrentCUDAStream().stream(), table ? static_cast<int>(cos.size(0)) : 0);
 }
 
-// q [M, hq, d] and caches [M, hkv, cap, d] -> attention output [M, hq, d] over keys 0..pos (decode_ops.cu), pos <
-// span <= cap (span < 0: the caches' whole capacity); None where the kernel does not take the shape (more streams
-// or a longer span than it does; the caller takes the matmuls).
-std::optional<torch::Tensor> decode_attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                                              const torch::Tensor& pos, double scale, int64_t span) {
-  const c10::Device dev = q.device();
-  expect(q, "q", torch::kBFloat16, 3, dev, 2);
-  expect(kc, "kc", torch::kBFloat16, 4, dev, 16);
-  expect(vc, "vc", torch::kBFloat16, 4, dev, 2);
-  expect(pos, "pos", torch::kLong, 1, dev, 8);
-  const int64_t m = q.size(0), hq = q.size(1), d = q.size(2), hkv = kc.size(1), cap = kc.size(2);
-  if (span < 0) span = cap;
-  ROCKET_CHECK(kc.size(0) == m && kc.size(3) == d && vc.sizes() == kc.sizes() && pos.numel() == m && hkv > 0 &&
-               hq % hkv == 0 && d % 8 == 0 && span > 0 && span <= cap, "decode_attention: q " << q.sizes()
-               << ", caches " << kc.sizes() << ", pos " << pos.sizes() << ", span " << span);
-  if (rocket::decode_attention_smem(int(m), int(hq), int(hkv), int(span), int(d)) < 0) return std::nullopt;
-  const c10::cuda::CUDAGuard guard(dev);
-  auto out = torch::empty_like(q);
-  rocket::launch_decode_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr<int64_t>(), int(m),
-                                  int(hq), int(hkv), int(span), int(cap), int(d), static_cast<float>(scale),
-                                  out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
-  return out;
-}
-
 // scores [M, heads, 1, span] bf16 (one query per stream) -> probabilities, keys past pos[m] hidden (decode_ops.cu).
 torch::Tensor decode_softmax(const torch::Tensor& scores, const torch::Tensor& pos, double scale) {
   const c10::Device dev = scores.device();
@@ -862,29 +825,35 @@ torch::Tensor decode_softmax(const torch::Tensor& scores, const torch::Tensor& p
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rocket_mpi CUDA kernels (csrc/): NVFP4 routed experts, moe_scatter_add";
-  m.def("nvfp4_experts", &nvfp4_experts, "NVFP4 routed experts of one rank (batch-invariant)", py::arg("x"),
-        py::arg("row_index"), py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"), py::arg("n_rows"),
-        py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
-        py::arg("inter"), py::arg("swiglu_limit"));
-  m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)");
+  m.def("nvfp4_experts", &nvfp4_experts, "NVFP4 routed experts of one rank (batch-invariant); pdl: -1 auto, 0 off, "
+        "3 down waits for each pass of gate/up (never changes the bits)", py::arg("x"), py::arg("row_index"),
+        py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"), py::arg("n_rows"), py::arg("q_gu"), py::arg("s_gu"),
+        py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"), py::arg("inter"),
+        py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto);
+  m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)",
+        py::arg("x"), py::arg("row_index"), py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"),
+        py::arg("n_rows"), py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"),
+        py::arg("hidden"), py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto);
   m.def("swiglu_dense", &swiglu_dense, "a SwiGLU MLP (one BF16 expert) over dense rows in the expert kernels "
-        "(gate and up clamped to swiglu_limit where given), then + each residual in order", py::arg("x"), py::arg("q_gu"), py::arg("s2_gu"), py::arg("q_dn"),
+        "(gate and up clamped to swiglu_limit where given), then + each residual in order; pdl as nvfp4_experts', "
+        "split: K slices (0 by shape, 1, 2, 4, 8)", py::arg("x"), py::arg("q_gu"), py::arg("s2_gu"), py::arg("q_dn"),
         py::arg("hidden"), py::arg("inter"), py::arg("residuals") = std::vector<torch::Tensor>{},
-        py::arg("swiglu_limit") = py::none());
+        py::arg("swiglu_limit") = py::none(), py::arg("pdl") = rocket::kPdlAuto, py::arg("split") = 0);
   m.def("bf16_linear", &bf16_linear, "x W^T (+ bias), W in BF16 tiles, optionally split into parts by feature; one "
-        "part: then + each residual in order", py::arg("x"), py::arg("w"), py::arg("n"), py::arg("k"),
-        py::arg("bias"), py::arg("ends"), py::arg("residuals") = std::vector<torch::Tensor>{});
+        "part: then + each residual in order; split: K slices (0 by shape, 1, 2, 4, 8)", py::arg("x"), py::arg("w"),
+        py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("ends"),
+        py::arg("residuals") = std::vector<torch::Tensor>{}, py::arg("split") = 0);
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
-  m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe)");
+  m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe); pdl as "
+        "nvfp4_experts'", py::arg("x"), py::arg("row_index"), py::arg("pad_rows"), py::arg("groups"), py::arg("out"),
+        py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
+        py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto);
   m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe); meta into meta_out where given, "
         "and *zero = 0", py::arg("experts"), py::arg("weights"), py::arg("owner"), py::arg("slot"), py::arg("canon"),
         py::arg("s2_down"), py::arg("rank"), py::arg("n_ranks"), py::arg("n_sets"), py::arg("set_stride"),
         py::arg("seq"), py::arg("meta_out") = py::none(), py::arg("zero") = py::none());
-  m.def("ipc_push", &ipc_push, "cuda-ipc: block rows to every rank, then doorbells (one kernel)");
-  m.def("ipc_wait", &ipc_wait, "cuda-ipc: wait for every peer's doorbell, bounded by a timeout");
-  m.def("ipc_exchange", &ipc_exchange, "cuda-ipc: ipc_push and ipc_wait fused into one kernel");
-  m.def("ipc_exchange_flags", &ipc_exchange_flags, "cuda-ipc: one kernel, a flag word per (sender, block), no "
-        "counter (the graphed step's exchange)");
+  m.def("ipc_exchange_flags", &ipc_exchange_flags, "cuda-ipc: one kernel, a flag word per (sender, block) (the "
+        "graphed step's exchange)");
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step); with index, (x[index], its norm) from one launch",
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("index") = py::none());
   m.def("hc_pre", &hc_pre, "GLM-5.3-Flash hyper-connection collapse: (post, comb, collapsed), two launches; with "
@@ -906,8 +875,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_kv_", &rope_kv_, "rope_ and kv_append in one launch (decode step); table: cos/sin read at pos",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("kc"),
         py::arg("vc"), py::arg("pos"), py::arg("table") = false);
-  m.def("decode_attention", &decode_attention, "one query per stream over its keys 0..pos, fused (spans up to "
-        "kDecodeAttentionMaxSpan; None beyond)");
   m.def("decode_softmax", &decode_softmax, "attention probabilities of one query per stream, keys past pos hidden");
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "

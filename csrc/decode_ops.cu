@@ -18,10 +18,6 @@
 //   decode_softmax  attention probabilities of one query per stream: scores [M, hq, span] bf16 -> bf16(softmax(
 //              bf16(score * scale) with keys past pos[m] hidden)), fp32 max / sum / division as torch's softmax
 //              of the masked scores (the sums' order is the kernel's); a hidden key's probability is exactly 0
-//   decode_attention  one query per stream over its keys 0..pos, in one launch instead of two matmuls around
-//              decode_softmax: the scores rounded to bf16 as the matmul writes them, then decode_softmax's
-//              arithmetic, then the bf16 probabilities times v summed in fp32 and rounded once (each sum in the
-//              kernel's own fixed order, so a stream's output never depends on the other streams)
 // (The rows' checksum is summed by moe_scatter_add as it reads them: scatter.cu.)
 #include "norm.cuh"
 
@@ -324,119 +320,7 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const __nv_bfloa
   }
 }
 
-// One block per (query head, stream), kAttnThreads threads. Shared memory: q [d] and the scores, then the
-// probabilities, [span] (fp32). For decode steps of at most kDecodeAttentionMaxStreams streams: past that the
-// query heads' blocks re-reading their kv head's keys from L2 cost more than the matmuls (session 21, run 3).
-//   scores  thread t takes keys t, t + kAttnThreads, ...: the key's row in registers (16-byte loads, all in flight
-//           together), its dot product as 4 partial sums (word u of each 16 bytes into sum u, in d order), then
-//           (s0 + s1) + (s2 + s3)
-//   softmax max and sum: each thread over its keys in order, then the warps' butterflies, then the warps in order
-//   output  thread c takes channel c (and c + kAttnThreads, ...), keys in order, kAttnKeys value loads in flight
-// Every sum has one order fixed by d and the stream's own pos: a stream's output never depends on the others.
-constexpr int kAttnThreads = 128;
-
-// op over the block's values, every thread the result: a warp butterfly, then the warps' results in warp order
-// (red: kAttnThreads / 32 floats, free again on return).
-template <typename Op>
-__device__ __forceinline__ float attn_block_reduce(float v, float* red, int lane, int warp, Op op) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  v = red[0];
-#pragma unroll
-  for (int w = 1; w < kAttnThreads / 32; ++w) v = op(v, red[w]);
-  __syncthreads();  // red may be reused
-  return v;
-}
-constexpr int kAttnMaxD = 128;
-constexpr int kAttnKeys = 16;
-__global__ void __launch_bounds__(kAttnThreads) decode_attention_kernel(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
-    const int64_t* __restrict__ pos, int hq, int hkv, int span, int cap, int d, float scale,
-    __nv_bfloat16* __restrict__ out) {
-  extern __shared__ float attn_smem[];
-  __shared__ float red[kAttnThreads / 32];
-  const int h = blockIdx.x, m = blockIdx.y, kvh = h / (hq / hkv), tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5;
-  float* qs = attn_smem;
-  float* sc = attn_smem + d;
-  const int64_t p = pos[m];
-  const int n = int(p < 0 ? 0 : (p >= span ? span : p + 1));  // keys 0..pos
-  const __nv_bfloat16* qh = q + (int64_t(m) * hq + h) * d;
-  const __nv_bfloat16* kh = kc + (int64_t(m) * hkv + kvh) * int64_t(cap) * d;  // cap: the caches' positions
-  const __nv_bfloat16* vh = vc + (int64_t(m) * hkv + kvh) * int64_t(cap) * d;
-  for (int i = tid; i < d; i += kAttnThreads) qs[i] = __bfloat162float(qh[i]);
-  __syncthreads();
-  const int d8 = d / 8;
-  float mx = -INFINITY;
-  for (int j = tid; j < n; j += kAttnThreads) {
-    uint4 kr[kAttnMaxD / 8];
-    const uint4* kp = reinterpret_cast<const uint4*>(kh + int64_t(j) * d);
-#pragma unroll
-    for (int c = 0; c < kAttnMaxD / 8; ++c)
-      if (c < d8) kr[c] = __ldg(kp + c);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int c = 0; c < kAttnMaxD / 8; ++c) {
-      if (c >= d8) break;
-      const uint32_t ws[4] = {kr[c].x, kr[c].y, kr[c].z, kr[c].w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const __nv_bfloat162 b = dev::bits_bf16x2(ws[u]);
-        acc[u] = __fmaf_rn(qs[8 * c + 2 * u], __low2float(b), acc[u]);
-        acc[u] = __fmaf_rn(qs[8 * c + 2 * u + 1], __high2float(b), acc[u]);
-      }
-    }
-    const float dot = __fadd_rn(__fadd_rn(acc[0], acc[1]), __fadd_rn(acc[2], acc[3]));
-    const float sj = dev::round_bf16(__fmul_rn(dev::round_bf16(dot), scale));  // bf16 score, then bf16(score * scale)
-    sc[j] = sj;
-    mx = fmaxf(mx, sj);
-  }
-  mx = attn_block_reduce(mx, red, lane, warp, [](float a, float b) { return fmaxf(a, b); });
-  float sum = 0.0f;
-  for (int j = tid; j < n; j += kAttnThreads) sum = __fadd_rn(sum, expf(__fsub_rn(sc[j], mx)));
-  sum = attn_block_reduce(sum, red, lane, warp, [](float a, float b) { return __fadd_rn(a, b); });
-  for (int j = tid; j < n; j += kAttnThreads) sc[j] = dev::round_bf16(__fdiv_rn(expf(__fsub_rn(sc[j], mx)), sum));
-  __syncthreads();
-  // out[c] = sum_j p[j] v[j][c]: fp32 in key order, one rounding
-  for (int c = tid; c < d; c += kAttnThreads) {
-    float acc = 0.0f;
-    for (int j0 = 0; j0 < n; j0 += kAttnKeys) {
-      float v[kAttnKeys];
-#pragma unroll
-      for (int jj = 0; jj < kAttnKeys; ++jj)
-        v[jj] = j0 + jj < n ? __bfloat162float(vh[int64_t(j0 + jj) * d + c]) : 0.0f;
-#pragma unroll
-      for (int jj = 0; jj < kAttnKeys; ++jj)
-        if (j0 + jj < n) acc = __fmaf_rn(sc[j0 + jj], v[jj], acc);
-    }
-    out[(int64_t(m) * hq + h) * d + c] = __float2bfloat16_rn(acc);
-  }
-}
-
 }  // namespace
-
-int decode_attention_smem(int streams, int hq, int hkv, int span, int d) {
-  if (streams > kDecodeAttentionMaxStreams || hkv <= 0 || hq % hkv != 0 || d % 8 != 0 || d > kAttnMaxD ||
-      span <= 0 || span > kDecodeAttentionMaxSpan)
-    return -1;
-  return int(4 * (int64_t(d) + span));  // <= 4 (128 + 2048) bytes: no opt-in needed
-}
-
-void launch_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* pos, int streams, int hq,
-                             int hkv, int span, int cap, int d, float scale, void* out, cudaStream_t stream) {
-  const int bytes = decode_attention_smem(streams, hq, hkv, span, d);
-  ROCKET_CHECK(span <= cap, "decode_attention: span " << span << " past the caches' " << cap << " positions");
-  ROCKET_CHECK(bytes > 0, "decode_attention: " << streams << " streams (at most " << kDecodeAttentionMaxStreams
-               << "), " << hq << " query heads, " << hkv << " kv heads, head dim " << d << " (a multiple of 8, at "
-               << "most " << kAttnMaxD << "), span " << span << " (at most " << kDecodeAttentionMaxSpan << ")");
-  if (streams == 0) return;
-  decode_attention_kernel<<<dim3(hq, streams), kAttnThreads, bytes, stream>>>(
-      static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kc),
-      static_cast<const __nv_bfloat16*>(vc), pos, hq, hkv, span, cap, d, scale, static_cast<__nv_bfloat16*>(out));
-  ROCKET_LAUNCH_CHECK();
-}
 
 void launch_rope_kv(void* q, void* k, const void* v, const void* cos, const void* sin, void* kc, void* vc,
                     const int64_t* pos, int tokens, int hq, int hk, int d, int rot, int cap, cudaStream_t stream,

@@ -1,8 +1,7 @@
 // GLM-5.3-Flash's hyper-connections in the fixed-shape decode step (rocket_mpi/model/glm5_next_hc.py has the math
 // and the torch reference the CPU runs): hc_pre in two launches and hc_post in one. In torch hc_pre is ~140 small
 // kernels, 120 of them the Sinkhorn normalisation of the [T, N, N] mixing matrix (20 iterations of sum, + eps,
-// divide, by rows and by columns); a 4-layer GLM-5.3-Flash step on the H200 had ~1000 of them per step at M=1, about
-// 1.3 of its 3.4 ms of kernel time (results/README.md, session 25).
+// divide, by rows and by columns), which made them a large share of a GLM-5.3-Flash decode step's kernel time.
 //
 //   hc_mix      grid (slices, T): partial dot products of the token's flattened streams [N*H] with the J = (2+N)N
 //               rows of fn, and the partial sum of squares, over kHcSlice k each (fixed order: a thread's k

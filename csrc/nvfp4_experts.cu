@@ -4,19 +4,14 @@
 //   prep     rows (gathered through row_index) -> x_frag, padded per expert to tiles of 8 rows
 //   gate_up  h = SwiGLU(x Wg^T * s2g, x Wu^T * s2u) -> h_frag, rounded to bf16 as the torch reference
 //   down     out = h Wd^T (no weight_scale_2: the scatter applies s2_down) -> out rows, bf16
-// down is launched as a programmatic dependent (PDL) of gate_up: its blocks take the SM slots gate_up's last
-// wave leaves free and start their weight copies there, then wait for h_frag: each block for its own pass only
-// (ROCKET_EXPERTS_PDL=3, the default: a count per pass that gate/up's warps add to once their h_frag rows are
-// stored, GemmParams::ready), or for the whole of gate/up (2: griddepcontrol.wait). Session 24, graphed air8 step,
-// one process: 3 against 2 M=8 2.291 -> 2.190 ms, M=16 2.837 -> 2.758 ms. PDL itself (H200, session 15,
-// results/README.md), off -> on, two rounds each: decode-shaped launches M=1 57.2-57.9 -> 55.4-55.6 us, M=8
-// 170.9-171.8 -> 168.0-168.4 us; 64 experts at 1 / 16 rows +0.4-0.6 / +0.6-0.9 points of copy bandwidth; the
-// graphed air8 step at M=8 2.64-2.65 -> 2.62 ms, M=1 unchanged. gate_up as a dependent of prep as well
-// (ROCKET_EXPERTS_PDL=1) made the graphed step at M=1 slower (1.83-1.93 -> 2.02-2.05 ms), so it is not the default.
-// Measured inside one process (scripts/ab_decode.py, sessions 23-24): at 1-2 tokens the step is faster with no PDL
-// at all, so launches of at most kPdlOffRows tokens launch down normally (pdl_for).
+// The launch's pdl argument (ExpertsLaunch::pdl, pdl_for) sets how down follows gate_up. kPdlPerPass: down is
+// launched as a programmatic dependent (PDL) of gate_up, so its blocks take the SM slots gate_up's last wave leaves
+// free and start their weight copies there, then each block waits for its own pass only: a count per pass that
+// gate/up's warps add to once their h_frag rows are stored (GemmParams::ready; BF16 tiles and dense rows wait for
+// all of gate/up, griddepcontrol.wait). kPdlOff: down is launched normally. kPdlAuto (the default): kPdlOff for
+// launches of at most kPdlOffRows rows of x, kPdlPerPass above. prep and gate_up are always launched normally.
 //
-// Dense launches (kernels/stack.py: the replicated stack's linears and SwiGLU MLPs, BF16 tiles): one weight slot,
+// Dense launches (ops/stack.py: the replicated stack's linears and SwiGLU MLPs, BF16 tiles): one weight slot,
 // rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
 // 4 or 8 of the block's warps (run_group, dense_split), since one matrix alone has too few feature groups to fill
 // the GPU.
@@ -43,11 +38,8 @@
 // tile and stage, 3 stages in flight; 24 warps per SM); every lane copies only what it reads itself, so
 // no barrier is needed. The row fragments (x_frag / h_frag, shared by the block's warps, which work on the same
 // pass) come through one block-wide shared-memory ring in the NVFP4 instances, filled by bulk copies of one
-// thread (RowsRing, mbarriers: the block's one synchronisation), and through L1 in the BF16 instances. H200,
-// session 20, against every warp loading them through L1: 64 experts at 1 / 8 / 16 / 32 rows 80.8 / 81.2 / 67.1 /
-// 35.1 -> 84.9 / 85.1 / 76.2 / 41.3 % of copy bandwidth, the air8 decode step 2-7 % faster.
-#include <cstdlib>
-
+// thread (RowsRing, mbarriers: the block's one synchronisation), and through L1 in the BF16 instances (the ring
+// reaches more of the copy bandwidth than every warp loading the rows through L1).
 #include "common.cuh"
 
 namespace rocket {
@@ -56,18 +48,11 @@ namespace {
 constexpr int kFT = 2;                                      // feature tiles per warp
 constexpr int kStageCodes = kFT * 32 * 16;                  // per warp and stage: codes 512 B per tile
 constexpr int kStageBytes = kStageCodes + kFT * 32 * 8;     // + each lane's 8 scale bytes per tile
-// The weight ring of each warp: S stages, L k-tiles in flight, B blocks per SM (the register bound). Measured
-// on the H200 (session 10, results/h200_s10_run2_bench_experts_cfg_*.log; % of copy BW at 1 / 8 / 16 rows per
-// expert, decode M=8 / 32): S=8 L=6 B=2 (16 warps/SM, 114 registers) 71.2 / 69.6 / 59.1, 60.0 / 72.1;
-// S=4 L=3 B=3 (24 warps/SM, 80 registers) 74.7 / 73.1 / 59.4, 62.1 / 75.8; S=6 L=5 B=3 74.6 / 73.0 / 59.1,
-// 62.6 / 74.6; S=4 L=2 B=3 71.7 / 71.7 / 59.9. More warps hide more latency than a deeper ring does. At
-// 80 registers only the 3- and 4-row-tile paths (17-32 rows of one expert) spill, a few words each.
-// Again with the unrolled loop and the 9-step decode (session 14, h200_s14_run2/3, two rounds each, % at
-// 1 / 8 / 16 rows): S=4 L=3 80.3-83.0 / 79.0-80.5 / 65.2-65.7; S=5 L=4 81.2-81.4 / 77.3-78.8 / 63.0-63.2;
-// S=6 L=5 77.0-79.4 / 75.1-77.3 / 62.6-63.2; 4 warps per block (6 blocks per SM) 78.7-81.9 / 75.8-77.1 /
-// 63.4-63.6; 2 warps (12 blocks) 76.2-80.6 / 76.0-78.1 / 64.1-64.6. Session 19 (h200_s19_run1): an instance of the
-// 1-row-tile path alone fits 64 registers, so 4 blocks of 8 warps (or 8 of 4) per SM, for launches of at most 8 rows
-// per expert: the same speed (1 / 8 rows 79.4-82.6 / 77.3-81.2 vs 81.4 / 78.7 %, decode M=1 and 8 unchanged).
+// The weight ring of each warp: S stages, L k-tiles in flight, B blocks per SM (the register bound). S=4 L=3 B=3
+// (24 warps per SM, 80 registers) was the fastest of the rings and block shapes measured on the H200 (deeper rings
+// with fewer warps, 2-8 warps per block, a 64-register instance for the 1-row-tile path): more warps hide more
+// latency than a deeper ring does. At 80 registers only the 3- and 4-row-tile paths (17-32 rows of one expert)
+// spill, a few words each.
 constexpr int kRing = 4, kRingLookahead = 3, kBlocksPerSm = 3, kWarps = 8;  // kWarps: per block (one expert;
                                                                                // they share its rows in L1)
 // BF16 weights (a BF16 checkpoint's experts): the same kernel without the decode. A tile's k-step j is 512 B,
@@ -84,7 +69,7 @@ __host__ __device__ constexpr int warp_smem() { return S * (kBf16 ? kBf16StageBy
 // k-tile and tile (x_frag / h_frag keep a tile's k-tiles contiguous), with a full and an empty mbarrier. 3 blocks
 // of 8 warps per SM stay resident (3 x 72 KiB of shared memory).
 constexpr int kRowsRing = 3, kRowsGroup = 4;
-// A down block waits for its pass's gate/up warps (ROCKET_EXPERTS_PDL=3) at most this long, then traps: only a bug
+// A down block waits for its pass's gate/up warps (kPdlPerPass) at most this long, then traps: only a bug
 // can get there (every gate/up block has started before any down block does), and a trap is an error, not a hang.
 constexpr uint64_t kReadyTimeoutNs = 10ull * 1000 * 1000 * 1000;
 constexpr int kRowsTileBytes = 2 * 32 * 16;
@@ -103,13 +88,10 @@ struct RowsRing {
   uint64_t* empty;  // stage read by every warp of the block that has a feature group
 };
 
-// Decode masks: see rocket_mpi/kernels/pack.py (decode_words, CODE_SOURCE).
-// Instructions per k-tile at one row tile (scripts/sass_loops.py): 207 in session 13 (99 of them
-// LOP3/SHF/IADD3/ISETP: ncu had the ALU pipe ~62% busy), 146 now: the loop unrolled by the ring size (ring
-// slots and pointer offsets constant, no register copies of the prefetched rows, no zero fills: ~209 -> 162)
-// and a decode of 9 operations per word instead of 11 (-> 146). NVFP4 at 1 row per expert 74 -> 80-83 % of
-// copy bandwidth (session 14). Tried in session 9: the shifts as multiplies by factors passed from the host
-// (IMAD on the FMA pipe): no speed change; not kept.
+// Decode masks: see rocket_mpi/ops/pack.py (decode_words, CODE_SOURCE). At one row tile the ALU pipe, not the
+// copies, bounds the main loop, so it is unrolled by the ring size (ring slots and pointer offsets constant, no
+// register copies of the prefetched rows, no zero fills) and decodes a word in 9 operations (scripts/sass_loops.py
+// counts its instructions).
 constexpr uint32_t kCodeMask = 0x81C081C0u;   // bf16x2 sign + exponent bits 0..1 + mantissa bit 6
 constexpr uint32_t kCodeMaskP = 0x80C080C0u;  // reg3: sign, exponent bit 0, mantissa
 constexpr uint32_t kCodeMaskQ = 0x01000100u;  // reg3: exponent bit 1
@@ -140,7 +122,7 @@ struct GemmParams {
                              // of W warps takes W / split_k feature groups (run_group); 0: expert launches (a warp
                              // per group)
   int n_groups;              // entries of `groups`, or weight passes of dense rows
-  // Dense rows (the replicated stack's linears and SwiGLU MLPs, kernels.linear / swiglu_dense): one weight slot,
+  // Dense rows (the replicated stack's linears and SwiGLU MLPs, ops.linear / swiglu_dense): one weight slot,
   // rows 0..dense_rows-1 in order, so no pad_rows and no groups; pass y covers row tiles 4y..4y+3.
   int dense_rows;
   int n_tiles;
@@ -157,7 +139,7 @@ struct GemmParams {
   // same two uint4 per k-tile that x_frag holds after a prep launch. Null: x_frag.
   const uint4* x_rows;
   int64_t x_ld4;
-  // Per-pass readiness (ROCKET_EXPERTS_PDL=3, NVFP4 expert launches): prep zeroes ready[pass]; each gate/up warp adds
+  // Per-pass readiness (kPdlPerPass, NVFP4 expert launches): prep zeroes ready[pass]; each gate/up warp adds
   // 1 to its pass's count once its h_frag stores are published; the down kernel (gate/up's programmatic dependent)
   // starts a pass's rows once the count reaches ready_need (gate/up's feature groups) instead of waiting for the
   // whole gate/up grid, so down's passes run in the SM slots gate/up's last wave leaves. Null: griddepcontrol.wait.
@@ -211,10 +193,8 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
 // k-steps of 16 in ascending order, one mma per step into the same fp32 accumulator starting from 0.
 // Weights stream through the warp's cp.async ring, one commit group per k-tile. B fragments: NVFP4 from the
 // block's rows ring (below); BF16 through L1 (shared by the block's warps on the same pass), prefetched one
-// k-tile ahead where the registers allow (RT <= 2: up to 16 rows, the decode case): that took the kernel from
-// 63% to 70% of copy bandwidth on the H200 (results/README.md, session 9). 17-32 rows load them half a k-tile
-// at a time (fewer live registers, less spilling under the 80-register bound): 32 rows per expert 817 -> 603 us
-// (session 13).
+// k-tile ahead where the registers allow (RT <= 2: up to 16 rows, the decode case). 17-32 rows load them half a
+// k-tile at a time (fewer live registers, less spilling under the 80-register bound).
 template <int RT, int S, int L, bool kBf16, bool kWaitPass = false>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4], int kt0, int nk, const RowsRing& rr) {
@@ -369,9 +349,9 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // 2 for 3-4). Thread 0 (warp 0's lane 0, which always has a feature group) fills group g + 1 at the start of
   // group g, once every warp of the block has released group g + 1 - kRowsRing; a warp waits for its group's
   // stage, reads its lane's uint4 of each k-tile and row tile there (a padding row: row 0's, as above), and
-  // releases the stage after the group's mmas. Before: every warp loaded the same rows through L1, and a
-  // speed-only probe with no row loads at all made the decode step 4-8 % faster (session 20, results/README.md);
-  // this ring got most of that, and at 17-32 rows it keeps the rows out of the smaller L1 its shared memory leaves.
+  // releases the stage after the group's mmas. Every warp loading the same rows through L1 cost the decode step a
+  // good part of its time; the ring wins most of that back, and at 17-32 rows it keeps the rows out of the smaller
+  // L1 its shared memory leaves.
   constexpr int G = RT <= 2 ? kRowsGroup : 2;
   constexpr int kRowTileStride = G * kRowsTileBytes;  // a stage: [row tile][k-tile of the group][lane's uint4]
   static_assert(RT * kRowTileStride <= kRowsStage, "a group's rows fit a stage");
@@ -480,8 +460,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     }
   } else {
     // 17-32 rows: the rows are loaded half a k-tile at a time, which keeps the 3- and 4-tile paths within
-    // the register bound (32 rows per expert 817 -> 603 us, session 13); not unrolled (measured: 603 -> 715 us
-    // when it was, session 14: more spilling).
+    // the register bound; not unrolled (unrolled, it spills more and runs slower).
     // NVFP4: the rows through the block's ring (above), BF16 tiles: through L1.
     int st_in = L % S, st_out = 0;
     for (int kt = 0; kt < nk; ++kt) {
@@ -680,8 +659,7 @@ __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, i
 // grid (feature groups / W, passes): warp w of block x takes feature group x * W + w of pass
 // y, so a block's warps share the pass's rows in L1 (dense launches: block x takes feature group x, its warps
 // split K; with several passes the grid is pass-major). Which warp or block does the work never changes
-// what it computes. (A persistent grid dealing units out evenly was measured and not kept: it was 1-6%
-// slower on the H200, results/README.md, session 9.)
+// what it computes. (A persistent grid dealing units out evenly was slower on the H200.)
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
 __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
@@ -734,9 +712,8 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
                                  const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
                                  int dense_rows, int n_tiles, int hidden, int pairs, int direct_k,
                                  uint4* __restrict__ frag, int* __restrict__ ready, int n_ready) {
-  dev::launch_dependents();  // ROCKET_EXPERTS_PDL=1: gate/up may start its weight copies now (it waits for these rows)
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx < n_ready) ready[idx] = 0;  // ROCKET_EXPERTS_PDL=3: the passes' counts (the grid has >= n_ready threads)
+  if (idx < n_ready) ready[idx] = 0;  // kPdlPerPass: the passes' counts (the grid has >= n_ready threads)
   if (idx >= int64_t(n_tiles) * pairs * 32) return;
   const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
   const int64_t rest = idx >> 5;
@@ -797,8 +774,8 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
   }
 }
 
-// pdl: launched as the programmatic dependent of the kernel before it in the stream (prep, gate/up), so its
-// blocks can start while that kernel's last wave runs (the wait is in mainloop).
+// pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up), so its blocks
+// can start while that kernel's last wave runs (the wait is in mainloop).
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
@@ -828,52 +805,34 @@ void launch_gemm(const GemmParams& p, bool bf16, bool pdl, cudaStream_t stream) 
   else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, pdl, stream);
 }
 
-// A tuning switch, read from the environment at each launch (A/B runs without rebuilding; a CUDA graph keeps
-// what it was at capture): ROCKET_EXPERTS_PDL = 0 (off), 1 (gate/up a dependent of prep, down of gate/up), 2
-// (down only) or 3 (down only, each pass of down waiting for its own pass of gate/up; BF16 tiles: as 2); unset: 3
-// for launches of more than kPdlOffRows rows of x (tokens), 0 up to that (see pdl_for). It does not change what any
-// row computes, only when the weight copies and the rows start (tests/test_kernels.py checks the bits); a bad value
-// is one error naming it.
-int env_knob(const char* name, int dflt, int lo, int hi) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return dflt;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  ROCKET_CHECK(*end == '\0' && x >= lo && x <= hi, name << "=" << v << ": expected an integer in [" << lo << ", "
-               << hi << "]");
-  return static_cast<int>(x);
+// The launch's pdl argument (rocket.h kPdl*), checked at each launch.
+void check_pdl(int pdl) {
+  ROCKET_CHECK(pdl == kPdlAuto || pdl == kPdlOff || pdl == kPdlPerPass, "pdl " << pdl << ": expected " << kPdlAuto
+               << " (auto), " << kPdlOff << " (off) or " << kPdlPerPass << " (down waits for each pass of gate/up)");
 }
 
-// 0 off, 1 gate/up and down, 2 down only, 3 down only, each pass waiting for its own gate/up warps (GemmParams::ready)
-int pdl_mode() { return env_knob("ROCKET_EXPERTS_PDL", -1, 0, 3); }
-
-// The default: down as gate/up's dependent, each pass waiting for its own (3), except for launches of a few tokens.
-// H200, air8 NVFP4, graphed, one process (results/README.md): PDL off made the step 1.9 / 1.0 / 1.5 % faster at 1 /
-// 2 / 4 streams than 2 and 0.7 / 0.4 / 0.4 % slower at 8 / 16 / 64 (session 23: at a few rows the dependent's early
-// blocks cost gate/up more than its weight copies gain; all of gate/up fits one wave there). 3 (session 24), against
-// off at 1 / 2 / 4 streams +1.3 / 0.0 / -3.3 %, against 2 at 8 / 16 / 32 / 64 -4.4 / -2.8 / -1.5 / -0.6 % (down's
-// passes run in the SM slots gate/up's last wave leaves).
+// kPdlAuto: down as gate/up's dependent, each pass waiting for its own, except for launches of a few rows of x
+// (tokens): there all of gate/up fits one wave, and the dependent's early blocks cost gate/up more than their
+// weight copies gain. The mode never changes what a row computes, only when the weight copies and the rows start.
 constexpr int64_t kPdlOffRows = 2;
-int pdl_for(int64_t rows) {
-  const int mode = pdl_mode();
-  return mode >= 0 ? mode : (rows <= kPdlOffRows ? 0 : 3);
+int pdl_for(int pdl, int64_t rows) {
+  if (pdl != kPdlAuto) return pdl;
+  return rows <= kPdlOffRows ? kPdlOff : kPdlPerPass;
 }
 
-
-// K slices of a dense launch (the replicated stack's linears and MLPs, BF16 tiles): ROCKET_STACK_SPLIT = 1, 2, 4 or 8;
-// unset: by the launch's shape alone, 4 for outputs of at least kSplit4Groups feature groups (8192 features), else 8.
-// H200, session 23 (results/README.md; bench_stack, 8 air8 layers at 1 / 8 / 16 rows, % of copy bandwidth): q/k/v
-// (14336 features, K 4096) 84.2 / 82.9 / 77.6 at 8 slices, 89.9 / 88.8 / 85.8 at 4 (448 feature groups: 8 slices are
-// 1.7 waves of 8-warp blocks, 4 slices fit one); o (4096 features, K 12288) 87.5 / 86.4 / 82.9 at 8, 80.1 / 78.1 /
-// 73.7 at 4. The slices set the order of each output's fp32 sums, so the rule depends on no GPU property (the same
-// bits on every rank whatever its GPU) and an explicit value must be the same on every rank (the start-up handshake
-// compares it); a row's bits still depend on no other row.
+// K slices of a dense launch (the replicated stack's linears and MLPs, BF16 tiles): the launch's split argument, 1,
+// 2, 4 or 8; 0: by the launch's shape alone, 4 for outputs of at least kSplit4Groups feature groups (8192 features,
+// where 8 slices take more than one wave of 8-warp blocks), else 8. The slices set the order of each output's fp32
+// sums, so the rule depends on no GPU property (the same bits on every rank whatever its GPU), and an explicit split
+// must be the same on every rank; a row's bits still depend on no other row.
 constexpr int kSplit4Groups = 256;
-int dense_split(int n_fgroups) {
-  const int v = env_knob("ROCKET_STACK_SPLIT", 0, 1, kBf16Warps);
-  if (v == 0) return n_fgroups >= kSplit4Groups ? 4 : kBf16Warps;
-  ROCKET_CHECK(kBf16Warps % v == 0, "ROCKET_STACK_SPLIT=" << v << ": expected 1, 2, 4 or 8");
-  return v;
+void check_split(int split) {
+  ROCKET_CHECK(split == 0 || (split > 0 && split <= kBf16Warps && kBf16Warps % split == 0), "split " << split
+               << ": expected 0 (by the output's width), 1, 2, 4 or 8");
+}
+int dense_split(int split, int n_fgroups) {
+  if (split != 0) return split;
+  return n_fgroups >= kSplit4Groups ? 4 : kBf16Warps;
 }
 
 // Rows and passes of an expert launch: its plan's, or dense rows (pass-major when there are several passes).
@@ -884,7 +843,7 @@ void pass_params(GemmParams& p, const ExpertsLaunch& a) {
   p.dense_rows = a.dense_rows;
   p.n_tiles = a.n_tiles;
   p.pass_major = a.pad_rows == nullptr && p.n_groups > 1;
-  p.split_k = a.pad_rows == nullptr ? dense_split(p.n_fgroups) : 0;
+  p.split_k = a.pad_rows == nullptr ? dense_split(a.split, p.n_fgroups) : 0;
   p.n_segs = 1;
 }
 
@@ -897,7 +856,15 @@ bool rows_direct(const void* x, int64_t rows, int k) {
 
 }  // namespace
 
+void check_launch_tuning(int pdl, int split) {
+  check_pdl(pdl);
+  check_split(split);
+}
+
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
+  check_pdl(a.pdl);
+  check_split(a.split);
+  ROCKET_CHECK(a.split == 0 || a.pad_rows == nullptr, "split " << a.split << ": dense rows only (expert launches: 0)");
   ROCKET_CHECK(a.hidden % 16 == 0 && a.inter % 16 == 0, "hidden " << a.hidden << ", inter " << a.inter
                << ": NVFP4 needs multiples of 16");
   ROCKET_CHECK(a.hidden_pad % kTileK == 0 && a.inter_pad % kTileK == 0 && a.hidden_pad >= a.hidden &&
@@ -911,9 +878,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
                kMaxRowTiles)), "dense rows " << a.dense_rows << ": tiles " << a.n_tiles << ", passes " << a.n_groups);
   ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && (dense || a.n_groups <= 65535), "groups " << a.n_groups);
   if (a.n_tiles == 0 || a.n_groups == 0) return;
-  const int pdl = pdl_for(dense ? a.dense_rows : a.x_rows);
+  const int pdl = pdl_for(a.pdl, dense ? a.dense_rows : a.x_rows);
   // per-pass readiness: NVFP4 expert launches (their down kernel reads h_frag only through the rows ring)
-  const bool ready = pdl == 3 && !dense && !a.bf16 && a.ready != nullptr;
+  const bool ready = pdl == kPdlPerPass && !dense && !a.bf16 && a.ready != nullptr;
   ROCKET_CHECK(!ready || a.n_groups <= a.n_tiles, "groups " << a.n_groups << " > tiles " << a.n_tiles);
 
   ROCKET_CHECK(!a.direct_k || (dense && a.row_index == nullptr), "direct_k_order: dense rows of x only");
@@ -950,7 +917,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.h_pairs = a.inter_pad / 32;
     p.ready = ready ? a.ready : nullptr;
     pass_params(p, a);
-    launch_gemm<true>(p, a.bf16 != 0, pdl == 1, stream);
+    launch_gemm<true>(p, a.bf16 != 0, false, stream);
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
@@ -971,11 +938,12 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     pass_params(p, a);
     p.n_res = a.n_res;
     for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-    launch_gemm<false>(p, a.bf16 != 0, pdl != 0, stream);
+    launch_gemm<false>(p, a.bf16 != 0, pdl == kPdlPerPass, stream);
   }
 }
 
 void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
+  check_split(a.split);
   ROCKET_CHECK(a.k % 16 == 0 && a.k_pad % kTileK == 0 && a.k_pad >= a.k && a.n % 16 == 0 &&
                a.n_pad % (kFT * kTileN) == 0 && a.n_pad >= a.n, "linear [" << a.n << ", " << a.k << "] padded to ["
                << a.n_pad << ", " << a.k_pad << "]");
@@ -1014,7 +982,7 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
   p.n_tiles = n_tiles;
   p.n_groups = (n_tiles + kMaxRowTiles - 1) / kMaxRowTiles;
   p.pass_major = p.n_groups > 1;
-  p.split_k = dense_split(p.n_fgroups);
+  p.split_k = dense_split(a.split, p.n_fgroups);
   p.n_segs = a.n_segs;
   for (int s = 0; s < a.n_segs; ++s) {
     p.seg_end[s] = a.seg_end[s];

@@ -60,7 +60,7 @@ struct Msg {
 
 namespace rocket {
 
-// ---- packed NVFP4 layout (rocket_mpi/kernels/pack.py writes it; DESIGN in that file) ----
+// ---- packed NVFP4 layout (rocket_mpi/ops/pack.py writes it; DESIGN in that file) ----
 // A matrix W [N, K] (N output features, K reduction) is cut into tiles of 16 features x 64 k.
 // codes:  uint8 [N/16][K/64][32 lanes][16 B]   lane (g, t) holds, for k-step j = 0..3, one
 //         32-bit word with the 8 E2M1 codes of its mma.m16n8k16 A fragment (bit layout in pack.py)
@@ -77,6 +77,13 @@ constexpr int kMaxRowTiles = 4;       // rows per weight pass: 32
 // k-pair P holds bf16 pairs (row 8T+g; k = 32P + 16s + 8r + 2t, +1) at word 2s + r.
 
 constexpr int kMaxResiduals = 2;
+
+// Programmatic dependent launch of an expert launch's down GEMM (ExpertsLaunch::pdl). kPdlPerPass: down is gate/up's
+// dependent and each of its passes waits for its own pass of gate/up (NVFP4 tiles with a plan; otherwise for all of
+// gate/up). kPdlAuto: kPdlPerPass for launches of more than a few rows of x, else kPdlOff.
+constexpr int kPdlAuto = -1;
+constexpr int kPdlOff = 0;
+constexpr int kPdlPerPass = 3;
 
 struct ExpertsLaunch {
   // rows
@@ -100,7 +107,7 @@ struct ExpertsLaunch {
   // scratch and result
   uint4* x_frag;               // [tiles][hidden_pad/32][32] uint4
   uint4* h_frag;               // [tiles][inter_pad/32][32] uint4
-  int* ready;                  // [n_groups] int32 scratch (nullable): the passes' counts of ROCKET_EXPERTS_PDL=3
+  int* ready;                  // [n_groups] int32 scratch (nullable): the passes' counts for kPdlPerPass
   void* out;                   // bf16 [out_rows, hidden]
   int64_t out_rows;
   // dense rows only: residuals bf16 [rows, hidden] added to the output in order, each add torch's `r + y` of two
@@ -109,10 +116,17 @@ struct ExpertsLaunch {
   int n_res;
   int direct_k;                // dense rows: gate/up's K in direct_k_order (pack.py pack_bf16_direct), so up to 16
                                // rows are read from x itself, more through a prep launch in that order
+  // Launch tuning (nvfp4_experts.cu). pdl never changes a row's bits, only when down's weight copies and rows start;
+  // split sets the order of each output's fp32 sums (a row's bits still depend on no other row).
+  int pdl = kPdlAuto;          // kPdlAuto, kPdlOff or kPdlPerPass (above)
+  int split = 0;               // dense rows: K slices, 1, 2, 4 or 8; 0: by the output's width. Expert launches: 0
 };
 
 // x rows -> x_frag, gate/up + SwiGLU -> h_frag, down -> out. Batch-invariant: see nvfp4_experts.cu.
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream);
+// Throws unless pdl is kPdlAuto, kPdlOff or kPdlPerPass and split is 0, 1, 2, 4 or 8. The launchers check the same;
+// the bindings call it first, so that a launch with no rows rejects a bad value too.
+void check_launch_tuning(int pdl, int split);
 
 // y = x W^T (+ bias) with W in BF16 tiles, K in direct_k_order (pack.py pack_bf16_direct): the expert kernel's
 // down GEMM over dense rows (up to 16 read from x itself, more through a prep launch), for
@@ -131,6 +145,7 @@ struct LinearLaunch {
   void* seg_out[kMaxSegs];
   const void* res[kMaxResiduals];  // one output part only: as ExpertsLaunch's residuals (x + o in the stack)
   int n_res;
+  int split = 0;               // K slices (1, 2, 4 or 8); 0: by the output's width (nvfp4_experts.cu dense_split)
 };
 void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream);
 
@@ -161,7 +176,7 @@ void launch_moe_route(const float* partial, int slices, const float* bias, int t
                       int topk_group, int topk, bool norm, float scaling, int64_t* experts, float* weights,
                       cudaStream_t stream);
 
-// ---- device row plan (moe_plan.cu; torch reference and layout in rocket_mpi/kernels/plan.py) ----
+// ---- device row plan (moe_plan.cu; torch reference and layout in rocket_mpi/ops/plan.py) ----
 constexpr int kPlanThreads = 1024;
 constexpr int kPlanMaxExperts = 1024;  // one thread per expert in the canonical scan
 constexpr int kPlanMaxRows = 2048;    // tokens x topk of one call
@@ -190,36 +205,33 @@ struct PlanLaunch {
   int4* groups;             // [cap] weight passes; tiles = 0 past the last
   int64_t* canon_slot;      // [tokens * topk] slot-space row of canonical row i
   int* by_canon;            // [tokens, topk] canonical row of each by_token entry (the scatter's checksum)
-  int64_t* meta;            // [kPlanMetaHead + n_ranks]  (layout in rocket_mpi/kernels/plan.py)
+  int64_t* meta;            // [kPlanMetaHead + n_ranks]  (layout in rocket_mpi/ops/plan.py)
   int64_t* zero;            // nullable: one word set to 0 (the layer's checksum sum, which the scatter adds to)
 };
 
 void launch_moe_plan(const PlanLaunch& a, cudaStream_t stream);
 
-// ---- cuda-ipc exchange kernels (ipc_bells.cu) ----
+// ---- cuda-ipc exchange kernel (ipc_bells.cu) ----
 struct IpcPush {
   const uint4* src;                  // this rank's block rows, row-major
   uint4* dst[kPlanMaxRanks];         // rank r's row buffer (set 0, row 0), ours included
-  int64_t* bells[kPlanMaxRanks];     // rank r's doorbell word for this rank
+  int64_t* bells[kPlanMaxRanks];     // rank r's flag words for this rank ([kIpcMaxBlocks]; ours unused)
   const int64_t* meta;               // the layer's plan meta (rows, set, seq)
-  unsigned* counter;                 // zero between pushes
   int64_t row_words, cap_words, set_words;  // uint4 per row, per block capacity, per set
   int rank, n_ranks;
 };
 struct IpcWait {
-  const int64_t* bells;              // this rank's doorbell words, one per peer (flags: [peer][kIpcMaxBlocks])
+  const int64_t* bells;              // this rank's flag words, [peer][kIpcMaxBlocks]
   const int64_t* meta;
   int64_t* err;                      // [4] (1, peer, seq, layer) after a timeout
   uint64_t timeout_ns;
   int rank, n_ranks, layer;
-  int blocks;                        // flags: blocks of each peer's push (0: doorbells)
+  int blocks;                        // blocks of each peer's push: the flag words to wait for per peer
 };
 constexpr int kIpcMaxBlocks = 32;    // flag words per sender on each receiver (rocket_mpi/fabric/cuda_ipc.py)
-// wait: nullable; given, the push kernel also waits for the peers (one kernel for the exchange).
-void launch_ipc_push(const IpcPush& a, const IpcWait* wait, int blocks, cudaStream_t stream);
-void launch_ipc_wait(const IpcWait& a, cudaStream_t stream);
-// One kernel: push as above, but each block writes its own flag word on every peer (a.bells[r] = rank r's
-// flag words for this sender) and block 0 waits for every peer's `blocks` flag words (w.bells = ours).
+// One kernel: each block pushes its share of this rank's rows into every rank's buffer, then writes its own flag word
+// on every peer (a.bells[r] = rank r's flag words for this sender); block 0 waits for every peer's `blocks` flag
+// words (w.bells = ours).
 void launch_ipc_exchange_flags(const IpcPush& a, const IpcWait& w, int blocks, cudaStream_t stream);
 
 // ---- fused ops of the fixed-shape decode step (decode_ops.cu) ----
@@ -241,15 +253,6 @@ void launch_rope_kv(void* q, void* k, const void* v, const void* cos, const void
 void launch_argmax(const void* logits, int rows, int vocab, float* part_v, int* part_i, int chunks,
                    unsigned* ticket, int64_t* tokens, int64_t* pos, cudaStream_t stream);
 int argmax_chunks(int rows, int vocab);
-// Fused decode attention (decode_ops.cu): one query per stream [M, hq, d] over keys 0..min(pos, span - 1) of
-// caches [M, hkv, cap, d] (span <= cap) -> [M, hq, d]; for at most kDecodeAttentionMaxStreams streams, spans up to
-// kDecodeAttentionMaxSpan, head dim <= 128 (decode_attention_smem returns -1 otherwise, and the caller takes the
-// two matmuls around decode_softmax).
-constexpr int kDecodeAttentionMaxStreams = 16;
-constexpr int kDecodeAttentionMaxSpan = 2048;
-int decode_attention_smem(int streams, int hq, int hkv, int span, int d);
-void launch_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* pos, int streams, int hq,
-                             int hkv, int span, int cap, int d, float scale, void* out, cudaStream_t stream);
 void launch_decode_softmax(const void* scores, const int64_t* pos, int streams, int heads, int span, float scale,
                            void* probs, cudaStream_t stream);
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,

@@ -2,27 +2,32 @@
 
 At decode sizes (a few rows) every linear of the stack reads its whole weight for a handful of dot products,
 so what counts is the fraction of copy bandwidth the weight stream reaches. The expert kernel's BF16 tiles
-(pack.py pack_bf16, csrc/nvfp4_experts.cu) reach 96-98 % of it on the H200 at 1-16 rows, where cuBLAS's GEMMs
-of the same shapes sit near 82-85 % and add split-K reduce kernels (results/README.md, sessions 13 and 16).
-So on a GPU the stack's q/k/v (fused: one launch writes three tensors), o, dense MLP and shared-expert MLP get a
-packed copy that steps of at most STACK_KERNEL_MAX_ROWS rows run (the dense weights stay for larger steps and
-prefill, where cuBLAS is faster; ROCKET_STACK=torch keeps only them, the A/B switch and the memory saver).
+(pack.py pack_bf16, csrc/nvfp4_experts.cu) reach nearly all of it on the H200 at 1-16 rows, where cuBLAS's GEMMs
+of the same shapes reach less and add split-K reduce kernels. So on a GPU the stack's q/k/v (fused: one launch
+writes three tensors), o, dense MLP and shared-expert MLP get a packed copy that steps of at most
+STACK_KERNEL_MAX_ROWS rows run (the dense weights stay for larger steps and prefill, where cuBLAS is faster;
+ROCKET_STACK=torch keeps only them, the A/B switch and the memory saver).
 
     pack_linear([W0, W1, ...], [b0, b1, ...])   weights of one input -> PackedLinear list (fused where the part
                                                 ends are multiples of 32 features)
-    linear(x, packs, residual=(r0, r1))         -> one output tensor per part; one part: then + r0, + r1 (as
+    linear(x, packs, residual=(r0, r1), split=0)  -> one output tensor per part; one part: then + r0, + r1 (as
                                                 torch's r0 + y, each rounded: the stack's x + o in the epilogue)
     pack_mlp(gate_up, down)                     a SwiGLU MLP as one BF16 "expert" (pack_experts_bf16)
-    swiglu_dense(x, packed, residual=(), limit=None)  its rows in order, no routing plan (residuals as linear's:
-                                                x + (moe + shared) without two add kernels; limit: the
-                                                clamp of GLM-5.3-Flash's swiglu_limit)
+    swiglu_dense(x, packed, residual=(), limit=None, pdl=-1, split=0)  its rows in order, no routing plan
+                                                (residuals as linear's: x + (moe + shared) without two add
+                                                kernels; limit: the clamp of GLM-5.3-Flash's swiglu_limit)
+
+Launch tuning, keyword-only, GPU only (the CPU references ignore it): split, the K slices of each weight (0: by
+the output's width, else 1, 2, 4 or 8); it sets the order of the fp32 sums, so it must be the same on every rank,
+and a row's bits still depend on no other row. pdl (swiglu_dense): how down follows gate/up (-1 auto, 0 off, 3;
+csrc/rocket.h kPdl*), which never changes the bits. (linear is one GEMM launched normally: it has no pdl.)
 
 Each output row depends only on its own input row (the kernel's batch invariance), so every rank and every
 stream count computes the same bits for a row. CPU tensors take the torch references, which are exactly
 layers.py's F.linear / swiglu_mlp on the unpacked weights (bit for bit), so the glue is tested on any machine.
 More than 32 rows (prefill) run in passes of 32 that read each weight once from DRAM and again from L2.
 The weights (and gate/up of an MLP) are packed with K in pack.direct_k_order, so up to 16 rows the kernel reads x
-itself instead of a prep launch writing fragments (results/README.md, session 17); the unpacked references undo it.
+itself instead of a prep launch writing fragments; the unpacked references undo it.
 """
 from __future__ import annotations
 
@@ -36,9 +41,8 @@ from rocket_mpi.ops.pack import (TILE_K, TILE_N, PackedExperts, deinterleave_gat
                                      pack_experts_bf16, round_up, unpack_bf16, unpack_bf16_direct)
 
 FUSE_ALIGN = 2 * TILE_N  # features of one warp in the kernel: fused parts must end on these
-# Steps of at most this many rows take the packed copies; larger ones (and prefill) cuBLAS on the dense weights.
-# Graphed air8 step on one H200 (session 16, run 4), ms, packed vs cuBLAS: M=1 1.72 vs 1.83, M=8 2.49 vs 2.60,
-# M=16 3.09-3.11 vs 3.13 (run 3), M=32 3.69 vs 3.64, M=64 4.53 vs 4.32.
+# Steps of at most this many rows take the packed copies; larger ones (and prefill) cuBLAS on the dense weights,
+# which is faster there (the graphed step on the H200 crosses over between 16 and 32 rows).
 STACK_KERNEL_MAX_ROWS = 16
 
 
@@ -120,9 +124,10 @@ def _residuals(residual, rows: int, n: int, what: str) -> list[torch.Tensor]:
     return [r.contiguous() for r in res]
 
 
-def linear(x: torch.Tensor, packs: list[PackedLinear], residual=()) -> list[torch.Tensor]:
+def linear(x: torch.Tensor, packs: list[PackedLinear], residual=(), *, split: int = 0) -> list[torch.Tensor]:
     """x [rows, k] bf16 through every PackedLinear of `packs` (pack_linear's list): one tensor per part. With
-    `residual` (one part only), that part + each residual in order, added in the kernel's epilogue."""
+    `residual` (one part only), that part + each residual in order, added in the kernel's epilogue. split: the
+    kernel's K slices (module docstring); ignored on the CPU."""
     outs: list[torch.Tensor] = []
     if residual and (len(packs) != 1 or len(packs[0].ends) != 1):
         raise ValueError(f"linear: residuals need one output part, not {sum(len(p.ends) for p in packs)}")
@@ -134,7 +139,7 @@ def linear(x: torch.Tensor, packs: list[PackedLinear], residual=()) -> list[torc
             outs += [add_residuals(y, res) for y in linear_ref(x, p)]
             continue
         ends = list(p.ends) if len(p.ends) > 1 else []
-        outs += _ext.require().bf16_linear(x.contiguous(), p.w, p.n, p.k, p.bias, ends, res)
+        outs += _ext.require().bf16_linear(x.contiguous(), p.w, p.n, p.k, p.bias, ends, res, split=split)
     return outs
 
 
@@ -157,12 +162,15 @@ def swiglu_dense_ref(x: torch.Tensor, p: PackedExperts, limit: float | None = No
     return swiglu_mlp(x, gate_up, unpack_bf16(p.q_dn[0])[:p.hidden, :p.inter], limit)
 
 
-def swiglu_dense(x: torch.Tensor, p: PackedExperts, residual=(), limit: float | None = None) -> torch.Tensor:
+def swiglu_dense(x: torch.Tensor, p: PackedExperts, residual=(), limit: float | None = None, *, pdl: int = -1,
+                 split: int = 0) -> torch.Tensor:
     """x [rows, H] bf16 through the SwiGLU MLP packed by pack_mlp -> [rows, H] bf16, + each residual in order.
-    limit: swiglu_mlp's clamp of gate and up (GLM-5.3-Flash), in the kernel's epilogue as the routed experts'."""
+    limit: swiglu_mlp's clamp of gate and up (GLM-5.3-Flash), in the kernel's epilogue as the routed experts'.
+    pdl, split: the kernel's launch tuning (module docstring); ignored on the CPU."""
     if x.dim() != 2 or x.shape[1] != p.hidden:
         raise ValueError(f"swiglu_dense: x {tuple(x.shape)}, the MLP has hidden {p.hidden}")
     res = _residuals(residual, x.shape[0], p.hidden, "swiglu_dense")
     if not x.is_cuda:
         return add_residuals(swiglu_dense_ref(x, p, limit), res)
-    return _ext.require().swiglu_dense(x.contiguous(), p.q_gu, p.s2_gu, p.q_dn, p.hidden, p.inter, res, limit)
+    return _ext.require().swiglu_dense(x.contiguous(), p.q_gu, p.s2_gu, p.q_dn, p.hidden, p.inter, res, limit,
+                                       pdl=pdl, split=split)

@@ -7,7 +7,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from rocket_mpi import launch  # noqa: E402
+from rocket_mpi.cli import launch  # noqa: E402
 from rocket_mpi.checkpoint.make import make_checkpoint  # noqa: E402
 
 

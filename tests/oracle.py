@@ -1,7 +1,7 @@
 """Shared checks of the transformers-oracle tests (one per model family)."""
 import torch
 
-from rocket_mpi.checkpoint import nvfp4
+from rocket_mpi.ops import nvfp4
 
 
 def assert_logits_close(ref, ours, tokens, rtol, atol, margin, outliers=0, outlier_factor=1.0) -> float:

@@ -173,7 +173,7 @@ def test_ranks_sharing_a_gpu_are_named():
     """Ranks that land on one GPU (more ranks than GPUs, or a launcher that hid the others) are named in
     one warning line; ranks on distinct GPUs, on one host or several, are not. The GPU counts by host
     and UUID, not by the index each rank sees (Slurm may give every rank its own device 0)."""
-    from rocket_mpi.run import gpu_sharing
+    from rocket_mpi.runtime.decode import gpu_sharing
     assert gpu_sharing([("a", "GPU-0", 0), ("a", "GPU-1", 1)]) == ""
     assert gpu_sharing([("a", "GPU-0", 0), ("b", "GPU-0", 0)]) == ""          # same UUID string, two hosts
     assert gpu_sharing([("a", "GPU-x", 0), ("a", "GPU-y", 0)]) == ""          # each rank sees its GPU as 0
@@ -183,14 +183,10 @@ def test_ranks_sharing_a_gpu_are_named():
     assert "one rank per GPU" in line and "\n" not in line
 
 
-@pytest.mark.parametrize("name,value", [("ROCKET_BF16_EXPERTS", "fast"), ("ROCKET_STACK", "cublas"),
-                                        ("ROCKET_DECODE_ATTENTION", "flash"), ("ROCKET_STACK_SPLIT", "3"),
-                                        ("ROCKET_EXPERTS_PDL", "on"), ("ROCKET_STEP_FUSE", "yes"),
-                                        ("ROCKET_GRAPH_SPANS", "pow2")])
-def test_bad_kernel_switch(capsys, ckpt, monkeypatch, name, value):
-    """A kernel switch with a value it does not take (ROCKET_BF16_EXPERTS kernel | grouped, ROCKET_STACK kernel |
-    torch, ROCKET_DECODE_ATTENTION auto | fused | matmul, ROCKET_STACK_SPLIT 1 | 2 | 4 | 8, ROCKET_EXPERTS_PDL 0 | 1 |
-    2 | 3, ROCKET_STEP_FUSE 0 | 1, ROCKET_GRAPH_SPANS auto | capacity | N): one line naming it at set-up, on any
-    device."""
+@pytest.mark.parametrize("name,value", [("ROCKET_GRAPH_SPANS", "pow2"), ("ROCKET_GRAPH_SPANS", "capacity"),
+                                        ("ROCKET_FAULT", "stall:rank"), ("ROCKET_FAULT", "melt:rank=1")])
+def test_bad_environment_setting(capsys, ckpt, monkeypatch, name, value):
+    """A variable of settings.py with a value it does not take (ROCKET_GRAPH_SPANS: a positive integer;
+    ROCKET_FAULT: KIND:rank=R,step=S): one line naming it before anything loads, on any device."""
     monkeypatch.setenv(name, value)
     assert_one_line(*decode(capsys, ckpt), name, repr(value))

@@ -1,5 +1,5 @@
-"""ExpertStore.load packing a layer's experts for the kernel, run on the CPU: kernels_enabled is forced on,
-so the load takes the GPU's path (kernels.ExpertPacker, one expert at a time into stacks allocated once) and
+"""ExpertStore.load packing a layer's experts for the kernel, run on the CPU: ops.on_gpu is forced on,
+so the load takes the GPU's path (ops.ExpertPacker, one expert at a time into stacks allocated once) and
 compute() the kernel path's torch reference. Checks the packed layer is the one pack_experts /
 pack_experts_bf16 build from the same experts, bit for bit, and that its rows match the dense path's."""
 from __future__ import annotations
@@ -7,16 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rocket_mpi import kernels
+from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.moe import experts as experts_mod
 from rocket_mpi.moe.experts import ExpertStore
 
 
-def _load(ckpt, monkeypatch, owned, kernel: bool, env: str | None = None):
-    if env is not None:
-        monkeypatch.setenv("ROCKET_BF16_EXPERTS", env)
-    monkeypatch.setattr(experts_mod, "kernels_enabled", lambda device: kernel)
+def _load(ckpt, monkeypatch, owned, kernel: bool):
+    monkeypatch.setattr(experts_mod.ops, "on_gpu", lambda device: kernel)
     reader = CheckpointReader(ckpt)
     layer = reader.config.moe_layers[0]
     return reader, layer, ExpertStore.load(reader, layer, owned, device="cpu")
@@ -36,10 +34,10 @@ def test_load_packs_as_pack_experts_does(fmt, tiny_ckpt, tiny_nvfp4_ckpt, monkey
     lin = {e: tuple(reader.linear(f"{pre}.{e}.{w}", *shape) for w, shape in
                     (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))) for e in owned}
     if fmt == "bf16":
-        want = kernels.pack_experts_bf16({e: tuple(x.dense() for x in lin[e]) for e in owned}, h, i)
+        want = ops.pack_experts_bf16({e: tuple(x.dense() for x in lin[e]) for e in owned}, h, i)
         assert store.read_bytes_per_expert == 3 * h * i * 2
     else:
-        want = kernels.pack_experts(lin, h, i)
+        want = ops.pack_experts(lin, h, i)
     for name in ("q_gu", "s_gu", "s2_gu", "q_dn", "s_dn", "s2_dn"):
         a, b = getattr(p, name), getattr(want, name)
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), name
@@ -56,15 +54,10 @@ def test_load_packs_as_pack_experts_does(fmt, tiny_ckpt, tiny_nvfp4_ckpt, monkey
     assert err < 2.0 ** -6, f"{fmt}: packed rows vs dense rows: relative error {err:.3g}"
 
 
-def test_grouped_switch_keeps_bf16_dense(tiny_ckpt, monkeypatch):
-    _, _, store = _load(tiny_ckpt, monkeypatch, [1, 3], kernel=True, env="grouped")
-    assert store.packed is None and sorted(store.gate_up) == [1, 3]
-
-
 def test_packer_refuses_a_missing_or_repeated_expert():
     g = torch.zeros(32, 64, dtype=torch.bfloat16)
     d = torch.zeros(64, 32, dtype=torch.bfloat16)
-    packer = kernels.ExpertPacker([4, 6], 64, 32, bf16=True)
+    packer = ops.ExpertPacker([4, 6], 64, 32, bf16=True)
     packer.add(4, g, g, d)
     with pytest.raises(ValueError, match="packed twice"):
         packer.add(4, g, g, d)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from conftest import rocket_mpi
-from rocket_mpi import fabric_bench as fb
+from rocket_mpi.cli import fabric_bench as fb
 
 SMALL = ["--sizes", "2K,64K", "--iters", "6", "--reps", "2"]
 
@@ -60,7 +60,7 @@ def test_fabric_bench_needs_two_ranks():
 
 
 def test_perftest_without_device_is_one_line():
-    from rocket_mpi.fabric_bench import perftest_status
+    from rocket_mpi.cli.fabric_bench import perftest_status
     why = perftest_status()
     if why is None:
         pytest.skip("perftest and an RDMA device are here: the comparison itself would run")
@@ -120,5 +120,5 @@ def test_job_and_script_are_thin():
     job = open(os.path.join(root, "jobs", "fabric-bench.sbatch")).read()
     assert "#SBATCH --nodes=2" in job and "--ntasks-per-node=1" in job
     assert "fabric-bench --fabric verbs" in job and "--perftest" in job
-    script = os.path.join(root, "scripts", "perftest-compare.sh")
+    script = os.path.join(root, "benchmarks", "perftest-compare.sh")
     assert os.access(script, os.X_OK) and "fabric-bench --fabric verbs --perftest" in open(script).read()

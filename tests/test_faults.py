@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, rocket_mpi
-from rocket_mpi import launch
+from rocket_mpi.cli import launch
 
 
 def decode_args(ckpt, fabric, *extra):
@@ -77,15 +77,15 @@ def test_mismatched_flags_refuse_to_start(tiny_ckpt):
     assert "rank 1 differs from rank 0 in tokens: 7 vs 6" in r.stderr, r.stderr
 
 
-def test_mismatched_kernel_switch_refuses_to_start(tiny_ckpt):
-    """A switch that changes what a rank computes (ROCKET_STACK: cuBLAS or the packed stack on a GPU) set on one
-    rank only would break parity silently: the start-up handshake names it, on any device."""
+def test_mismatched_setting_refuses_to_start(tiny_ckpt):
+    """A setting that changes what a rank computes (ROCKET_GRAPH_SPANS: the graphed step's attention spans) set on
+    one rank only would break parity silently: the start-up handshake names it, on any device."""
     a = decode_args(tiny_ckpt, "shm")
-    r = _mpmd([a, a], envs={1: {"ROCKET_STACK": "torch"}})
+    r = _mpmd([a, a], envs={1: {"ROCKET_GRAPH_SPANS": "64"}})
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1, r.stderr
-    assert "rank 1 differs from rank 0 in kernel switches" in lines[0] and "ROCKET_STACK" in lines[0], lines
+    assert "rank 1 differs from rank 0 in settings" in lines[0] and "graph_span_min" in lines[0], lines
 
 
 def test_error_on_one_rank_is_reported_once_with_its_rank(tiny_ckpt, tmp_path):

@@ -16,8 +16,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rocket_mpi.checkpoint.make import make_checkpoint
-from rocket_mpi.engine import Engine
-from rocket_mpi.prompts import default_prompts
+from rocket_mpi.runtime.engine import Engine
+from rocket_mpi.runtime.prompts import default_prompts
 
 PRESETS = ["dsa-tiny", "glm5-tiny"]
 MODEL_FILES = ["glm_moe_dsa.py", "glm5_next.py", "glm5_next_hc.py", "glm5_next_kda.py", "glm5_next_mla.py"]

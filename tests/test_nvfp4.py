@@ -1,7 +1,7 @@
 """NVFP4 on hand-computed values: nibble order, E2M1 rounding, block and global scales."""
 import torch
 
-from rocket_mpi.checkpoint import nvfp4
+from rocket_mpi.ops import nvfp4
 
 
 def test_pack_puts_element_2j_in_the_low_nibble():

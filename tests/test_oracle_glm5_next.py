@@ -6,10 +6,10 @@ ATOL + RTOL * max|ref| of the fp32 reference (teacher-forced on our tokens), and
 is the reference's argmax or within MARGIN of its top logit. That is twice the GLM-4.x bound: the 4
 hyper-connection streams are mixed and rounded to BF16 twice per layer. One step of the 160 may be up
 to OUTLIER times the bound (any more, or further, fails): on these random weights a near-tie somewhere
-(a pool, an expert) lands one step far from the rest. Measured (session 26, 6 prompt seeds x nested /
-flat, worst step per run): the absorbed decode attention 0.10-1.04 (one run over 1, stream 7 step 9 of
-the seed here, the next worst step of that run 0.47), the expanded form before it 0.11-0.98, median
-step 0.12 for both. Here: worst step 1.04 (nested; 0.47 without that step), 0.13 (flat), 0.12 / 0.22
+(a pool, an expert) lands one step far from the rest. Measured (6 prompt seeds x nested / flat, worst
+step per run): the absorbed decode attention 0.10-1.04 (one run over 1, stream 7 step 9 of the seed
+here, the next worst step of that run 0.47), the expanded form (kv_b applied to every selected latent) 0.11-0.98,
+median step 0.12 for both. Here: worst step 1.04 (nested; 0.47 without that step), 0.13 (flat), 0.12 / 0.22
 (NVFP4 experts / all), median ~0.1; transformers' own BF16 run on the same weights is as far from its
 fp32 run (worst 0.47 and 0.13, median 0.10 and 0.06).
 
@@ -32,11 +32,11 @@ transformers = pytest.importorskip("transformers", reason="transformers is the t
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration  # noqa: E402
 
 import rocket_mpi.model.glm5_next as glm5  # noqa: E402
-from rocket_mpi.checkpoint import nvfp4  # noqa: E402
+from rocket_mpi.ops import nvfp4  # noqa: E402
 from rocket_mpi.checkpoint.make import (exclude_patterns, make_checkpoint, quantize_tensors,  # noqa: E402
                                        write_checkpoint)
-from rocket_mpi.engine import Engine  # noqa: E402
-from rocket_mpi.prompts import default_prompts  # noqa: E402
+from rocket_mpi.runtime.engine import Engine  # noqa: E402
+from rocket_mpi.runtime.prompts import default_prompts  # noqa: E402
 from oracle import assert_logits_close  # noqa: E402
 from tests.conftest import rocket  # noqa: E402
 
@@ -318,8 +318,9 @@ def test_nvfp4_matches_transformers_on_dequantised_weights(quant_all, tmp_path):
 
 
 def _router_without_bias(mp):
-    from rocket_mpi.moe import router
-    mp.setattr("rocket_mpi.engine.route", lambda x, w, b, cfg: router.route(x, w, torch.zeros_like(b), cfg))
+    from rocket_mpi import ops
+    real = ops.route_ref
+    mp.setattr(ops, "route_ref", lambda x, w, b, cfg: real(x, w, torch.zeros_like(b), cfg))
 
 
 def _dense_attention(mp):

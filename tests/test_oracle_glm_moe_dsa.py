@@ -31,9 +31,9 @@ from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: E402
 from rocket_mpi.checkpoint.make import (exclude_patterns, make_checkpoint, quantize_tensors,  # noqa: E402
                                         write_checkpoint)
 from rocket_mpi.config import ModelConfig  # noqa: E402
-from rocket_mpi.engine import Engine  # noqa: E402
+from rocket_mpi.runtime.engine import Engine  # noqa: E402
 from rocket_mpi.errors import ConfigError  # noqa: E402
-from rocket_mpi.prompts import default_prompts  # noqa: E402
+from rocket_mpi.runtime.prompts import default_prompts  # noqa: E402
 from oracle import assert_logits_close, dequantised_reference, reference_logits, save_bf16  # noqa: E402
 
 from conftest import rocket  # noqa: E402
@@ -145,9 +145,10 @@ def _dense_attention(eng):
 
 
 def _router_without_bias(eng, monkeypatch):
-    import rocket_mpi.engine as eng_mod
-    from rocket_mpi.moe import router
-    monkeypatch.setattr(eng_mod, "route", lambda x, w, b, cfg: router.route(x, w, torch.zeros_like(b), cfg))
+
+    from rocket_mpi import ops
+    real = ops.route_ref
+    monkeypatch.setattr(ops, "route_ref", lambda x, w, b, cfg: real(x, w, torch.zeros_like(b), cfg))
 
 
 @pytest.mark.parametrize("bug", ["dense_attention", "router_without_bias"])

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi import kernels
+from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.model import model_class
 from rocket_mpi.model.glm4_moe import Glm4MoeModel
 from rocket_mpi.model.layers import swiglu_mlp
 
@@ -33,22 +34,22 @@ def test_pack_linear_fuses_parts_on_32_features():
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, 48, generator=g).bfloat16() for n in (64, 32, 32)]
     bs = [torch.randn(n, generator=g).bfloat16() for n in (64, 32, 32)]
-    packs = kernels.pack_linear(ws, bs)
+    packs = ops.pack_linear(ws, bs)
     assert len(packs) == 1 and packs[0].ends == (64, 96, 128) and packs[0].w.shape == (8, 1, 4, 256)
-    odd = kernels.pack_linear([torch.randn(48, 48).bfloat16(), torch.randn(16, 48).bfloat16()])
+    odd = ops.pack_linear([torch.randn(48, 48).bfloat16(), torch.randn(16, 48).bfloat16()])
     assert [p.ends for p in odd] == [(48,), (16,)]          # 48 is not a multiple of 32: one launch per part
     x = torch.randn(5, 48, generator=g).bfloat16()
-    for got, w, b in zip(kernels.linear(x, packs), ws, bs):
+    for got, w, b in zip(ops.linear(x, packs), ws, bs):
         assert torch.equal(got, F.linear(x, w, b))
     with pytest.raises(ValueError, match="multiples of 16"):
-        kernels.pack_linear([torch.randn(40, 48).bfloat16()])
+        ops.pack_linear([torch.randn(40, 48).bfloat16()])
 
 
 def test_direct_k_order_puts_each_lanes_inputs_together():
     """direct_k_order: a permutation of each 64-wide k-tile in which mma lane t's B-fragment inputs (k-step j,
     register kh, half h: logical 16 j + 8 kh + 2 t + h) are columns 16 t .. 16 t + 15 of the row, in (j, kh, h)
     order; pack_bf16_direct / unpack_bf16_direct round-trip exactly."""
-    from rocket_mpi.kernels.pack import direct_k_order, pack_bf16_direct, unpack_bf16_direct
+    from rocket_mpi.ops.pack import direct_k_order, pack_bf16_direct, unpack_bf16_direct
     order = direct_k_order(128)
     assert sorted(order.tolist()) == list(range(128)) and (order[64:] >= 64).all()
     for t in range(4):
@@ -62,7 +63,7 @@ def test_pack_mlp_cpu_is_swiglu_mlp():
     g = torch.Generator().manual_seed(1)
     gate_up, down = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(64, 48, generator=g).bfloat16()
     x = torch.randn(7, 64, generator=g).bfloat16()
-    assert torch.equal(kernels.swiglu_dense(x, kernels.pack_mlp(gate_up, down)), swiglu_mlp(x, gate_up, down))
+    assert torch.equal(ops.swiglu_dense(x, ops.pack_mlp(gate_up, down)), swiglu_mlp(x, gate_up, down))
 
 
 def test_residuals_cpu_are_the_torch_adds():
@@ -70,16 +71,16 @@ def test_residuals_cpu_are_the_torch_adds():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 48, generator=g).bfloat16()
     x, r = torch.randn(5, 48, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
-    packs = kernels.pack_linear([w])
-    assert torch.equal(kernels.linear(x, packs, residual=(r,))[0], r + F.linear(x, w))
+    packs = ops.pack_linear([w])
+    assert torch.equal(ops.linear(x, packs, residual=(r,))[0], r + F.linear(x, w))
     gate_up, down = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(64, 48, generator=g).bfloat16()
     xm, a, b = (torch.randn(5, 64, generator=g).bfloat16() for _ in range(3))
-    got = kernels.swiglu_dense(xm, kernels.pack_mlp(gate_up, down), residual=(a, b))
+    got = ops.swiglu_dense(xm, ops.pack_mlp(gate_up, down), residual=(a, b))
     assert torch.equal(got, b + (a + swiglu_mlp(xm, gate_up, down)))
     with pytest.raises(ValueError, match="one output part"):
-        kernels.linear(x, kernels.pack_linear([w, w]), residual=(r,))
+        ops.linear(x, ops.pack_linear([w, w]), residual=(r,))
     with pytest.raises(ValueError, match="residuals"):
-        kernels.linear(x, packs, residual=(r[:4],))
+        ops.linear(x, packs, residual=(r[:4],))
 
 
 def _logits(model, tokens, device="cpu"):
@@ -101,20 +102,20 @@ def test_packed_stack_cpu_same_logits(tiny_ckpt, one_thread):
     model.pack_stack()
     L0, L1 = model.layers[0], model.layers[1]
     assert len(L0.attn.qkv) == 1 and L0.attn.qkv[0].bias is not None and L0.attn.q is not None  # both forms kept
-    assert isinstance(L0.mlp_packed, kernels.PackedExperts) and isinstance(L1.shared_packed, kernels.PackedExperts)
+    assert isinstance(L0.mlp_packed, ops.PackedExperts) and isinstance(L1.shared_packed, ops.PackedExperts)
     assert torch.equal(_logits(model, [3, 17, 255, 4]), ref)
     assert model.nbytes() > 0
 
 
 def _stub_moe(i, h, L, shared=None, residual=None, next_norm=None):
-    """Routed experts stood in by h / 2 (the experts are tested elsewhere), with graph.DeviceMoE's contract for the
+    """Routed experts stood in by h / 2 (the experts are tested elsewhere), with moe/step.py DeviceMoE's contract for the
     fixed-shape step: residual + (routed + shared), or routed + shared without a residual; with next_norm (the
     step's fused glue on a GPU) also that norm of the result."""
     from rocket_mpi.model.layers import norm_of
     routed = h * 0.5
     if shared is None:
         return routed
-    out = kernels.add_residuals(routed, (shared(),) if residual is None else (shared(), residual))
+    out = ops.add_residuals(routed, (shared(),) if residual is None else (shared(), residual))
     return out if next_norm is None else (out, norm_of(out.is_cuda)(out, *next_norm))
 
 
@@ -138,9 +139,8 @@ def test_packed_stack_cpu_same_logits_glm5_families(ckpt_name, request, one_thre
     packed on the CPU: prefill, host decode and fixed-shape steps give the torch path's logits bit for bit, and
     the packed copies ran (counted). Linears whose shape is not whole tiles of 16 (the tiny presets' 2-head b
     and index weights) keep F.linear."""
-    from rocket_mpi.config import family
     reader = CheckpointReader(request.getfixturevalue(ckpt_name))
-    model = family(reader.config.model_type).MODEL.load(reader)
+    model = model_class(reader.config.model_type).load(reader)
     ref = _family_logits(model)
     model.pack_stack()
     packed = [p for L in model.layers for part in (getattr(L, "attn", None), getattr(L, "kda", None),
@@ -165,20 +165,20 @@ def test_swiglu_dense_limit_cpu_is_the_clamped_mlp():
     x = (torch.randn(7, 64, generator=g) * 4).bfloat16()
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
     want = F.linear(F.silu(gate.clamp(max=3.0)) * up.clamp(-3.0, 3.0), down)
-    p = kernels.pack_mlp(gate_up, down)
-    assert torch.equal(kernels.swiglu_dense(x, p, limit=3.0), want)
-    assert not torch.equal(kernels.swiglu_dense(x, p), want)
+    p = ops.pack_mlp(gate_up, down)
+    assert torch.equal(ops.swiglu_dense(x, p, limit=3.0), want)
+    assert not torch.equal(ops.swiglu_dense(x, p), want)
 
 
 def _count_calls(monkeypatch) -> dict:
     calls = {"linear": 0, "swiglu_dense": 0}
     for name in calls:
-        fn = getattr(kernels, name)
+        fn = getattr(ops, name)
 
         def counted(*a, _fn=fn, _name=name, **k):
             calls[_name] += 1
             return _fn(*a, **k)
-        monkeypatch.setattr(kernels, name, counted)
+        monkeypatch.setattr(ops, name, counted)
     return calls
 
 
@@ -189,38 +189,30 @@ def test_stack_rows_pick_the_path(tiny_ckpt, one_thread, monkeypatch):
     model.pack_stack()
     calls = _count_calls(monkeypatch)
     moe = lambda i, h, L: torch.zeros_like(h)  # noqa: E731
-    rows = kernels.STACK_KERNEL_MAX_ROWS
+    rows = ops.STACK_KERNEL_MAX_ROWS
     for n, used in ((rows, True), (rows + 1, False)):
         calls.update(linear=0, swiglu_dense=0)
         model.forward(torch.arange(n) + 1, model.new_cache(1, n + 1), [n], moe)
         assert calls == ({"linear": 6, "swiglu_dense": 3} if used else {"linear": 0, "swiglu_dense": 0}), (n, calls)
 
 
-def test_bad_stack_switch(monkeypatch):
-    from rocket_mpi.errors import RocketError
-    monkeypatch.setenv("ROCKET_STACK", "cublas")
-    with pytest.raises(RocketError, match="ROCKET_STACK='cublas'"):
-        kernels.stack_switch()
-
-
 # ---- GPU (skipped, with the reason printed, where there is no CUDA device or no extension)
-from test_kernels import gpu  # noqa: E402
+from helpers import gpu  # noqa: E402
 
 
 @gpu
-@pytest.mark.parametrize("split", ["", "1", "2", "4"])   # ROCKET_STACK_SPLIT: K slices per feature group (unset: 8)
+@pytest.mark.parametrize("split", [0, 1, 2, 4])   # K slices per feature group (0: by the output's width)
 @pytest.mark.parametrize("n,k,parts,bias", [((96, 32, 32), 96, 3, True), ((4096,), 1408, 1, False),
                                             ((1024, 1024), 4096, 2, True), ((48,), 80, 1, True)])
-def test_gpu_linear_matches_reference_and_rows_are_independent(n, k, parts, bias, split, monkeypatch):
-    monkeypatch.setenv("ROCKET_STACK_SPLIT", split)
+def test_gpu_linear_matches_reference_and_rows_are_independent(n, k, parts, bias, split):
     g = torch.Generator().manual_seed(sum(n) + k)
     ws = [(torch.randn(m, k, generator=g) / k ** 0.5).bfloat16().cuda() for m in n]
     bs = [torch.randn(m, generator=g).bfloat16().cuda() if bias else None for m in n]
-    packs = kernels.pack_linear(ws, bs)
+    packs = ops.pack_linear(ws, bs)
     x = torch.randn(70, k, generator=g).bfloat16().cuda()
-    alone = [kernels.linear(x[r:r + 1], packs) for r in range(0, 70, 9)]
+    alone = [ops.linear(x[r:r + 1], packs, split=split) for r in range(0, 70, 9)]
     for rows in (1, 8, 33, 70):
-        outs = kernels.linear(x[:rows], packs)
+        outs = ops.linear(x[:rows], packs, split=split)
         assert len(outs) == len(n)
         for j, (o, w, b) in enumerate(zip(outs, ws, bs)):
             assert o.shape == (rows, w.shape[0]) and o.is_contiguous()
@@ -232,18 +224,17 @@ def test_gpu_linear_matches_reference_and_rows_are_independent(n, k, parts, bias
 
 
 @gpu
-@pytest.mark.parametrize("split", ["", "2"])
+@pytest.mark.parametrize("split", [0, 2])
 @pytest.mark.parametrize("h,i", [(64, 48), (4096, 1408)])
-def test_gpu_swiglu_dense_matches_reference_and_rows_are_independent(h, i, split, monkeypatch):
-    monkeypatch.setenv("ROCKET_STACK_SPLIT", split)
+def test_gpu_swiglu_dense_matches_reference_and_rows_are_independent(h, i, split):
     g = torch.Generator().manual_seed(h + i)
     gate_up = (torch.randn(2 * i, h, generator=g) / h ** 0.5).bfloat16().cuda()
     down = (torch.randn(h, i, generator=g) / i ** 0.5).bfloat16().cuda()
-    p = kernels.pack_mlp(gate_up, down)
+    p = ops.pack_mlp(gate_up, down)
     x = torch.randn(70, h, generator=g).bfloat16().cuda()
-    alone = {r: kernels.swiglu_dense(x[r:r + 1], p)[0] for r in (0, 9, 40, 69)}
+    alone = {r: ops.swiglu_dense(x[r:r + 1], p, split=split)[0] for r in (0, 9, 40, 69)}
     for rows in (1, 8, 33, 70):
-        out = kernels.swiglu_dense(x[:rows], p)
+        out = ops.swiglu_dense(x[:rows], p, split=split)
         gt, up = (x[:rows].float() @ gate_up.float().t()).chunk(2, dim=-1)
         ref = (F.silu(gt) * up) @ down.float().t()
         err = _rel(out, ref)
@@ -264,35 +255,33 @@ def test_gpu_swiglu_dense_limit(rows):
     gate_up = (torch.randn(2 * i, h, generator=g) / h ** 0.5).bfloat16().cuda()
     down = (torch.randn(h, i, generator=g) / i ** 0.5).bfloat16().cuda()
     x = torch.randn(rows, h, generator=g).bfloat16().cuda()
-    p = kernels.pack_mlp(gate_up, down)
-    out = kernels.swiglu_dense(x, p, limit=limit)
+    p = ops.pack_mlp(gate_up, down)
+    out = ops.swiglu_dense(x, p, limit=limit)
     gt, up = (x.float() @ gate_up.float().t()).chunk(2, dim=-1)
     assert 0.2 < float((up.abs() > limit).float().mean()) < 0.8
     ref = (F.silu(gt.clamp(max=limit)) * up.clamp(-limit, limit)) @ down.float().t()
     assert _rel(out, ref) < 4 * TOL, _rel(out, ref)
-    assert _rel(kernels.swiglu_dense(x, p), ref) > 0.1
-    assert torch.equal(kernels.swiglu_dense(x[-1:], p, limit=limit)[0], out[-1])
+    assert _rel(ops.swiglu_dense(x, p), ref) > 0.1
+    assert torch.equal(ops.swiglu_dense(x[-1:], p, limit=limit)[0], out[-1])
 
 
 @gpu
-def test_gpu_stack_split_default_by_shape(monkeypatch):
-    """ROCKET_STACK_SPLIT unset: 8 K slices for outputs under 8192 features, 4 from there (bit for bit the explicit
+def test_gpu_stack_split_default_by_shape():
+    """split 0 (the default): 8 K slices for outputs under 8192 features, 4 from there (bit for bit the explicit
     values); another split is another sum order (close, and here not the same bits); a value the kernel does not take
     is one error."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 1024, generator=g).bfloat16().cuda()
     for n, default in ((4096, "8"), (8192, "4")):
-        packs = kernels.pack_linear([(torch.randn(n, 1024, generator=g) / 32).bfloat16().cuda()], [None])
+        packs = ops.pack_linear([(torch.randn(n, 1024, generator=g) / 32).bfloat16().cuda()], [None])
         out = {}
-        for split in ("", "8", "4"):
-            monkeypatch.setenv("ROCKET_STACK_SPLIT", split)
-            out[split] = kernels.linear(x, packs)[0]
-        other = "4" if default == "8" else "8"
-        assert torch.equal(out[""], out[default]), n
-        assert not torch.equal(out[""], out[other]) and _rel(out[other], out[""]) < TOL, n
-    monkeypatch.setenv("ROCKET_STACK_SPLIT", "3")
-    with pytest.raises(RuntimeError, match="ROCKET_STACK_SPLIT=3"):
-        kernels.linear(x, packs)
+        for split in (0, 8, 4):
+            out[split] = ops.linear(x, packs, split=split)[0]
+        other = 4 if default == "8" else 8
+        assert torch.equal(out[0], out[int(default)]), n
+        assert not torch.equal(out[0], out[other]) and _rel(out[other], out[0]) < TOL, n
+    with pytest.raises(RuntimeError, match="split 3"):
+        ops.linear(x, packs, split=3)
 
 
 @gpu
@@ -306,11 +295,11 @@ def test_gpu_residuals_in_the_epilogue_are_the_torch_adds(rows):
     gate_up = (torch.randn(2 * i, h, generator=g) / h ** 0.5).bfloat16().cuda()
     down = (torch.randn(h, i, generator=g) / i ** 0.5).bfloat16().cuda()
     x, a, b = ((torch.randn(rows, h, generator=g) * s).bfloat16().cuda() for s in (1.0, 0.1, 30.0))
-    packs, mlp = kernels.pack_linear([w]), kernels.pack_mlp(gate_up, down)
-    got = kernels.linear(x, packs, residual=(b,))[0]
-    assert torch.equal(got.view(torch.int16), (b + kernels.linear(x, packs)[0]).view(torch.int16))
-    got = kernels.swiglu_dense(x, mlp, residual=(a, b))
-    assert torch.equal(got.view(torch.int16), (b + (a + kernels.swiglu_dense(x, mlp))).view(torch.int16))
+    packs, mlp = ops.pack_linear([w]), ops.pack_mlp(gate_up, down)
+    got = ops.linear(x, packs, residual=(b,))[0]
+    assert torch.equal(got.view(torch.int16), (b + ops.linear(x, packs)[0]).view(torch.int16))
+    got = ops.swiglu_dense(x, mlp, residual=(a, b))
+    assert torch.equal(got.view(torch.int16), (b + (a + ops.swiglu_dense(x, mlp))).view(torch.int16))
 
 
 @gpu
@@ -334,12 +323,11 @@ def test_gpu_packed_stack_logits_close(tiny_ckpt, monkeypatch):
 @pytest.mark.parametrize("ckpt_name", ["dsa_ckpt", "glm5_ckpt"])
 def test_gpu_packed_stack_glm5_families_close(ckpt_name, request, monkeypatch):
     """GLM-5 and GLM-5.3-Flash tiny stacks on the GPU, cuBLAS vs the packed kernels (counted: they ran), through
-    prefill, host decode and the fixed-shape step (its RMSNorms in kernels.rms_norm in both): logits within the
+    prefill, host decode and the fixed-shape step (its RMSNorms in ops.rms_norm in both): logits within the
     oracle's bound."""
-    from rocket_mpi.config import family
     from rocket_mpi.model.layers import move_stack
     reader = CheckpointReader(request.getfixturevalue(ckpt_name))
-    ref_model, model = (family(reader.config.model_type).MODEL.load(reader) for _ in range(2))
+    ref_model, model = (model_class(reader.config.model_type).load(reader) for _ in range(2))
     move_stack(ref_model, "cuda")
     move_stack(model, "cuda")
     model.pack_stack()

@@ -78,7 +78,7 @@ def test_static_fire_catches_a_wrong_row(tiny_ckpt):
 
 
 def test_uneven_contiguous_placement():
-    from rocket_mpi.placement import contiguous
+    from rocket_mpi.moe.placement import contiguous
     owners = contiguous(37, 3)
     assert [owners.count(r) for r in range(3)] == [13, 12, 12]
     assert owners == sorted(owners)

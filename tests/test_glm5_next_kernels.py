@@ -1,0 +1,181 @@
+"""GLM-5.3-Flash's hyper-connection kernels (csrc/hc.cu) and KDA kernels (csrc/kda.cu) against the torch ops of
+glm5_next_hc and glm5_next_kda.
+
+CPU tests (always run):
+  - hc_pre with the block's input norm.
+GPU tests (skip, saying why, without a GPU or the extension):
+  - hc_pre / hc_post within rounding of the torch ops and row invariant, the norm in hc_finish's launch;
+  - KDA decode within rounding of the torch loop, three steps in a row; a prefill's tokens in one launch give
+    the bits of one launch per token.
+"""
+import pytest
+import torch
+
+from helpers import gpu
+from rocket_mpi import ops
+
+
+def _hc_case(t, n, h, seed):
+    from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection
+    gen = torch.Generator().manual_seed(seed)
+    j = (2 + n) * n
+    hc = HyperConnection(fn=(torch.randn(j, n * h, generator=gen) * 0.02).to(torch.bfloat16).float(),
+                         base=torch.randn(j, generator=gen) * 0.5, scale=torch.rand(3, generator=gen) + 0.5)
+    streams = (torch.randn(t, n, h, generator=gen) * 2).to(torch.bfloat16)
+    y = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    return hc, HcArgs(mult=n, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-5), streams, y
+
+
+def test_hc_pre_with_norm_cpu():
+    """hc_pre(..., norm=(w, eps)) on the CPU: post and comb as without it, the collapsed row through layers.rms_norm."""
+    from rocket_mpi.model.glm5_next_hc import hc_pre
+    from rocket_mpi.model.layers import rms_norm
+    hc, a, streams, _ = _hc_case(3, 4, 64, seed=5)
+    w = (torch.randn(64, generator=torch.Generator().manual_seed(6)) + 1).bfloat16()
+    post, comb, collapsed = hc_pre(hc, streams, a)
+    got = hc_pre(hc, streams, a, norm=(w, 1e-5))
+    assert torch.equal(got[0], post) and torch.equal(got[1], comb)
+    assert torch.equal(got[2], rms_norm(collapsed, w, 1e-5)) and not torch.equal(got[2], collapsed)
+
+
+@gpu
+@pytest.mark.parametrize("t,n,h", [(1, 4, 4096), (8, 4, 4096), (37, 4, 64), (3, 2, 520), (5, 3, 96), (2, 1, 128),
+                                   (2, 2, 100)])   # 100: the norm does not fuse (not whole 16-byte chunks)
+def test_gpu_hc_kernels_match_torch(t, n, h):
+    """csrc/hc.cu against glm5_next_hc's torch ops on the same inputs: post / comb within fp32 rounding of the
+    different sum order, the collapse and the new streams within one bf16 rounding; and a token alone gets the same
+    bits as inside the launch (no token depends on another)."""
+    from dataclasses import replace
+    from rocket_mpi.model.glm5_next_hc import hc_post, hc_pre
+    hc, a, streams, y = _hc_case(t, n, h, seed=t * 31 + n * 7 + h)
+    hc_c = replace(hc, fn=hc.fn.cuda(), base=hc.base.cuda(), scale=hc.scale.cuda())
+    sc, yc = streams.cuda(), y.cuda()
+    ref = [x.cuda() for x in hc_pre(hc_c, sc, a)]
+    got = hc_pre(hc_c, sc, a, fuse=True)
+    for name, g, r, tol in (("post", got[0], ref[0], 1e-5), ("comb", got[1], ref[1], 1e-5)):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        assert torch.allclose(g, r, rtol=tol, atol=tol), (name, float((g - r).abs().max()))
+    # bf16 results: within a couple of roundings of the size of the terms they sum (cancellation makes a result
+    # small, not its error)
+    xs = sc.float().abs()
+    c, cr = got[2].float(), ref[2].float()
+    size = (xs * 2).sum(dim=1)  # every pre weight is below 1 + eps
+    assert ((c - cr).abs() <= size * 2.0 ** -7 + 1e-6).all(), float((c - cr).abs().max())
+    out = hc_post(got[0], got[1], yc, sc, fuse=True).float()
+    out_ref = hc_post(got[0], got[1], yc, sc).float()
+    size = got[0][:, :, None] * yc.float().abs()[:, None, :] + torch.einsum("tij,tih->tjh", got[1], xs)
+    assert ((out - out_ref).abs() <= size * 2.0 ** -6 + 1e-6).all(), float((out - out_ref).abs().max())
+    # row invariance: the last token alone
+    alone = hc_pre(hc_c, sc[-1:].contiguous(), a, fuse=True)
+    for g, al in zip(got, alone):
+        assert torch.equal(g[-1:], al)
+    assert torch.equal(hc_post(got[0][-1:], got[1][-1:], yc[-1:], sc[-1:], fuse=True),
+                       hc_post(got[0], got[1], yc, sc, fuse=True)[-1:])
+    # with the block's input norm in hc_finish's launch (or after it where the row does not fit norm.cuh's layout):
+    # the bits of ops.rms_norm on the collapsed row; post / comb / collapse unchanged
+    w = (torch.randn(h, generator=torch.Generator().manual_seed(h)) + 1).bfloat16().cuda()
+    four = ops.hc_pre(sc, hc_c.fn, hc_c.base, hc_c.scale, a.sinkhorn_iters, a.eps, a.norm_eps, (w, 1e-5))
+    for g, r in zip(four[:3], got):
+        assert torch.equal(g, r)
+    assert torch.equal(four[3].view(torch.int16), ops.rms_norm(got[2], w, 1e-5).view(torch.int16))
+    assert torch.equal(hc_pre(hc_c, sc, a, fuse=True, norm=(w, 1e-5))[2], four[3])
+
+
+def _kda_case(heads, dk, hidden, streams, seed, lower_bound):
+    from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs
+    gen = torch.Generator().manual_seed(seed)
+    d = heads * dk
+
+    def w(*shape, std=0.05):
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+    a = KDA(qkv=w(3 * d, hidden), conv=torch.randn(3 * d, 4, generator=gen) * 0.3, f_a=w(dk, hidden, std=0.2),
+            f_b=w(d, dk, std=0.2), dt_bias=torch.randn(d, generator=gen) * 0.5, A_log=torch.randn(heads, generator=gen) * 0.5,
+            b=w(heads, hidden, std=0.2), g_a=w(dk, hidden, std=0.2), g_b=w(d, dk, std=0.2),
+            o_norm=(torch.rand(dk, generator=gen) + 0.5).to(torch.bfloat16).float(), o=w(hidden, d))
+    args = KdaArgs(heads=heads, head_dim=dk, conv_kernel=4, lower_bound=lower_bound, eps=1e-5)
+    conv = (torch.randn(streams, 3 * d, 4, generator=gen)).to(torch.bfloat16)   # the last K = 4 inputs
+    rec = torch.randn(streams, heads, dk, dk, generator=gen) * 0.1
+    return a, args, conv, rec
+
+
+@gpu
+@pytest.mark.parametrize("heads,dk,lb", [(4, 16, -5.0), (2, 128, -5.0), (3, 64, None), (2, 32, -5.0)])
+def test_gpu_kda_decode_matches_torch(heads, dk, lb):
+    """csrc/kda.cu against glm5_next_kda's torch ops for decode tokens of 3 of 5 streams, three steps in a row: the
+    layer output within a few bf16 roundings of its size, the recurrent state within fp32 rounding of the other sum
+    orders, the conv state bit for bit (both take the same torch ops there); a token alone gets the same bits."""
+    from dataclasses import fields
+    from rocket_mpi.model.glm5_next_kda import kda_forward
+    hidden = 64
+    a, args, conv, rec = _kda_case(heads, dk, hidden, 5, seed=heads * 100 + dk, lower_bound=lb)
+    a = type(a)(**{f.name: getattr(a, f.name).cuda() for f in fields(a) if f.name != "packed"})
+    idx = torch.tensor([4, 0, 2], device="cuda")
+    gen = torch.Generator().manual_seed(dk)
+    state = {name: (conv.cuda(), rec.cuda()) for name in ("torch", "kernel")}
+    for step in range(3):
+        h = (torch.randn(3, hidden, generator=gen)).to(torch.bfloat16).cuda()
+        ref = kda_forward(a, h, *state["torch"], [], args, idx=idx)
+        got = kda_forward(a, h, *state["kernel"], [], args, idx=idx, fuse=True)
+        size = ref.float().abs().amax(dim=-1, keepdim=True)
+        assert ((got.float() - ref.float()).abs() <= size * 2.0 ** -5).all(), (step, float((got - ref).abs().max()))
+        assert torch.equal(state["kernel"][0], state["torch"][0])
+        s_got, s_ref = state["kernel"][1], state["torch"][1]
+        assert torch.allclose(s_got, s_ref, rtol=1e-4, atol=1e-5), (step, float((s_got - s_ref).abs().max()))
+    # a token alone: the same output and state row as inside the launch
+    conv2, rec2 = state["kernel"][0].clone(), state["kernel"][1].clone()
+    h = (torch.randn(3, hidden, generator=gen)).to(torch.bfloat16).cuda()
+    both = kda_forward(a, h, *state["kernel"], [], args, idx=idx, fuse=True)
+    alone = kda_forward(a, h[1:2].contiguous(), conv2, rec2, [], args, idx=idx[1:2].contiguous(), fuse=True)
+    assert torch.equal(both[1:2], alone) and torch.equal(state["kernel"][1][0], rec2[0])
+
+
+@gpu
+@pytest.mark.parametrize("heads,dk,lb", [(4, 16, -5.0), (2, 128, -5.0), (3, 64, None)])
+def test_gpu_kda_prefill_in_one_launch(heads, dk, lb):
+    """A prefill's KDA tokens in one launch of csrc/kda.cu (each stream's tokens in order, the state in registers):
+    the same bits as one launch per token (outputs, conv state, recurrent state), for 4 of 5 streams with 1, 11, 2
+    and 37 tokens (fewer and more than the conv's window); and within the decode test's bounds of glm5_next_kda's
+    torch loop. Streams not in the launch keep their states bit for bit."""
+    from dataclasses import fields
+
+    import torch.nn.functional as F
+
+    from rocket_mpi.model.glm5_next_kda import kda_forward
+    hidden, counts, streams = 64, [1, 11, 2, 37], [3, 0, 4, 1]
+    a, args, conv, rec = _kda_case(heads, dk, hidden, 5, seed=heads * 10 + dk, lower_bound=lb)
+    a = type(a)(**{f.name: getattr(a, f.name).cuda() for f in fields(a) if f.name != "packed"})
+    offs = [sum(counts[:i]) for i in range(len(counts))]
+    segments = list(zip(streams, offs, counts))
+    h = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(dk)).to(torch.bfloat16).cuda()
+    state = {name: (conv.cuda(), rec.cuda()) for name in ("torch", "one", "tokens", "layer")}
+    # the kernel's inputs once (a GEMM of 1 row need not give a GEMM of 52 rows' bits), then the segments in one
+    # launch against the same tokens one launch (one token of one stream) each
+    lin = (F.linear(h, a.qkv), F.linear(F.linear(h, a.f_a), a.f_b), F.linear(h, a.b), F.linear(F.linear(h, a.g_a), a.g_b))
+    tail = (a.dt_bias, a.A_log, a.o_norm)
+    one = ops.kda_decode(lin[0], state["one"][0], a.conv, *lin[1:], *tail, state["one"][1],
+                             torch.tensor(streams, device="cuda"), heads, dk, lb, args.eps, counts)
+    steps = torch.empty_like(one)
+    for s, off, n in segments:
+        for j in range(off, off + n):
+            steps[j] = ops.kda_decode(*(x[j:j + 1] for x in lin[:1]), state["tokens"][0], a.conv,
+                                          *(x[j:j + 1] for x in lin[1:]), *tail, state["tokens"][1],
+                                          torch.tensor([s], device="cuda"), heads, dk, lb, args.eps)[0]
+    assert torch.equal(one, steps)
+    assert torch.equal(state["one"][0], state["tokens"][0]) and torch.equal(state["one"][1], state["tokens"][1])
+    # the layer (kda_forward with fuse: the kernel, then o_proj) against the torch loop
+    ref = kda_forward(a, h, *state["torch"], segments, args)
+    got = kda_forward(a, h, *state["layer"], segments, args, fuse=True)
+    assert torch.equal(state["layer"][1], state["one"][1])
+    size = ref.float().abs().amax(dim=-1, keepdim=True)
+    assert ((got.float() - ref.float()).abs() <= size * 2.0 ** -5).all(), float((got - ref).abs().max())
+    assert torch.equal(state["layer"][0], state["torch"][0])
+    s_got, s_ref = state["layer"][1], state["torch"][1]
+    assert torch.allclose(s_got, s_ref, rtol=1e-3, atol=1e-4), float((s_got - s_ref).abs().max())
+    assert torch.equal(state["one"][1][2], rec[2].cuda()) and torch.equal(state["one"][0][2], conv[2].cuda())
+    with pytest.raises(ValueError, match="not packed one after another"):
+        kda_forward(a, h, *state["one"], [(s, off + 1, n) for s, off, n in segments], args, fuse=True)
+    with pytest.raises(ValueError, match="counts"):
+        ops.kda_decode(lin[0], state["one"][0], a.conv, *lin[1:], *tail, state["one"][1],
+                           torch.tensor(streams, device="cuda"), heads, dk, lb, args.eps, [1, 11, 2, 36])
+
+

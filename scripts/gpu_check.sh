@@ -41,21 +41,37 @@ else
   tail -40 "$OUT/build.log" | tee -a "$OUT/summary.log"
 fi
 
-log "tests: tests/test_kernels.py"
+# the kernel tests: the expert kernels, their weight layouts, the lane emulation of their launches, the scatter
+# (each file also runs as a script, without pytest); with pytest and safetensors (tests/conftest.py writes the tiny
+# checkpoints with it) also the stack's linears and MLPs in the same kernel's BF16 tiles
+tests="tests/test_pack.py tests/test_lane_emulation.py tests/test_expert_kernels.py tests/test_scatter.py"
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
-  noconf=""  # tests/conftest.py imports the checkpoint writer (safetensors); these tests do not need it
-  "$PY" -c "import safetensors" >/dev/null 2>&1 || noconf="--noconftest"
-  "$PY" -m pytest -v -s -rs -p no:cacheprovider $noconf tests/test_kernels.py 2>&1 | tee "$OUT/test.log"
+  noconf=""
+  if "$PY" -c "import safetensors" >/dev/null 2>&1; then
+    tests="$tests tests/test_stack.py"
+  else
+    noconf="--noconftest"  # the files above need no checkpoint
+    log "no safetensors: tests/test_stack.py skipped"
+  fi
+  log "tests: $tests"
+  # shellcheck disable=SC2086
+  "$PY" -m pytest -v -s -rs -p no:cacheprovider $noconf $tests 2>&1 | tee "$OUT/test.log"
+  test_rc=${PIPESTATUS[0]}
 else
-  "$PY" tests/test_kernels.py 2>&1 | tee "$OUT/test.log"   # its own runner: no pytest here
+  log "tests (no pytest: each file as a script; tests/test_stack.py skipped): $tests"
+  : > "$OUT/test.log"
+  test_rc=0
+  for t in $tests; do  # each file has its own runner: no pytest here
+    "$PY" "$t" 2>&1 | tee -a "$OUT/test.log"
+    rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || test_rc=$rc
+  done
 fi
-test_rc=${PIPESTATUS[0]}
 log "tests exit status $test_rc: $(tail -1 "$OUT/test.log")"
 
 if [ "$build_ok" = 1 ]; then
-  log "benchmark: scripts/bench_experts.py --profile ${BENCH_ARGS:-}"
+  log "benchmark: benchmarks/bench_experts.py --profile ${BENCH_ARGS:-}"
   # shellcheck disable=SC2086
-  "$PY" scripts/bench_experts.py --profile ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  "$PY" benchmarks/bench_experts.py --profile ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   log "benchmark exit status ${PIPESTATUS[0]}"
 fi
 

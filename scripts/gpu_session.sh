@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # One device session on a host with 2 GPUs: environment check, GPU static fires, decode benchmark beside
-# transformers. Logs go to $OUT (or runs/gpu). Usage: scripts/gpu_session.sh [check] [fire] [decode] [hf]
+# transformers. Logs go to $OUT (or runs/gpu). Usage: scripts/gpu_session.sh [STEP...] (the names of the case
+# below; default: check build kernels fire decode hf; x2: the two-GPU set)
 set -u
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 steps=${*:-check build kernels fire decode hf}
 PRESET=${PRESET:-air8}
+# the kernel tests (the expert kernels, their layouts, the scatter, the stack's linears in the same kernel's BF16
+# tiles) and the device decode path's GPU tests (the plan, router, step kernels, exchange, graphed step, models)
+KERNEL_TESTS="tests/test_pack.py tests/test_lane_emulation.py tests/test_expert_kernels.py tests/test_scatter.py tests/test_stack.py"
+DEVICE_TESTS="tests/test_plan.py tests/test_prefill.py tests/test_graph_step.py tests/test_ipc_exchange.py tests/test_router.py"
+DEVICE_TESTS="$DEVICE_TESTS tests/test_step_kernels.py tests/test_attention.py tests/test_glm5_next_kernels.py tests/test_glm5_device.py"
 run() { local name=$1 t0=$SECONDS rc; shift; echo "=== $name: $*"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; rc=$?; echo "rc=$rc ($((SECONDS - t0)) s)"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
-# x2: everything the two-GPU targets of issue 6 need, in one call on nvidia-h200-x2 (about 8-9 minutes with build; keep timeout_s 600):
-# NVFP4 and BF16 experts (our kernel's tiles) on 1 and 2 GPUs; BF16 at M=64 is where the split has the most bytes
-# to divide (results/README.md, session 16: 1.5x)
+# x2: the two-GPU steps in one call (about 8-9 minutes with the build): NVFP4 and BF16 experts (the kernel's tiles)
+# on 1 and 2 GPUs; BF16 at M=64 is where the split has the most bytes to divide (there it gains most: about 1.5x)
 [ "$steps" = x2 ] && steps="check build fire_graph fire_long fire_bf16 paths paths2 bf16 fabgraph" && PATHS=${PATHS:-graph} \
-  && LONG_FABRICS=${LONG_FABRICS:-nccl} \
-  && SWEEP=${SWEEP:-1,8,16,64} && BF16_MODES=${BF16_MODES:-kernel}
+  && LONG_FABRICS=${LONG_FABRICS:-nccl} && SWEEP=${SWEEP:-1,8,16,64}
 for s in $steps; do case $s in
 check)
   nvidia-smi -L; nvidia-smi topo -m | head -5
@@ -20,11 +24,11 @@ check)
   mpirun --version | head -1 ;;
 build)
   T=300 run build env ROCKET_CUDA_ARCHS=90 MAX_JOBS=8 python3 setup.py build_ext --inplace
-  python3 -c "import torch, rocket_mpi.kernels as k; print('kernels available:', k.available(), k.unavailable_reason() if not k.available() else '')" ;;
+  python3 -c "import torch, rocket_mpi.ops as k; print('kernels available:', k.available(), k.unavailable_reason() if not k.available() else '')" ;;
 kernels)
-  T=120 run kernels python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ;;
+  T=120 run kernels python3 -m pytest -q -rs -p no:cacheprovider $KERNEL_TESTS ;;
 devtests)
-  T=200 run devtests python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_plan.py tests/test_kernels.py ;;
+  T=200 run devtests python3 -m pytest -q -rs -p no:cacheprovider $DEVICE_TESTS $KERNEL_TESTS ;;
 fire_graph)
   for f in cuda-ipc nccl; do
     T=240 run "fire_graph_$f" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 12
@@ -32,19 +36,17 @@ fire_graph)
   T=240 run fire_graph_ipc3 python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 3 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12 ;;
 fire_long)  # prompts of 700-1300 tokens: prefill in attention blocks and chunks (--prefill-chunk 1024), then graphed decode
   python3 -c "import json, random; r = random.Random(5); json.dump([[r.randrange(2, 400) for _ in range(n)] for n in (1100, 700, 1300)], open('$OUT/long_prompts.json', 'w'))"
-  for f in ${LONG_FABRICS:-cuda-ipc nccl}; do  # x2: nccl only (cuda-ipc ran on one GPU, session 28)
+  for f in ${LONG_FABRICS:-cuda-ipc nccl}; do  # x2: nccl only (cuda-ipc needs no second GPU: run it on one)
     T=240 run "fire_long_$f" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric $f --decode-path graph --prompts "$OUT/long_prompts.json" --tokens 12 --prefill-chunk 1024
   done ;;
 fire_bf16)
   for f in cuda-ipc nccl; do
     T=240 run "fire_graph_bf16_$f" python3 -m rocket_mpi static-fire --checkpoint preset:default --ranks 2 --device cuda --fabric $f --decode-path graph --sweep 1,8 --tokens 12
   done ;;
-bf16)  # BF16 experts: our kernel's BF16 tiles beside torch._grouped_mm (ROCKET_BF16_EXPERTS), one GPU; then two
-  for m in ${BF16_MODES:-kernel grouped}; do
-    T=300 run "decode1_${PRESET}_bf16_${m}_graph" env ROCKET_BF16_EXPERTS=$m python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
-  done
+bf16)  # BF16 experts (the kernel's BF16 tiles), one GPU; then two
+  T=300 run "decode1_${PRESET}_bf16_graph" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
   for f in ${FABRICS:-cuda-ipc}; do
-    T=300 run "decode2_${PRESET}_bf16_kernel_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
+    T=300 run "decode2_${PRESET}_bf16_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
   done ;;
 fire_bf16_glm5)  # BF16 experts (the kernel's BF16 tiles) in the GLM-5 families' graphed step, split vs one rank
   for p in dsa-tiny glm5-tiny; do
@@ -68,12 +70,12 @@ paths2)
 fire_big)  # static fire on $PRESET (BF16 experts, the kernel's tiles), 2 ranks one per GPU, at the large M of SWEEP
   T=400 run "fire_graph_${PRESET}_bf16" python3 -m rocket_mpi static-fire --checkpoint "preset:$PRESET" --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep ${SWEEP:-64} --tokens 8 ;;
 profile)
-  T=200 run "profile_${PRESET}" python3 scripts/profile_gpu_step.py "preset:$PRESET:nvfp4" 8 ;;
-long)  # whole long runs, the step's span following the positions against the capacity (session 27)
-  T=300 run "long_${PRESET}" python3 scripts/bench_long_run.py "preset:$PRESET:nvfp4" --sweep 1,8 --tokens ${LONG_TOKENS:-3000} --rounds 1 auto:ROCKET_GRAPH_SPANS=auto capacity:ROCKET_GRAPH_SPANS=capacity ;;
+  T=200 run "profile_${PRESET}" python3 benchmarks/profile_gpu_step.py "preset:$PRESET:nvfp4" 8 ;;
+long)  # whole long runs: ms per step by window of steps as the step's span follows the positions, capture costs
+  T=300 run "long_${PRESET}" python3 benchmarks/bench_long_run.py "preset:$PRESET:nvfp4" --sweep 1,8 --tokens ${LONG_TOKENS:-3000} --rounds 1 main ;;
 prefill)  # one long prompt's prefill: one block, blocks (rows and score size), blocks + chunks: GPU memory, seconds
   for p in ${PREFILL_PRESETS:-air8 glm5-4l glm5-flash-4l}; do
-    T=300 run "prefill_$p" python3 scripts/bench_prefill_memory.py "preset:$p:nvfp4" --device cuda --lengths ${PREFILL_LENGTHS:-8192,16384}
+    T=300 run "prefill_$p" python3 benchmarks/bench_prefill_memory.py "preset:$p:nvfp4" --device cuda --lengths ${PREFILL_LENGTHS:-8192,16384}
   done ;;
 fabgraph)
   for f in ${FABRICS:-cuda-ipc nccl}; do
@@ -101,7 +103,7 @@ fabbench)
     T=200 run "fabbench_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --sizes 2K..4M --reps 3 --iters 200
   done ;;
 experts)
-  T=240 run bench_experts python3 scripts/bench_experts.py --decode 1,8,32 ;;
+  T=240 run bench_experts python3 benchmarks/bench_experts.py --decode 1,8,32 ;;
 fire1)  # static fires with every rank on the one GPU of this host (cuda-ipc between processes, graphed step)
   for n in 2 3; do
     T=240 run "fire1gpu_graph_ipc$n" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
@@ -110,8 +112,8 @@ ncu)  # hardware counters of the expert GEMMs (persistent schedule) at 1 and 8 r
   for r in 1 8; do
     T=150 run "ncu_experts_r$r" ncu --clock-control none -k regex:experts_ -c 2 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
-      --section ComputeWorkloadAnalysis --section LaunchStats python3 scripts/bench_experts.py --rows $r --reps 1
+      --section ComputeWorkloadAnalysis --section LaunchStats python3 benchmarks/bench_experts.py --rows $r --reps 1
   done ;;
 hf)
-  T=400 run hf python3 scripts/bench_gpu.py --preset "$PRESET" --sweep ${SWEEP:-1,8} --tokens 16 ;;
+  T=400 run hf python3 benchmarks/bench_gpu.py --preset "$PRESET" --sweep ${SWEEP:-1,8} --tokens 16 ;;
 esac; done

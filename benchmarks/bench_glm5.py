@@ -15,7 +15,7 @@
         Runs at a short context (the default prompts, 3..13 tokens) and a long one (--contexts).
 
         The presets run in BF16 on the host (eager) path, where the timers can bracket each layer; the
-        graphed step with NVFP4 experts is timed by scripts/ab_decode.py (preset:glm5-flash-4l:nvfp4,
+        graphed step with NVFP4 experts is timed by benchmarks/ab_decode.py (preset:glm5-flash-4l:nvfp4,
         preset:glm5-4l:nvfp4). When the BF16 preset does not fit --max-gib (or the free GPU memory), the
         routed experts per layer are cut, and the output says so (per-step expert reads depend on the
         experts touched, at most M x top-k).
@@ -23,9 +23,9 @@
         `--device cpu --preset glm5-tiny` runs the same code on the CPU (host clocks instead of events):
         the check that the GPU path works before a GPU run.
 
-python scripts/bench_glm5.py --cpu [--tokens 24] [--threads 1]
-python scripts/bench_glm5.py --gpu [--contexts 0,4096] [--tokens 14] [--max-gib 60]
-python scripts/bench_glm5.py --gpu --device cpu --preset glm5-tiny --dsa-preset dsa-tiny --contexts 0,40
+python benchmarks/bench_glm5.py --cpu [--tokens 24] [--threads 1]
+python benchmarks/bench_glm5.py --gpu [--contexts 0,4096] [--tokens 14] [--max-gib 60]
+python benchmarks/bench_glm5.py --gpu --device cpu --preset glm5-tiny --dsa-preset dsa-tiny --contexts 0,40
 """
 from __future__ import annotations
 
@@ -39,12 +39,10 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from rocket_mpi.checkpoint import make, make_dsa  # noqa: E402
-from rocket_mpi.prompts import default_prompts  # noqa: E402
+from rocket_mpi.checkpoint import make, make_dsa
+from rocket_mpi.runtime.prompts import default_prompts
 
 WARMUP = 3           # decode steps not timed (step 0, the prefill, never is)
 
@@ -56,7 +54,7 @@ def median_ms(seconds: list[float]) -> float:
 # -- --cpu: ours beside transformers -----------------------------------------------------------
 def ours_cpu(ckpt: str, m: int, tokens: int) -> tuple[float, list[list[int]]]:
     """Median ms per decode step (one loop iteration: forward, argmax, bookkeeping) and the tokens."""
-    from rocket_mpi.engine import Engine
+    from rocket_mpi.runtime.engine import Engine
     eng = Engine(ckpt)
     prompts = default_prompts(m, eng.cfg.vocab_size)
     stamps = []
@@ -272,6 +270,24 @@ def make_prompts(m: int, vocab: int, context: int) -> list[list[int]]:
     return [torch.randint(2, vocab, (context + s,), generator=g).tolist() for s in range(m)]
 
 
+class TimedMoE:
+    """engine.moe wrapped: each call bracketed as ("routed", layer) and the expert bytes it read noted; every other
+    attribute (reset(), the per-step counters crc / rows_owned / rows_total / expert_bytes) is the wrapped one's."""
+
+    def __init__(self, real, sections, expert_bytes: dict[int, list[int]]):
+        self.real, self.sections, self.layer_bytes = real, sections, expert_bytes
+
+    def __call__(self, layer, x, L, *args, **kw):
+        b0 = self.real.expert_bytes
+        with self.sections(("routed", layer)):
+            out = self.real(layer, x, L, *args, **kw)
+        self.layer_bytes.setdefault(layer, []).append(self.real.expert_bytes - b0)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
 class Probe:
     """Hooks one engine: the model's timers, the attention kernels and engine.moe, per-step clocks."""
 
@@ -280,24 +296,17 @@ class Probe:
         self.engine, self.model, self.sec = engine, engine.model, Sections(device)
         self.model.timers = self.sec
         self.expert_bytes: dict[int, list[int]] = {}
-        real_moe = engine.moe
-
-        def moe(layer, x, L):
-            b0 = engine._expert_bytes
-            with self.sec(("routed", layer)):
-                out = real_moe(layer, x, L)
-            self.expert_bytes.setdefault(layer, []).append(engine._expert_bytes - b0)
-            return out
-        engine.moe = moe
+        self.real_moe = engine.moe
+        engine.moe = TimedMoE(self.real_moe, self.sec, self.expert_bytes)
         self.restore = []
         if hasattr(self.model, "kda_args"):        # glm5_next: time the KDA / MLA kernels inside the halves
             layer_of = {id(part): i for i, L in enumerate(self.model.layers) for part in (L.kda, L.mla) if part}
             for fn in ("kda_forward", "mla_forward"):
                 real = getattr(glm5, fn)
 
-                def wrapped(a, *args, real=real):
+                def wrapped(a, *args, real=real, **kw):
                     with self.sec(("core", layer_of[id(a)])):
-                        return real(a, *args)
+                        return real(a, *args, **kw)
                 setattr(glm5, fn, wrapped)
                 self.restore.append((glm5, fn, real))
         real_fwd = self.model.forward
@@ -316,7 +325,7 @@ class Probe:
             setattr(mod, fn, real)
         del self.model.timers
         del self.model.forward
-        del self.engine.moe
+        self.engine.moe = self.real_moe
 
 
 def layer_kinds(model) -> list[tuple[str, str]]:
@@ -436,14 +445,14 @@ def print_split(title: str, model, runs: dict, bw: float | None, clock: str) -> 
 
 def gpu_mode(a) -> None:
     from rocket_mpi.checkpoint.synthetic import SyntheticReader
-    from rocket_mpi.engine import Engine
+    from rocket_mpi.runtime.engine import Engine
     t_start = time.perf_counter()
     if a.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--gpu --device cuda: torch sees no CUDA device (use --device cpu --preset glm5-tiny "
                              "to check the code path on a CPU)")
-        from rocket_mpi.run import _pick_device, measure_copy_bandwidth
-        device = _pick_device("cuda", None)       # deterministic kernels, as decode --device cuda runs
+        from rocket_mpi.runtime.decode import measure_copy_bandwidth, pick_device
+        device = pick_device("cuda", None)       # deterministic kernels, as decode --device cuda runs
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
               f"free {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB", flush=True)
         bw = measure_copy_bandwidth(device)

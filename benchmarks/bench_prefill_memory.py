@@ -2,8 +2,8 @@
 forwards of --chunk tokens (Engine._forward, --prefill-chunk) (not a test). Blocks: layers.prefill_blocks, at most
 PREFILL_ROWS rows and PREFILL_SCORES score elements each.
 
-    python scripts/bench_prefill_memory.py preset:default --lengths 1024,2048,4096 --chunk 1024
-    python scripts/bench_prefill_memory.py preset:glm5-4l:nvfp4 --device cuda --lengths 2048,8192
+    python benchmarks/bench_prefill_memory.py preset:default --lengths 1024,2048,4096 --chunk 1024
+    python benchmarks/bench_prefill_memory.py preset:glm5-4l:nvfp4 --device cuda --lengths 2048,8192
 
 Each (length, variant) runs in a fresh process: load the model, note the memory in use, prefill one stream of that
 many tokens, note the peak (CPU: the resident set, ru_maxrss; GPU: torch's peak allocated bytes). Prints the peak
@@ -19,8 +19,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rocket_mpi.config import PREFILL_CHUNK  # noqa: E402
+from rocket_mpi.config import PREFILL_CHUNK
 
 
 def child(ckpt: str, length: int, rows: int, chunk: int, device: str) -> None:
@@ -30,7 +29,7 @@ def child(ckpt: str, length: int, rows: int, chunk: int, device: str) -> None:
     import torch
 
     from rocket_mpi.checkpoint.synthetic import SyntheticReader
-    from rocket_mpi.engine import Engine
+    from rocket_mpi.runtime.engine import Engine
     from rocket_mpi.model import layers
     torch.set_num_threads(2)
     layers.PREFILL_ROWS = rows
@@ -38,8 +37,8 @@ def child(ckpt: str, length: int, rows: int, chunk: int, device: str) -> None:
         layers.PREFILL_SCORES = 1 << 62
     cuda = device == "cuda"
     if cuda:
-        from rocket_mpi.run import _pick_device
-        dev = _pick_device("cuda", None)  # as `rocket_mpi decode`: deterministic settings
+        from rocket_mpi.runtime.decode import pick_device
+        dev = pick_device("cuda", None)  # as `rocket_mpi decode`: deterministic settings
     eng = Engine(ckpt, reader=SyntheticReader(ckpt, str(dev) if cuda else "cpu"), device=str(dev) if cuda else "cpu")
     eng.prefill_chunk = chunk
     tokens = torch.randint(2, eng.cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(1))

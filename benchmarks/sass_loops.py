@@ -3,8 +3,8 @@ backward branch whose body holds tensor-core mmas, the instruction count and the
 code only unless --arch says otherwise. Works on the .so built on the device machine and on the objects of
 `make -C csrc` anywhere (cuobjdump: the CUDA toolkit, or PyPI's nvidia-cuda-cuobjdump wheel):
 
-    cuobjdump -sass rocket_mpi/_C*.so | python3 scripts/sass_loops.py [name substring, e.g. experts_gemm]
-    make -C csrc ARCHS=90 && cuobjdump -sass csrc/build/nvfp4_experts.o | python3 scripts/sass_loops.py
+    cuobjdump -sass rocket_mpi/_C*.so | python3 benchmarks/sass_loops.py [name substring, e.g. experts_gemm]
+    make -C csrc ARCHS=90 && cuobjdump -sass csrc/build/nvfp4_experts.o | python3 benchmarks/sass_loops.py
 
 An unrolled loop shows its whole body (e.g. 4 k-tiles of the expert kernel: HMMA 32 at one row tile);
 "spill" counts the local-memory loads and stores in it. The expert kernel's decode runs on the integer

@@ -1,8 +1,12 @@
-"""The replicated stack's linears (GPU): cuBLAS through F.linear (ROCKET_STACK=torch) beside the expert kernel's
-BF16 tiles (kernels.linear / swiglu_dense, the default), on the air8 preset's shapes (GLM-4.5-Air cut to 8 layers:
-hidden 4096, 96 q heads and 8 kv heads of 128 with biases, dense MLP 10944, shared expert 1408).
+"""The replicated stack's linears (GPU): cuBLAS through F.linear (what the stack's dense weights run: prefill and
+steps of more than ops.STACK_KERNEL_MAX_ROWS rows) beside the expert kernel's BF16 tiles (ops.linear / swiglu_dense,
+what decode steps run), on the air8 preset's shapes (GLM-4.5-Air cut to 8 layers: hidden 4096, 96 q heads and 8 kv
+heads of 128 with biases, dense MLP 10944, shared expert 1408).
 
-    python scripts/bench_stack.py [--rows 1,8,32,64] [--reps 20] [--layers 8]
+    python benchmarks/bench_stack.py [--rows 1,8,32,64] [--reps 20] [--layers 8] [--split 0] [--pdl -1]
+
+--split sets the kernel's K slices (ops.linear and swiglu_dense's split: 0 by shape, or 1, 2, 4, 8), --pdl
+swiglu_dense's pdl (-1 auto, 0 off, 3): the launch arguments, to compare their values run against run.
 
 Every layer gets its own random weights, and each kind is timed over all layers in sequence (one CUDA graph
 replay, as the decode step runs; CUDA events, median of --reps), so no call finds its weight in L2 (as in the decode step). Per kind and rows: the bytes
@@ -12,19 +16,15 @@ speed-up. Checks first: every output within 2^-6 of the other side's (relative t
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from rocket_mpi import ops
+from rocket_mpi.model.layers import swiglu_mlp
 
-from bench_experts import copy_bandwidth, median_us  # noqa: E402
-from rocket_mpi import kernels  # noqa: E402
-from rocket_mpi.model.layers import swiglu_mlp  # noqa: E402
+from bench_experts import copy_bandwidth, median_us  # beside this file
 
 H, NQ, NKV, D, DENSE_I, SHARED_I = 4096, 96, 8, 128, 10944, 1408
 
@@ -34,31 +34,32 @@ def rand(*shape, g, scale=None):
     return (t * (scale if scale is not None else shape[-1] ** -0.5)).bfloat16()
 
 
-def build(layers: int, g):
-    """Per kind: (torch callables per layer, kernel callables per layer, bytes per layer, inputs)."""
+def build(layers: int, g, split: int = 0, pdl: int = -1):
+    """Per kind: (torch callables per layer, kernel callables per layer, bytes per layer, inputs); the kernel's
+    launches with `split` and (swiglu_dense) `pdl`."""
     kinds = {}
     qkv_t, qkv_k, o_t, o_k, sh_t, sh_k = [], [], [], [], [], []
     for _ in range(layers):
         ws = [rand(NQ * D, H, g=g), rand(NKV * D, H, g=g), rand(NKV * D, H, g=g)]
         bs = [rand(w.shape[0], g=g, scale=0.1) for w in ws]
         qkv_t.append(lambda x, ws=ws, bs=bs: [F.linear(x, w, b) for w, b in zip(ws, bs)])
-        p = kernels.pack_linear(ws, bs)
-        qkv_k.append(lambda x, p=p: kernels.linear(x, p))
+        p = ops.pack_linear(ws, bs)
+        qkv_k.append(lambda x, p=p: ops.linear(x, p, split=split))
         wo = rand(H, NQ * D, g=g)
-        po = kernels.pack_linear([wo])
+        po = ops.pack_linear([wo])
         o_t.append(lambda x, wo=wo: [F.linear(x, wo)])
-        o_k.append(lambda x, po=po: kernels.linear(x, po))
+        o_k.append(lambda x, po=po: ops.linear(x, po, split=split))
         gu, dn = rand(2 * SHARED_I, H, g=g), rand(H, SHARED_I, g=g)
-        pm = kernels.pack_mlp(gu, dn)
+        pm = ops.pack_mlp(gu, dn)
         sh_t.append(lambda x, gu=gu, dn=dn: [swiglu_mlp(x, gu, dn)])
-        sh_k.append(lambda x, pm=pm: [kernels.swiglu_dense(x, pm)])
+        sh_k.append(lambda x, pm=pm: [ops.swiglu_dense(x, pm, pdl=pdl, split=split)])
     kinds["q/k/v + bias"] = (qkv_t, qkv_k, (NQ + 2 * NKV) * D * (H + 1) * 2, H)
     kinds["o"] = (o_t, o_k, H * NQ * D * 2, NQ * D)
     kinds["shared MLP"] = (sh_t, sh_k, 3 * SHARED_I * H * 2, H)
     gu, dn = rand(2 * DENSE_I, H, g=g), rand(H, DENSE_I, g=g)
-    pm = kernels.pack_mlp(gu, dn)
-    kinds["dense MLP (1 layer)"] = ([lambda x: [swiglu_mlp(x, gu, dn)]], [lambda x: [kernels.swiglu_dense(x, pm)]],
-                                    3 * DENSE_I * H * 2, H)
+    pm = ops.pack_mlp(gu, dn)
+    kinds["dense MLP (1 layer)"] = ([lambda x: [swiglu_mlp(x, gu, dn)]],
+                                    [lambda x: [ops.swiglu_dense(x, pm, pdl=pdl, split=split)]], 3 * DENSE_I * H * 2, H)
     return kinds
 
 
@@ -80,16 +81,19 @@ def main():
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--split", type=int, default=0, choices=(0, 1, 2, 4, 8), help="the kernel's K slices (0: by shape)")
+    ap.add_argument("--pdl", type=int, default=-1, choices=(-1, 0, 3), help="swiglu_dense's pdl (-1: auto)")
     a = ap.parse_args()
-    if not (torch.cuda.is_available() and kernels.available()):
-        sys.exit(f"bench_stack needs a CUDA device and the extension: {kernels.unavailable_reason() or 'no GPU'}")
+    if not (torch.cuda.is_available() and ops.available()):
+        sys.exit(f"bench_stack needs a CUDA device and the extension: {ops.unavailable_reason() or 'no GPU'}")
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     g = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth(2 << 30, 10)
-    kinds = build(a.layers, g)
+    kinds = build(a.layers, g, a.split, a.pdl)
     rows = [int(r) for r in a.rows.split(",")]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy BW {bw:.0f} GB/s (read + write); "
-          f"{a.layers} layers of air8 shapes, each kind timed over its layers in sequence")
+          f"{a.layers} layers of air8 shapes, each kind timed over its layers in sequence; kernel split {a.split}, "
+          f"pdl {a.pdl}")
     print("\n| kind | rows | MB read | cuBLAS us | GB/s | % copy | ours us | GB/s | % copy | speed-up |")
     print("|:--|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     totals = {m: [0.0, 0.0, 0] for m in rows}

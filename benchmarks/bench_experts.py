@@ -4,44 +4,41 @@ torch's BF16 grouped GEMM on the same experts (dequantised to bf16); and the sam
 kernel's BF16 tiles (pack.pack_bf16: a BF16 checkpoint's experts), against its copy-bandwidth bar and
 against grouped_mm.
 
-    python scripts/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--topk 8] [--reps 20] [--profile]
-                                    [--decode 8,64 --decode-experts 128 --decode-inter 1408]
+    python benchmarks/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--topk 8] [--reps 20] [--profile]
+                                       [--decode 8,64 --decode-experts 128 --decode-inter 1408] [--pdl -1|0|3]
 
 --decode M adds rows routed as a decode step routes them: M tokens, each to topk of --decode-experts
 experts at random (most experts get 0-2 rows), the GLM-4.5-Air expert shape (--decode-inter 1408); its
 GB/s counts the packed bytes of the experts that got rows.
 
-The kernel is called as the engine calls it (rocket_mpi/engine.py -> ExpertStore.compute ->
-kernels.nvfp4_experts): x is the tokens' hidden states [T, H], T = experts * R / topk, each token routed
-to topk distinct experts so that every expert gets R rows; rocket_mpi.moe.rows.plan_rows gives the
+The kernel is called as the engine calls it (rocket_mpi/moe/step.py HostMoE -> ExpertStore.compute ->
+ops.nvfp4_experts): x is the tokens' hidden states [T, H], T = experts * R / topk, each token routed
+to topk distinct experts so that every expert gets R rows; rocket_mpi.ops.rows.plan_rows gives the
 canonical rows, and the kernel gathers them through row_index = tokens[lo:hi] of this (single) rank's block.
 
 Checks first (ours against the bf16 path on the same weights and the same gathered rows; NaN/inf on
 either side is reported by side), then one table: rows/expert, ours us (median, CUDA events: the three
 kernels, plan and row_index already on the device), ours GB/s (packed weight bytes / time), % of copy BW,
-grouped_mm us (including its x[tokens] gather, as the torch path of the engine gathers too), speed-up;
+grouped_mm us (including its x[tokens] gather, as ExpertStore's torch path gathers too), speed-up;
 plus the whole engine call with its host plan and upload ("op us"); then a second table for BF16 weights:
 ours (BF16 tiles) us, GB/s of its bf16 bytes, % of copy BW, grouped_mm us, speed-up. Copy BW is a torch
-device-to-device copy of a few GB, counting read + write.
+device-to-device copy of a few GB, counting read + write. torch's grouped GEMM is the baseline only: the
+engine runs every expert in this kernel on a GPU.
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from rocket_mpi import kernels  # noqa: E402
-from rocket_mpi.kernels import pack  # noqa: E402
-from rocket_mpi.kernels.pack import PackedExperts  # noqa: E402
-from rocket_mpi.moe.rows import plan_rows  # noqa: E402
+from rocket_mpi import ops
+from rocket_mpi.ops import pack
+from rocket_mpi.ops.pack import PackedExperts
+from rocket_mpi.ops.rows import plan_rows
 
 HIDDEN, INTER, LIMIT = 4096, 2048, 10.0
 TARGET_PCT, TARGET_SPEEDUP, TARGET_MAX_ROWS = 85.0, 4.0, 16
@@ -95,7 +92,7 @@ def random_experts(n: int, seed: int, inter: int = INTER) -> PackedExperts:
 
 
 def routing(n_exp: int, rows: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router output (experts [T, topk] int64, weights [T, topk] fp32) on the CPU, as engine.moe has it:
+    """Router output (experts [T, topk] int64, weights [T, topk] fp32) on the CPU, as HostMoE has it:
     every token picks topk distinct experts, every expert gets exactly `rows` tokens, tokens shuffled."""
     total = n_exp * rows
     if topk > n_exp or total % topk:
@@ -112,16 +109,16 @@ def routing(n_exp: int, rows: int, topk: int, seed: int) -> tuple[torch.Tensor, 
 
 def engine_call(p: PackedExperts):
     """fn(x, tokens, segments, lo) -> this rank's block, the engine's exact call: ExpertStore.compute
-    with the experts packed (-> kernels.nvfp4_experts(x, segments, packed, lo, tokens[lo:lo + n], limit));
+    with the experts packed (-> ops.nvfp4_experts(x, segments, packed, lo, tokens[lo:lo + n], limit));
     where rocket_mpi.moe.experts cannot be imported (safetensors missing), that same line."""
     try:
         from rocket_mpi.moe.experts import ExpertStore
     except ImportError as e:
-        print(f"note: ExpertStore unavailable ({e}); calling kernels.nvfp4_experts as ExpertStore.compute does")
+        print(f"note: ExpertStore unavailable ({e}); calling ops.nvfp4_experts as ExpertStore.compute does")
 
         def call(x, tokens, segs, lo):
             n = (segs[-1][2] - lo) if segs else 0
-            return kernels.nvfp4_experts(x, segs, p, lo, tokens[lo:lo + n], LIMIT)
+            return ops.nvfp4_experts(x, segs, p, lo, tokens[lo:lo + n], LIMIT)
         return call
     store = ExpertStore(0, list(p.experts), {}, {}, torch.ones(len(p.experts)), p.nbytes, LIMIT)
     store.packed = p
@@ -149,8 +146,8 @@ def bf16_weights(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     w_gu = torch.empty(n, 2 * p.inter_pad, HIDDEN, dtype=torch.bfloat16, device="cuda")
     w_dn = torch.empty(n, HIDDEN, p.inter_pad, dtype=torch.bfloat16, device="cuda")
     for e in range(n):  # the kernel's decode gives E2M1 * scale * 2^-8; * 256 is exact
-        w_gu[e] = kernels.dequant_packed_cuda(p.q_gu[e], p.s_gu[e]) * 256
-        w_dn[e] = kernels.dequant_packed_cuda(p.q_dn[e], p.s_dn[e]) * 256
+        w_gu[e] = ops.dequant_packed_cuda(p.q_gu[e], p.s_gu[e]) * 256
+        w_dn[e] = ops.dequant_packed_cuda(p.q_dn[e], p.s_dn[e]) * 256
     return w_gu, w_dn
 
 
@@ -186,7 +183,7 @@ def make_bf16_path(w_gu, w_dn, rows: int):
         return loop, "F.linear loop"
 
 
-def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, seed: int):
+def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, seed: int, pdl: int = -1):
     """M tokens routed to topk of n_exp random experts (Air-shaped), one rank: (label, us, bytes, BF16 tiles
     us, BF16 bytes) for the same weights in NVFP4 and in BF16 tiles."""
     p = random_experts(n_exp, seed=100 + m, inter=inter)
@@ -199,15 +196,15 @@ def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, seed: int)
     lo, hi = plan.block(0)
     tokens = plan.tokens.cuda()
     x = (torch.randn(m, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
-    lp, tiles, groups, _ = kernels.launch_plan(segs, lo, p.slot)
+    lp, tiles, groups, _ = ops.launch_plan(segs, lo, p.slot)
     launch = (x, tokens[lo:hi].contiguous(), lp.cuda(), tiles, groups, hi - lo, p, LIMIT)
     touched = len({e for e, s0, s1 in segs if s1 > s0})
     nbytes = p.nbytes * touched / n_exp
-    us = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), reps)
+    us = median_us(functools.partial(ops.nvfp4_experts_planned, *launch, pdl=pdl), reps)
     pb = bf16_packed(*bf16_weights(p), inter)
     del p
     launch_b = launch[:6] + (pb, LIMIT)
-    us_b = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch_b), reps)
+    us_b = median_us(functools.partial(ops.nvfp4_experts_planned, *launch_b, pdl=pdl), reps)
     nbytes_b = touched * 3 * HIDDEN * inter * 2
     del pb
     return f"decode M={m} ({touched} of {n_exp} experts, inter {inter})", us, nbytes, us_b, nbytes_b
@@ -224,9 +221,12 @@ def main():
     ap.add_argument("--decode-experts", type=int, default=128)
     ap.add_argument("--decode-inter", type=int, default=1408)
     ap.add_argument("--profile", action="store_true", help="per-kernel times of ours at 8 rows (torch.profiler)")
+    ap.add_argument("--pdl", type=int, default=-1, choices=(-1, 0, 3),
+                    help="the planned launches' pdl: how down follows gate/up (-1 auto, 0 off, 3; the same bits); the "
+                         "engine call ('op us', --profile) keeps the engine's auto")
     args = ap.parse_args()
-    if not torch.cuda.is_available() or not kernels.available():
-        sys.exit(f"bench_experts: needs a GPU and the extension: {kernels.unavailable_reason()}")
+    if not torch.cuda.is_available() or not ops.available():
+        sys.exit(f"bench_experts: needs a GPU and the extension: {ops.unavailable_reason()}")
 
     prop = torch.cuda.get_device_properties(0)
     print(f"device: {prop.name}, {prop.multi_processor_count} SMs, {prop.total_memory / 2**30:.0f} GiB; "
@@ -255,17 +255,17 @@ def main():
         plan = plan_rows(experts, weights, torch.zeros(n, dtype=torch.long), torch.ones(n), 1)
         segs = plan.segments[0]
         lo, hi = plan.block(0)
-        tokens = plan.tokens.cuda()                      # engine.moe moves plan.tokens to x's device
+        tokens = plan.tokens.cuda()                      # HostMoE moves plan.tokens to x's device
         x = (torch.randn(experts.shape[0], HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)   # [T, H]
         if segs != [(e, lo + e * rows, lo + (e + 1) * rows) for e in range(n)]:
             raise AssertionError(f"routing: expected {rows} canonical rows per expert in expert order, got {segs}")
-        lp, tiles, groups, n_rows = kernels.launch_plan(segs, lo, p.slot)
+        lp, tiles, groups, n_rows = ops.launch_plan(segs, lo, p.slot)
         row_index = tokens[lo:hi].contiguous()
         launch = (x, row_index, lp.cuda(), tiles, groups, n_rows, p, LIMIT)
         base_fn, base_name = make_bf16_path(w_gu, w_dn, rows)
         # correctness first: the same weights, the same SwiGLU, the same rows (canonical order: expert,
         # token); only the fp32 summation order differs
-        a = kernels.nvfp4_experts_planned(*launch)
+        a = ops.nvfp4_experts_planned(*launch, pdl=args.pdl)
         a_op = compute(x, tokens, segs, lo)
         if not torch.equal(a.view(torch.int16), a_op.view(torch.int16)):
             print(f"rows/expert {rows}: the engine call and the planned launch DIFFER bitwise")
@@ -282,16 +282,17 @@ def main():
             err = float((a - b).norm() / b.norm().clamp_min(1e-30))
             if not err < 2.0 ** -6:
                 print(f"rows/expert {rows}: ours vs {base_name}: relative error {err:.2e} EXCEEDS {2.0 ** -6:.2e}")
-        t_ours = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch), args.reps)
+        t_ours = median_us(functools.partial(ops.nvfp4_experts_planned, *launch, pdl=args.pdl), args.reps)
         t_op = median_us(functools.partial(compute, x, tokens, segs, lo), args.reps)
         t_base = median_us(lambda: base_fn(x[tokens[lo:hi]]), args.reps)
         # the same bf16 weights in our kernel's BF16 tiles
-        c = kernels.nvfp4_experts_planned(*launch[:6], pb, LIMIT).float()
+        c = ops.nvfp4_experts_planned(*launch[:6], pb, LIMIT, pdl=args.pdl).float()
         err_b = float((c - b).norm() / b.norm().clamp_min(1e-30)) if not (nonfinite(c) or bad_b) else float("nan")
         if not err_b < 2.0 ** -6:
             print(f"rows/expert {rows}: ours (BF16 tiles) vs {base_name}: relative error {err_b:.2e} EXCEEDS "
                   f"{2.0 ** -6:.2e}")
-        t_bf16 = median_us(functools.partial(kernels.nvfp4_experts_planned, *launch[:6], pb, LIMIT), args.reps)
+        t_bf16 = median_us(functools.partial(ops.nvfp4_experts_planned, *launch[:6], pb, LIMIT, pdl=args.pdl),
+                           args.reps)
         results.append((rows, t_ours, t_op, t_base, err, t_bf16, err_b))
         del x, xb, a, b, a_op
 
@@ -328,7 +329,7 @@ def main():
         print("|:--|---:|---:|---:|---:|---:|---:|---:|---:|")
         for m in [int(v) for v in args.decode.split(",")]:
             label, us, nbytes, us_b, nbytes_b = decode_case(m, args.decode_experts, args.decode_inter, args.topk,
-                                                            args.reps, seed=m)
+                                                            args.reps, seed=m, pdl=args.pdl)
             gbs, gbs_b = nbytes / (us * 1e-6) / 1e9, nbytes_b / (us_b * 1e-6) / 1e9
             print(f"| {label} | {nbytes / 1e6:.0f} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | "
                   f"{nbytes_b / 1e6:.0f} | {us_b:.1f} | {gbs_b:.0f} | {100 * gbs_b / copy_bw:.1f} |")

@@ -4,23 +4,20 @@
   with the same thread count;
 - 1 rank vs the 2-rank expert split (shm and mpi fabrics), with fabric ms per step.
 
-Usage: python scripts/bench.py --checkpoint runs/default [--tokens 20] [--threads 1]
+Usage: python benchmarks/bench.py --checkpoint runs/default [--tokens 20] [--threads 1]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from rocket_mpi import launch  # noqa: E402
-from rocket_mpi.prompts import default_prompts  # noqa: E402
+from rocket_mpi.cli import launch
+from rocket_mpi.runtime.prompts import default_prompts
 
 
 def ours_split(ckpt, ranks, fabric, sweep, tokens, threads):

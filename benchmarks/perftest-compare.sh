@@ -3,7 +3,7 @@
 # ib_write_lat on rail 0, and the report's table with its "of perftest" column (fabric_bench.py does the work).
 # Two ranks with RDMA: two nodes under Slurm (jobs/fabric-bench.sbatch), or set MPIEXEC for your launcher.
 # Exits 1 with one line where perftest or an RDMA device is missing: a comparison that did not run is not a pass.
-#   scripts/perftest-compare.sh [--rails 2] [--sizes 2K..4M] [--split-min 2048] [fabric-bench flags]
+#   benchmarks/perftest-compare.sh [--rails 2] [--sizes 2K..4M] [--rail-split-min-bytes 2048] [fabric-bench flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec ${MPIEXEC:-.venv/bin/mpiexec -n 2} .venv/bin/python -m rocket_mpi fabric-bench --fabric verbs --perftest "$@"

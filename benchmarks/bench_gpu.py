@@ -4,23 +4,19 @@ Builds Glm4MoeForCausalLM from a synthetic preset (the same tensors `--checkpoin
 this GPU) and times greedy decode steps with a KV cache: median ms/step at each M. Prints one JSON line
 per M (the caller puts it beside rocket_mpi's per-rank table).
 
-python scripts/bench_gpu.py --preset air8 --sweep 1,8 [--experts grouped_mm|eager]
+python benchmarks/bench_gpu.py --preset air8 --sweep 1,8 [--experts grouped_mm|eager]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from rocket_mpi.checkpoint.synthetic import SyntheticReader  # noqa: E402
-from rocket_mpi.prompts import default_prompts  # noqa: E402
+from rocket_mpi.checkpoint.synthetic import SyntheticReader
+from rocket_mpi.runtime.prompts import default_prompts
 
 
 def build(preset: str, experts_impl: str):

@@ -1,30 +1,27 @@
-"""A whole long decode run on the graphed path, per ROCKET_GRAPH_SPANS variant, in one process (not a test).
+"""A whole long decode run on the graphed path, per variant, in one process (not a test).
 
-    python scripts/bench_long_run.py preset:glm5-4l:nvfp4 --sweep 1,8 --tokens 2000 \
-        capacity:ROCKET_GRAPH_SPANS=capacity auto:ROCKET_GRAPH_SPANS=auto
+    python benchmarks/bench_long_run.py preset:glm5-4l:nvfp4 --sweep 1,8 --tokens 2000 \
+        main spans1k:graph_spans=1024
 
-`scripts/ab_decode.py` times the steady replays of short runs; this times what a user's long run costs end to end:
+`benchmarks/ab_decode.py` times the steady replays of short runs; this times what a user's long run costs end to end:
 every decode step, the steps that run eagerly and capture a graph where the step's span grows (graph.span_for),
-and the decode seconds in all. Variants are NAME[:ENV=VALUE,...] as in ab_decode (its AB_STACK / AB_ROPE too), run round after round in a
-rotated order (a long run heats the GPU: the variant run second would pay for it). Prints per M and variant: the
-decode seconds of each round (steps 1..n-1), the median ms per step over the same windows of steps for every
-variant (1-255, 256-511, ...: the positions grow with the step), the spans taken, and the ms of the steps that ran
-eagerly or captured (the first two of each span, summed, mean over rounds).
+and the decode seconds in all. Variants are NAME[:KEY=VALUE,...] as in ab_decode (steps_ahead, graph_spans,
+experts_pdl, mlp_pdl, linear_split, mlp_split; a bare NAME: the defaults), run round after round in a rotated order
+(a long run heats the GPU: the variant run second would pay for it). Prints per M and variant: the decode seconds of
+each round (steps 1..n-1), the median ms per step over the same windows of steps for every variant (1-255, 256-511,
+...: the positions grow with the step), the spans taken, and the ms of the steps that ran eagerly or captured (the
+first two of each span, summed, mean over rounds).
 """
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rocket_mpi.checkpoint.synthetic import SyntheticReader
+from rocket_mpi.runtime.decode import pick_device
+from rocket_mpi.runtime.engine import Engine
+from rocket_mpi.runtime.prompts import default_prompts
 
-from ab_decode import parse_variant, rotated_runs, under_ab_switches, variant_args  # noqa: E402
-
-from rocket_mpi.checkpoint.synthetic import SyntheticReader  # noqa: E402
-from rocket_mpi.engine import Engine  # noqa: E402
-from rocket_mpi.prompts import default_prompts  # noqa: E402
-from rocket_mpi.run import _pick_device  # noqa: E402
+from ab_decode import parse_variant, rotated_runs, variant_args  # beside this file
 
 
 def windows(n: int) -> list[tuple[int, int]]:
@@ -44,7 +41,7 @@ def main() -> int:
                                                       "check of the script, not a benchmark)")
     a = ap.parse_args()
     variants = [parse_variant(v) for v in a.variants]
-    dev = _pick_device(a.device, None)
+    dev = pick_device(a.device, None)
     eng = Engine(a.checkpoint, reader=SyntheticReader(a.checkpoint, str(dev)), device=str(dev))
     path = eng.set_decode_path("graph" if dev.type == "cuda" else "device", "local")
     wins = windows(a.tokens)
@@ -52,8 +49,8 @@ def main() -> int:
     for m in (int(x) for x in a.sweep.split(",")):
         prompts = default_prompts(m, eng.cfg.vocab_size)
         runs: dict[str, list] = {n: [] for n, _ in variants}
-        run = lambda: under_ab_switches(eng.model, lambda: eng.generate(prompts, a.tokens))  # noqa: E731
-        for _, name, res in rotated_runs(variants, a.rounds, run, path):
+        run = lambda: eng.generate(prompts, a.tokens)  # noqa: E731
+        for _, name, res in rotated_runs(eng, variants, a.rounds, run, path):
             runs[name].append(res)
         first = runs[variants[0][0]][0].tokens
         print(f"\nM={m}: prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; median ms per step "

@@ -5,7 +5,7 @@
 # variants share the machine's state and drift. Logs: $OUT/ab_<variant>_r<round>.log (TAG=x: ab_<variant>_x_r...).
 # AB_REUSE=1 keeps the trees and builds of an earlier call (same overlays) and only runs the command.
 #
-#   OUT=/tmp/o scripts/ab_builds.sh [-n ROUNDS] ab/A ab/B -- python3 scripts/bench_experts.py --rows 1,8,16
+#   OUT=/tmp/o benchmarks/ab_builds.sh [-n ROUNDS] ab/A ab/B -- python3 benchmarks/bench_experts.py --rows 1,8,16
 set -u
 OUT=${OUT:-runs/ab}; mkdir -p "$OUT"
 rounds=1

@@ -1,7 +1,7 @@
 """fabric-bench: the transport table of one fabric backend, measured through the fabric classes themselves.
 
     mpiexec -n 2 python -m rocket_mpi fabric-bench --fabric shm|mpi|verbs [--rails ...] [--sizes 2K..4M]
-        [--iters N] [--reps R] [--split-min BYTES] [--plot FILE.png] [--perftest]
+        [--iters N] [--reps R] [--rail-split-min-bytes BYTES] [--plot FILE.png] [--perftest]
 
 Columns, medians over --reps repetitions, printed by rank 0:
   oneway GB/s   rank 0 streams --iters messages (default: 64 MiB worth, 100..5000) to rank 1; bytes over the

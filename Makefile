@@ -11,16 +11,18 @@ PYVERBS := /usr/lib/python3/dist-packages/pyverbs
 
 setup: .venv/.ready
 
-.venv/.ready: setup.cfg setup.py
+.venv/.ready: pyproject.toml setup.cfg setup.py
 	python3 -m venv .venv
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0 numpy safetensors mpi4py mpich tokenizers tqdm pytest transformers==5.24.0 matplotlib
+	$(PIP) install --upgrade pip setuptools wheel
+	@# The CPU torch this venv is checked with (setup.cfg declares the range, torch>=2.4,<3), first: the
+	@# --no-build-isolation install below runs setup.py with it. Every other dependency and pin: setup.cfg.
+	$(PIP) install torch==2.13.0
 	@# Debian's pyverbs (the PyPI sdist does not build here); optional: only the verbs fabric needs it
 	@if [ ! -d $(PYVERBS) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	  (apt-get update -qq && apt-get install -y -qq python3-pyverbs perftest >/dev/null) || echo "note: apt-get could not install python3-pyverbs; the verbs fabric will be unavailable"; fi
+	  (apt-get update && apt-get install -y python3-pyverbs perftest) || echo "note: apt-get could not install python3-pyverbs; the verbs fabric will be unavailable"; fi
 	@if [ -d $(PYVERBS) ]; then ln -sfn $(PYVERBS) $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs; \
 	  else echo "note: $(PYVERBS) not found; the verbs fabric will be unavailable"; fi
-	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PIP) install --no-build-isolation -e '.[test,bench]'
 	touch $@
 
 $(CKPT)/config.json: | setup
@@ -38,12 +40,14 @@ test: setup
 static-fire: setup $(CKPT)/config.json
 	$(PY) -m rocket_mpi static-fire --checkpoint $(CKPT) --ranks $(RANKS) --sweep 1,8 --tokens 20
 
+# the transport tables of the CPU fabrics, each with its plot (runs/fabric-bench-NAME.png)
 fabric-bench: setup
-	$(MPI) -n 2 $(PY) -m rocket_mpi fabric-bench --fabric shm
-	$(MPI) -n 2 $(PY) -m rocket_mpi fabric-bench --fabric mpi
+	@mkdir -p runs
+	$(MPI) -n 2 $(PY) -m rocket_mpi fabric-bench --fabric shm --plot runs/fabric-bench-shm.png
+	$(MPI) -n 2 $(PY) -m rocket_mpi fabric-bench --fabric mpi --plot runs/fabric-bench-mpi.png
 
 bench: setup $(CKPT)/config.json
-	$(PY) scripts/bench.py --checkpoint $(CKPT)
+	$(PY) benchmarks/bench.py --checkpoint $(CKPT)
 
 # compile the CUDA sources with plain nvcc (no GPU needed) and parse bindings.cpp against torch's
 # headers; CI runs this where nvcc exists

@@ -119,6 +119,6 @@ def test_job_and_script_are_thin():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     job = open(os.path.join(root, "jobs", "fabric-bench.sbatch")).read()
     assert "#SBATCH --nodes=2" in job and "--ntasks-per-node=1" in job
-    assert "fabric-bench --fabric verbs" in job and "--perftest" in job
+    assert "fabric-bench --fabric auto" in job and "--fabric verbs --perftest" in job and "rdma_ready" in job
     script = os.path.join(root, "benchmarks", "perftest-compare.sh")
     assert os.access(script, os.X_OK) and "fabric-bench --fabric verbs --perftest" in open(script).read()

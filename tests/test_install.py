@@ -76,8 +76,8 @@ def installed(tmp_path_factory):
     t0 = time.monotonic()
     r = _run([*pip, "install", torch_pin], 900, env=env, cwd=work)
     if r.returncode != 0:
-        _skip(f"pip install {torch_pin} failed in a fresh venv (no package index / network?): "
-              f"{_tail(r.stdout + r.stderr, 3)}")
+        _skip(f"pip install {torch_pin} (this suite's torch) failed in a fresh venv (no package index or network, "
+              f"or a local build the index does not have): {_tail(r.stdout + r.stderr, 3)}")
     t_torch = time.monotonic() - t0
     shutil.copytree(ROOT, src, ignore=IGNORE, symlinks=True)
     t0 = time.monotonic()

@@ -87,9 +87,10 @@ def _env_sh(tmp_path, srun_list, **env):
     (fake / "srun").write_text("#!/bin/sh\nprintf '%s\\n' 'MPI plugin types are...' " +
                                " ".join(f"'\t{t}'" for t in srun_list) + "\n")
     (fake / "srun").chmod(0o755)
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_", "ROCKET_"))}
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_", "ROCKET_", "MPIR_CVAR_"))}
     e.update(PATH=f"{fake}:{os.environ['PATH']}", ROCKET_RUNS=str(tmp_path / "runs"), **env)
-    script = f'set -euo pipefail; . "{ENV_SH}"; echo "MPI=${{SLURM_MPI_TYPE:-}} RUNS=$RUNS PWD=$PWD"; ' \
+    script = f'set -euo pipefail; . "{ENV_SH}"; ' \
+             'echo "MPI=${SLURM_MPI_TYPE:-} NETMOD=${MPIR_CVAR_CH4_NETMOD:-} RUNS=$RUNS PWD=$PWD"; ' \
              'rdma_ready && echo RDMA=yes || echo RDMA=no'
     return subprocess.run(["bash", "-c", script], env=e, capture_output=True, text=True, timeout=60)
 
@@ -106,7 +107,9 @@ def test_env_sh_picks_the_srun_mpi_type(tmp_path):
         pytest.skip(".venv's mpi4py does not load MPICH (make setup installs the mpich wheel)")
     r = _env_sh(tmp_path, ["pmix", "none", "cray_shasta", "pmi2"])
     assert r.returncode == 0, r.stderr
-    assert f"MPI=pmi2 RUNS={tmp_path}/runs PWD={ROOT}" in r.stdout, r.stdout
+    # MPICH under srun's pmi2 plugin: the OFI netmod (UCX's address lines overrun the plugin's 1024-byte read)
+    assert f"MPI=pmi2 NETMOD=ofi RUNS={tmp_path}/runs PWD={ROOT}" in r.stdout, r.stdout
+    assert "srun --mpi=pmi2 (MPICH netmod ofi)" in r.stdout, r.stdout
     assert os.path.isdir(tmp_path / "runs")
     if not glob.glob("/sys/class/infiniband/*"):
         assert "RDMA=no" in r.stdout
@@ -117,10 +120,16 @@ def test_env_sh_without_the_mpi_type_leaves_mpidefault_and_says_so(tmp_path):
         pytest.skip(".venv's mpi4py does not load MPICH (make setup installs the mpich wheel)")
     r = _env_sh(tmp_path, ["pmix", "none"])
     assert r.returncode == 0, r.stderr
-    assert "MPI= " in r.stdout and "srun --mpi=list does not offer" in r.stderr, (r.stdout, r.stderr)
+    assert "MPI= NETMOD= " in r.stdout and "srun --mpi=list does not offer" in r.stderr, (r.stdout, r.stderr)
 
 
 def test_env_sh_override(tmp_path):
     r = _env_sh(tmp_path, ["none"], ROCKET_SRUN_MPI="pmix")
     assert r.returncode == 0, r.stderr
-    assert "MPI=pmix " in r.stdout, r.stdout
+    assert "MPI=pmix NETMOD= " in r.stdout, r.stdout
+
+
+def test_env_sh_keeps_a_chosen_netmod(tmp_path):
+    r = _env_sh(tmp_path, ["pmi2"], MPIR_CVAR_CH4_NETMOD="ucx")
+    assert r.returncode == 0, r.stderr
+    assert "NETMOD=ucx " in r.stdout, r.stdout

@@ -21,6 +21,10 @@ def world():
     """COMM_WORLD when started by mpirun/srun, else None (one rank, no MPI at all)."""
     if not launched_by_mpi():
         return None
+    if "PMI_FD" in os.environ:
+        # srun --mpi=pmi2 with the mpich wheel: its UCX transport's start-up lines can pass the 1024 bytes Slurm's
+        # pmi2 plugin reads at once, and a job across nodes then hangs in MPI_Init; OFI's lines are far shorter
+        os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
     try:
         from mpi4py import MPI
     except ImportError as e:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from rocket_mpi.checkpoint.make import all_presets
 from rocket_mpi.config import PREFILL_CHUNK
 from rocket_mpi.runtime.progress import LEVELS
 from rocket_mpi.fabric import BACKENDS
@@ -59,7 +60,7 @@ def fabric_settings(args) -> FabricSettings:
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="Hugging Face checkpoint folder, or preset:NAME[:nvfp4|:nvfp4-all] (random weights made in "
-                        "memory)")
+                        f"memory; presets: {', '.join(all_presets())})")
     p.add_argument("--tokens", type=pos_int, default=20, help="tokens to generate per stream")
     p.add_argument("--prompts", help="JSON list of token-id lists (or strings, with tokenizer.json)")
     p.add_argument("--placement", help="JSON: MoE layer (or \"default\") -> rank of each expert")

@@ -133,6 +133,8 @@ def test_bad_prompts_file(capsys, ckpt, tmp_path):
     (["static-fire", "--checkpoint", "x", "--ranks", "2", "--sweep", "1,a"], "--sweep"),
     (["decode"], "--checkpoint"),
     (["make-checkpoint", "--out", "/tmp/x", "--preset", "huge"], "huge"),
+    (["decode", "--checkpoint", "x", "--fabric-timeout", "inf"], "--fabric-timeout"),  # a wait with no end
+    (["fabric-bench", "--timeout", "0"], "--fabric-timeout"),
 ])
 def test_bad_flags(capsys, argv, needle):
     assert_one_line(*run_cli(capsys, *argv), needle)
@@ -190,3 +192,23 @@ def test_bad_environment_setting(capsys, ckpt, monkeypatch, name, value):
     ROCKET_FAULT: KIND:rank=R,step=S): one line naming it before anything loads, on any device."""
     monkeypatch.setenv(name, value)
     assert_one_line(*decode(capsys, ckpt), name, repr(value))
+
+
+@pytest.mark.parametrize("key,value", [("rms_norm_eps", "1e-5"), ("routed_scaling_factor", "2.5"),
+                                       ("rms_norm_eps", -1.0), ("tie_word_embeddings", "no")])
+def test_config_value_of_the_wrong_type(capsys, ckpt, key, value):
+    """A config.json value of the wrong type is one line naming the file and the key, before anything loads."""
+    path = os.path.join(ckpt, "config.json")
+    cfg = json.load(open(path))
+    cfg[key] = value
+    json.dump(cfg, open(path, "w"))
+    assert_one_line(*decode(capsys, ckpt), "config.json", key)
+
+
+def test_a_file_as_checkpoint(capsys, ckpt):
+    assert_one_line(*decode(capsys, os.path.join(ckpt, "config.json")), "--checkpoint", "a file, not a checkpoint")
+
+
+def test_out_into_a_missing_folder_fails_before_the_run(capsys, ckpt, tmp_path):
+    out = tmp_path / "missing" / "out.json"
+    assert_one_line(*decode(capsys, ckpt, "--out", str(out)), "--out", "does not exist")

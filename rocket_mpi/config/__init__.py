@@ -155,6 +155,9 @@ class ModelConfig:
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str) -> "ModelConfig":
+        if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+            raise ConfigError(f"--checkpoint {ckpt_dir}: a file, not a checkpoint folder (the folder that holds "
+                              f"config.json and the *.safetensors files)")
         path = os.path.join(ckpt_dir, "config.json")
         raw = _read_json(path)
         return cls.from_dict(raw, source=path, quant=read_quant_config(ckpt_dir, raw))
@@ -168,6 +171,13 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"{src}: '{name}' must be a positive integer, got {v!r}")
+        for name in ("rms_norm_eps", "routed_scaling_factor"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v == float("inf"):
+                raise ConfigError(f"{src}: '{name}' must be a positive number, got {v!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{src}: '{name}' must be true or false, got {getattr(self, name)!r}")
         if self.hidden_act != "silu":
             raise ConfigError(f"{src}: hidden_act '{self.hidden_act}' is not supported (only 'silu')")
         if self.num_attention_heads % self.num_key_value_heads:

@@ -31,6 +31,9 @@ def decode(args: RunSettings, settings: Settings, report=None) -> int:
 
 def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
+    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else None
+    if rank == 0 and out_dir and not os.path.isdir(out_dir):  # before the run, not after it
+        raise RocketError(f"--out {args.out}: the folder {out_dir} does not exist")
     fab = args.fabric
     setup_logging(rank, args.log_level)
     log.info(f"rocket_mpi {__version__}: {size} rank(s), device {args.device}, checkpoint {args.checkpoint}")

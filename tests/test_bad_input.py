@@ -212,3 +212,29 @@ def test_a_file_as_checkpoint(capsys, ckpt):
 def test_out_into_a_missing_folder_fails_before_the_run(capsys, ckpt, tmp_path):
     out = tmp_path / "missing" / "out.json"
     assert_one_line(*decode(capsys, ckpt, "--out", str(out)), "--out", "does not exist")
+
+
+@pytest.mark.parametrize("entry", [[], {"dtype": "BF16"}, {"data_offsets": "0,4"}, {"data_offsets": [4]},
+                                   {"data_offsets": [8, 4]}, 7])
+def test_mutated_header_entry_is_one_line(capsys, ckpt, entry):
+    """A safetensors header whose JSON parses but whose tensor entry is malformed: one line naming the file."""
+    path = os.path.join(ckpt, "model.safetensors")
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name] = entry
+    new = json.dumps(header).encode()
+    new += b" " * max(0, n - len(new))
+    open(path, "wb").write(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+    assert_one_line(*decode(capsys, ckpt), "model.safetensors")
+
+
+def test_nan_in_a_bf16_expert_weight(capsys, ckpt):
+    """One NaN in one BF16 expert weight would turn every token into 0 with exit 0: the load names the tensor."""
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+
+    def f(t):
+        t[name][0, 0] = float("nan")
+    edit_tensors(ckpt, f)
+    assert_one_line(*decode(capsys, ckpt), name, "NaN or Inf")

@@ -121,12 +121,13 @@ class CheckpointReader:
                                   f"expected {want}")
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{path}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
-        if finite and t.is_floating_point() and not torch.isfinite(t.float()).all():
+        if finite and t.is_floating_point() and not torch.isfinite(t.float() if t.element_size() == 1 else t).all():
             raise CheckpointError(f"{path}: tensor '{name}' holds NaN or Inf")
         return t
 
     def get_float(self, name: str, shape: tuple[int, ...], dtype=torch.bfloat16) -> torch.Tensor:
-        return self.get(name, shape, (torch.bfloat16, torch.float32, torch.float16)).to(dtype)
+        # finite: a NaN or inf weight would decode garbage with exit 0; one pass over what is read anyway
+        return self.get(name, shape, (torch.bfloat16, torch.float32, torch.float16), finite=True).to(dtype)
 
     def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
         """A Linear at `prefix` ([out, in]), BF16 or NVFP4 as the checkpoint stores it."""
@@ -191,6 +192,17 @@ def _check_safetensors_file(path: str) -> None:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: garbled safetensors header (not JSON)") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: garbled safetensors header (a JSON {type(header).__name__}, not an object)")
+    end = 0
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        offs = v.get("data_offsets") if isinstance(v, dict) else None
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) and o >= 0 for o in offs)
+                or offs[0] > offs[1]):
+            raise CheckpointError(f"{path}: garbled safetensors header: tensor '{k}' has no valid data_offsets "
+                                  f"({offs!r})")
+        end = max(end, offs[1])
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated safetensors file: data ends at byte {8 + n + end}, file has {size}")

@@ -137,3 +137,16 @@ def test_ranks_on_two_hosts_choose_mpi_and_refuse_shm(tiny_ckpt, tmp_path):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "fabric shm needs all ranks on one host, these span 2 hosts" in lines[0], r.stderr
+
+
+def test_rank_that_never_starts_ends_mpi_init_with_one_line(tiny_ckpt):
+    """A rank of the job that never reaches MPI_Init (here: a process that only sleeps) would hold the others in
+    MPI_Init for ever: they give up after --startup-timeout with one line naming the rank."""
+    cmd = launch.launcher() + ["-n", "1", sys.executable, "-m", "rocket_mpi", *decode_args(tiny_ckpt, "shm"),
+                               "--startup-timeout", "4", ":", "-n", "1", sys.executable, "-c",
+                               "import time; time.sleep(60)"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=launch.clean_env(), cwd=ROOT,
+                       start_new_session=True)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1 and "rank 0: MPI_Init did not complete in 4 s" in lines[0], r.stderr

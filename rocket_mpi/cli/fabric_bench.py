@@ -98,7 +98,7 @@ def add_parser(sub, formatter) -> None:
 
 # -- entry -----------------------------------------------------------------------------------------------
 def main(args, settings: Settings) -> int:
-    comm = world()
+    comm = world(max(args.fabric_timeout, 60.0))
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
     if size != 2:
         if rank == 0:

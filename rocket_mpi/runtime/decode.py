@@ -25,7 +25,7 @@ from rocket_mpi.settings import RunSettings, Settings
 def decode(args: RunSettings, settings: Settings, report=None) -> int:
     """Run one decode (alone, or as one rank under mpirun): bootstrap, load this rank's share, decode, gather.
     Rank 0 writes args.out and calls report(doc, cfg) with the run's document (cli/report.py prints it)."""
-    comm = world()
+    comm = world(args.startup_timeout)
     return run_guarded(comm, "rocket_mpi", lambda: _decode(args, settings, comm, report))
 
 

@@ -5,6 +5,7 @@ Nothing here runs on the per-layer path (except the mpi fabric, which is its own
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -17,19 +18,47 @@ def launched_by_mpi() -> bool:
     return any(v in os.environ for v in _MPI_ENV)
 
 
-def world():
-    """COMM_WORLD when started by mpirun/srun, else None (one rank, no MPI at all)."""
+_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK")
+
+
+def world(timeout: float = 600.0):
+    """COMM_WORLD when started by mpirun/srun, else None (one rank, no MPI at all). MPI_Init (the mpi4py import)
+    waits for every rank of the job: one that never starts would hold the others there for ever, so a rank still
+    in it after `timeout` seconds says so and exits."""
     if not launched_by_mpi():
         return None
     if "PMI_FD" in os.environ:
         # srun --mpi=pmi2 with the mpich wheel: its UCX transport's start-up lines can pass the 1024 bytes Slurm's
         # pmi2 plugin reads at once, and a job across nodes then hangs in MPI_Init; OFI's lines are far shorter
         os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
+    rank = next((os.environ[k] for k in _RANK_ENV if k in os.environ), "?")
+    # MPI_Init holds the interpreter: the watchdog is a process of its own, which ends this one if init outlasts
+    # the timeout, and is itself ended as soon as init returns
+    msg = (f"rocket_mpi: error: rank {rank}: MPI_Init did not complete in {timeout:g} s: a rank of the job did not "
+           f"start, or the launcher cannot reach it (--startup-timeout)")
+    guard = subprocess.Popen([sys.executable, "-c", _INIT_WATCHDOG, str(os.getpid()), str(timeout), msg],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
         from mpi4py import MPI
     except ImportError as e:
         raise RocketError(f"started under an MPI launcher but mpi4py cannot be imported ({e})") from None
+    finally:
+        guard.kill()
+        guard.wait()
     return MPI.COMM_WORLD
+
+
+_INIT_WATCHDOG = """
+import os, signal, sys, time
+pid, timeout, msg = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+end = time.monotonic() + timeout
+while time.monotonic() < end:
+    time.sleep(0.2)
+    if os.getppid() != pid:
+        sys.exit(0)
+print(msg, file=sys.stderr, flush=True)
+os.kill(pid, signal.SIGKILL)
+"""
 
 
 def local_rank(comm) -> int:

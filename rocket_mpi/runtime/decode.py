@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sys
 
 import torch
@@ -82,6 +83,10 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     log.info(f"fabric {fabric_name}" + (" (--fabric auto)" if fab.name == "auto" else "") + "; loading this "
              "rank's share of the checkpoint")
     handshake(comm, facts, args.startup_timeout)
+    if comm is not None:  # a launcher names a dead rank by its PID alone: which rank that is, once
+        with watchdog(comm, args.startup_timeout, "naming the ranks"):
+            where = comm.allgather((socket.gethostname(), os.getpid()))
+        log.info("ranks: " + ", ".join(f"{r} = pid {pid} on {host}" for r, (host, pid) in enumerate(where)))
 
     engine = _collective(comm, args.startup_timeout, "checkpoint loading",
                          lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
@@ -201,7 +206,6 @@ def pick_device(name: str, comm):
 def gpu_identity(device) -> tuple[str, str, int]:
     """(host, the GPU's UUID, its index here): the same physical GPU reads the same whatever
     CUDA_VISIBLE_DEVICES each rank was given."""
-    import socket
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     return socket.gethostname(), str(uuid) if uuid is not None else f"index {device.index}", device.index
 

@@ -1,5 +1,6 @@
 """A dead or stalled peer, a mismatched rank, or a rank whose share does not fit its memory: the job ends
 non-zero with a line naming it, no hang."""
+import os
 import shutil
 import subprocess
 import sys
@@ -150,3 +151,17 @@ def test_rank_that_never_starts_ends_mpi_init_with_one_line(tiny_ckpt):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "rank 0: MPI_Init did not complete in 4 s" in lines[0], r.stderr
+
+
+def test_same_shapes_other_weights_refuse_to_start(tmp_path):
+    """A rank given a checkpoint of the same shapes and headers but other weights (another seed) would decode
+    wrong tokens with exit 0: the fingerprint samples each file's data, so the handshake names it."""
+    from rocket_mpi.checkpoint.make import make_checkpoint
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_checkpoint("tiny", str(a), 0, False, False, 1)
+    make_checkpoint("tiny", str(b), 1, False, False, 1)
+    assert os.path.getsize(a / "model.safetensors") == os.path.getsize(b / "model.safetensors")
+    r = _mpmd([decode_args(str(a), "shm"), decode_args(str(b), "shm")])
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1 and "rank 1 differs from rank 0 in checkpoint fingerprint" in lines[0], r.stderr

@@ -27,7 +27,7 @@ def world(timeout: float = 600.0):
     in it after `timeout` seconds says so and exits."""
     if not launched_by_mpi():
         return None
-    if "PMI_FD" in os.environ and "SLURM_STEP_ID" in os.environ:
+    if "PMI_FD" in os.environ:
         # srun --mpi=pmi2 with the mpich wheel: its UCX transport's start-up lines can pass the 1024 bytes Slurm's
         # pmi2 plugin reads at once, and a job across nodes then hangs in MPI_Init; OFI's lines are far shorter
         os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
@@ -68,34 +68,17 @@ def local_rank(comm) -> int:
     return comm.Split_type(MPI.COMM_TYPE_SHARED).rank
 
 
-ARRIVAL_TAG = 31999  # wait_all's arrival notes to rank 0 (COMM_WORLD; the fabrics use communicators of their own)
-
-
 def wait_all(comm, timeout: float, what: str) -> None:
-    """A barrier that gives up after `timeout` s, naming what it waited for. Every rank also tells rank 0 it
-    arrived, so on a timeout rank 0 names the ranks that never did."""
+    """A barrier that gives up after `timeout` s, naming what it waited for."""
     if comm is None or comm.size == 1:
         return
-    if comm.rank == 0:
-        notes = {r: comm.irecv(source=r, tag=ARRIVAL_TAG) for r in range(1, comm.size)}
-    else:
-        note = comm.isend(None, dest=0, tag=ARRIVAL_TAG)
     req = comm.Ibarrier()
     deadline = time.monotonic() + timeout
     while not req.Test():
         if time.monotonic() > deadline:
-            missing = ""
-            if comm.rank == 0:
-                late = [r for r, n in notes.items() if not n.test()[0]]
-                missing = f" (not there: rank {', '.join(map(str, late))})" if late else ""
             raise RocketError(f"rank {comm.rank}: timed out after {timeout:g} s waiting for all ranks to reach "
-                              f"{what}{missing}")
+                              f"{what}")
         time.sleep(1e-3)
-    if comm.rank == 0:
-        for n in notes.values():
-            n.wait()
-    else:
-        note.wait()
 
 
 def handshake(comm, facts: dict, timeout: float) -> None:

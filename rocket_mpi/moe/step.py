@@ -34,6 +34,7 @@ class HostMoE:
 
     def __init__(self, engine):
         self.engine = engine
+        self.scatter_kernel = ops.on_gpu(engine.device)  # decided once, not per layer
         self.reset()
 
     def reset(self) -> None:
@@ -64,7 +65,7 @@ class HostMoE:
         self.rows_total += plan.rows
         self.expert_bytes += len(plan.segments[e.rank]) * store.read_bytes_per_expert
         # on a GPU the scatter kernel: bitwise the torch reference (tests), fewer launches
-        routed = (ops.moe_scatter_add(rows, plan.by_token, plan.coef) if ops.on_gpu(rows.device)
+        routed = (ops.moe_scatter_add(rows, plan.by_token, plan.coef) if self.scatter_kernel
                   else ops.moe_scatter_add_ref(rows, plan.by_token, plan.coef))
         if shared is None:
             return routed

@@ -110,3 +110,10 @@ class RunSettings:
     fabric: FabricSettings = FabricSettings()
     log_level: str = "info"          # debug, info, warning, error
     progress: bool = True            # rank 0's progress bars (off with --quiet)
+    temperature: float = 0.0         # 0: greedy (runtime/sampling.py)
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0                    # stream s of the prompts draws with seed + s
+    stop: tuple[str, ...] = ()       # strings that end a stream (besides the checkpoint's end-of-text ids)
+    ignore_eos: bool = False         # fixed lengths: only --tokens ends a stream
+    chat: str | None = None          # a JSON file of conversations, rendered with the checkpoint's chat template

@@ -83,14 +83,18 @@ def test_prefill_in_row_blocks_matches_one_block(ckpt_name, device, cut, request
 
 
 def test_prefill_chunks_cut_the_packed_prompts():
+    """Each stream's prompt is cut at multiples of the chunk from its own start (batch invariance), and a forward
+    packs the pieces that fit."""
     from rocket_mpi.runtime.engine import prefill_chunks
-    assert prefill_chunks([3, 5, 2], 4) == [[3, 1, 0], [0, 4, 0], [0, 0, 2]]
+    assert prefill_chunks([3, 5, 2], 4) == [[3, 0, 0], [0, 4, 0], [0, 1, 2]]
     assert prefill_chunks([10], 4) == [[4], [4], [2]] and prefill_chunks([1, 1, 1], 8) == [[1, 1, 1]]
     assert prefill_chunks([4, 4], 4) == [[4, 0], [0, 4]]
     for lens, c in (([7, 1, 12, 3], 5), ([1] * 9, 2), ([30], 7)):
         chunks = prefill_chunks(lens, c)
         assert [sum(col) for col in zip(*chunks)] == lens and all(0 < sum(ch) <= c for ch in chunks)
-        assert len(chunks) == -(-sum(lens) // c)
+        for s, n in enumerate(lens):  # the stream's own cuts: pieces of c tokens, then the rest
+            pieces = [ch[s] for ch in chunks if ch[s]]
+            assert pieces == [c] * (n // c) + ([n % c] if n % c else [])
     with pytest.raises(ValueError, match="at least 1"):
         prefill_chunks([3], 0)
 
@@ -122,7 +126,7 @@ def test_chunked_prefill_matches_one_forward(ckpt_name, request, monkeypatch):
     want, states_w = prefill(4096)
     assert len(calls) == 2
     got, states_g = prefill(9)
-    assert len(calls) == 2 + 1 + 5 and calls[3:] == [[9, 0, 0], [4, 4, 1], [0, 0, 9], [0, 0, 9], [0, 0, 3]]
+    assert len(calls) == 2 + 1 + 5 and calls[3:] == [[9, 0, 0], [4, 4, 0], [0, 0, 9], [0, 0, 9], [0, 0, 4]]
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     err = float((got - want).abs().max())
     assert err <= 2.0 ** -7 * float(want.abs().max()), f"max |diff| {err:.3e} of {float(want.abs().max()):.3e}"

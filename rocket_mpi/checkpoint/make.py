@@ -139,6 +139,7 @@ def write_checkpoint(out_dir: str, cfg: dict, tensors: dict[str, torch.Tensor], 
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     if tokenizer:
         write_tokenizer(out_dir, cfg["vocab_size"])
+        write_chat_files(out_dir, cfg)
 
 
 def _readable(path: str) -> None:
@@ -150,14 +151,46 @@ def _readable(path: str) -> None:
 
 def write_tokenizer(out_dir: str, vocab_size: int) -> None:
     """A byte-level BPE trained on a fixed paragraph: text in and out, ids within the model's vocab."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<bos>", "<eos>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    # The chat markers become special tokens appended after the trained ids (which they leave unchanged), but only
+    # where they fit below vocab_size (the embedding's rows); else the chat template's markers stay plain text.
+    if tok.get_vocab_size() + len(CHAT_SPECIAL_TOKENS) <= vocab_size:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIAL_TOKENS])
     tok.save(os.path.join(out_dir, "tokenizer.json"))
+
+
+# GLM-4.5's chat format in spirit: "[gMASK]<sop>", then "<|role|>\n" + content per message, then "<|assistant|>\n"
+CHAT_SPECIAL_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role ' ~ message['role'] ~ ' is not one of system, user, assistant') }}"
+    "{% endif %}"
+    "{{ '<|' ~ message['role'] ~ '|>\\n' ~ message['content'] }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def write_chat_files(out_dir: str, cfg: dict) -> None:
+    """tokenizer_config.json (the chat template, bos/eos tokens) and generation_config.json, as HF stores them."""
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+                   "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}, f, indent=2)
+    eos = cfg.get("eos_token_id")
+    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    gen = {"eos_token_id": eos}
+    if cfg.get("bos_token_id") is not None:
+        gen["bos_token_id"] = cfg["bos_token_id"]
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2)
 
 
 MAX_DISK_BYTES = 64 * 2**30

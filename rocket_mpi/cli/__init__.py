@@ -1,4 +1,4 @@
-"""python -m rocket_mpi {decode, static-fire, make-checkpoint, fabric-bench}: the command-line contract.
+"""python -m rocket_mpi {decode, static-fire, serve, make-checkpoint, fabric-bench}: the command-line contract.
 
 The flags are parsed here, once, into typed settings (settings.py: RunSettings, FabricSettings, and the
 environment's Settings); every layer below takes what it needs of them explicitly.
@@ -12,11 +12,13 @@ import time
 from rocket_mpi import __version__
 from rocket_mpi.checkpoint.make import all_presets, make_checkpoint
 from rocket_mpi.cli import fabric_bench
-from rocket_mpi.cli.flags import add_run_flags, int_list, pos_int, run_settings
+from rocket_mpi.cli.flags import (add_run_flags, add_serve_flags, int_list, pos_int, run_settings, serve_run_settings,
+                                  serve_settings)
 from rocket_mpi.cli.report import print_report
 from rocket_mpi.cli.static_fire import static_fire
 from rocket_mpi.errors import RocketError
 from rocket_mpi.runtime.decode import decode
+from rocket_mpi.serve import serve
 from rocket_mpi.settings import Settings
 
 PROG = "rocket_mpi"
@@ -63,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--shards", type=pos_int, default=1)
 
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the split (alone, or under mpirun -np N)",
+                       formatter_class=_Help)
+    add_serve_flags(v)
+
     fabric_bench.add_parser(sub, _Help)
     return ap
 
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return _guard(lambda: static_fire(args, settings))
     if args.cmd == "fabric-bench":
         return fabric_bench.main(args, settings)
+    if args.cmd == "serve":
+        return serve(serve_run_settings(args), serve_settings(args), settings)
     if args.cmd == "decode":
         run = run_settings(args, args.sweep or [args.streams])
         return decode(run, settings, report=None if args.quiet else print_report)

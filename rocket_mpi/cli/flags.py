@@ -7,6 +7,7 @@ from rocket_mpi.checkpoint.make import all_presets
 from rocket_mpi.config import PREFILL_CHUNK
 from rocket_mpi.runtime.progress import LEVELS
 from rocket_mpi.fabric import BACKENDS
+from rocket_mpi.serve import ServeSettings
 from rocket_mpi.settings import FabricSettings, RunSettings
 
 
@@ -37,6 +38,33 @@ def pos_float(s: str) -> float:
         raise argparse.ArgumentTypeError(f"invalid number: '{s}'") from None
     if not 0 < v < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s}")
+    return v
+
+
+def nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: '{s}'") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
+
+
+def unit_float(s: str) -> float:
+    v = nonneg_float(s)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
+    return v
+
+
+def nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: '{s}'") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
@@ -75,8 +103,58 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=pos_int, default=PREFILL_CHUNK,
                    help="prompt tokens per prefill forward, all streams together: longer prompts are prefilled in "
                         "chunks, which bounds the prefill's memory and the fabric's row buffers")
+    p.add_argument("--chat", help="JSON list of conversations (lists of {role, content} messages), rendered with the "
+                                  "checkpoint's chat template (instead of --prompts)")
+    g = p.add_argument_group("sampling and stopping (greedy and end-of-text by default)")
+    g.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=unit_float, default=1.0, help="keep the most likely tokens up to this mass")
+    g.add_argument("--top-k", type=nonneg_int, default=0, help="keep this many most likely tokens (0: all)")
+    g.add_argument("--seed", type=int, default=0, help="stream s draws with seed + s, from (seed, position) alone")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a stream once its text holds TEXT (repeatable; needs tokenizer.json)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not end streams at the checkpoint's end-of-text ids (fixed lengths, for benchmarks)")
     p.add_argument("--log-level", default="info", choices=LEVELS,
                    help="what the ranks log on stderr (rank 0 from this level, the others warnings and errors)")
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint folder, or preset:NAME[:nvfp4]")
+    p.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on")
+    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--max-streams", type=pos_int, default=8,
+                   help="stream slots decoded together; more requests wait for a free slot")
+    p.add_argument("--max-model-len", type=pos_int, default=None,
+                   help="positions per slot, prompt and completion together (default: the model's, at most 8192)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the checkpoint folder's)")
+    p.add_argument("--placement", help="JSON: MoE layer (or \"default\") -> rank of each expert")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=pos_int, default=1, help="torch threads per rank")
+    p.add_argument("--startup-timeout", type=pos_float, default=600.0, help="seconds to wait for all ranks to load")
+    add_fabric_flags(p)
+    p.add_argument("--prefill-chunk", type=pos_int, default=PREFILL_CHUNK, help="prompt tokens per prefill forward")
+    p.add_argument("--log-level", default="info", choices=LEVELS)
+
+
+def port_number(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port: '{s}'") from None
+    if not 0 <= v < 65536:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {v}")
+    return v
+
+
+def serve_run_settings(args) -> RunSettings:
+    return RunSettings(checkpoint=args.checkpoint, streams=(), tokens=1, placement=args.placement, device=args.device,
+                       threads=args.threads, startup_timeout=args.startup_timeout, decode_path="host",
+                       prefill_chunk=args.prefill_chunk, fabric=fabric_settings(args), log_level=args.log_level,
+                       progress=True)
+
+
+def serve_settings(args) -> ServeSettings:
+    return ServeSettings(args.host, args.port, args.max_streams, args.max_model_len or 0, args.served_model_name)
 
 
 def run_settings(args, streams: list[int]) -> RunSettings:
@@ -85,4 +163,19 @@ def run_settings(args, streams: list[int]) -> RunSettings:
                        startup_timeout=args.startup_timeout, decode_path=args.decode_path,
                        prefill_chunk=args.prefill_chunk, out=getattr(args, "out", None), fabric=fabric_settings(args),
                        log_level="warning" if getattr(args, "quiet", False) else args.log_level,
-                       progress=not getattr(args, "quiet", False))
+                       progress=not getattr(args, "quiet", False), temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                       ignore_eos=args.ignore_eos, chat=args.chat)
+
+
+def sampling_args(args) -> list[str]:
+    """The sampling and stopping flags as given, for a command that starts decode runs (static-fire)."""
+    a = ["--temperature", repr(args.temperature), "--top-p", repr(args.top_p), "--top-k", str(args.top_k),
+         "--seed", str(args.seed)]
+    for st in args.stop:
+        a += ["--stop", st]
+    if args.ignore_eos:
+        a.append("--ignore-eos")
+    if args.chat:
+        a += ["--chat", args.chat]
+    return a

@@ -7,6 +7,7 @@ import os
 import tempfile
 
 from rocket_mpi.cli import launch
+from rocket_mpi.cli.flags import sampling_args
 from rocket_mpi.errors import RocketError
 from rocket_mpi.settings import Settings
 
@@ -19,7 +20,7 @@ def _decode_args(args, sweep, out):
          "--log-level", args.log_level]
     if args.prompts:
         a += ["--prompts", args.prompts]
-    return a
+    return a + sampling_args(args)
 
 
 def static_fire(args, settings: Settings) -> int:
@@ -56,11 +57,13 @@ def compare(ref_doc: dict, split_doc: dict):
         for s, (a, b) in enumerate(zip(rr["tokens"], sr["tokens"])):
             if a != b:
                 bad.add(s)
-                step = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                # the first token that differs, or where one stream ended (a stop) and the other went on
+                step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                 if first is None or (rr["streams"], step) < (first["M"], first["step"]):
-                    first = {"M": rr["streams"], "stream": s, "step": step, "ref": a[step], "split": b[step],
-                             "ref_crc": rr["row_checksums"]["0"][step],
-                             "split_crc": {k: v[step] for k, v in sr["row_checksums"].items()}}
+                    pick = lambda xs, i: xs[i] if i < len(xs) else "(ended)"  # noqa: E731
+                    first = {"M": rr["streams"], "stream": s, "step": step, "ref": pick(a, step),
+                             "split": pick(b, step), "ref_crc": pick(rr["row_checksums"]["0"], step),
+                             "split_crc": {k: pick(v, step) for k, v in sr["row_checksums"].items()}}
     return bad, total, first
 
 
@@ -70,7 +73,7 @@ def report(ref_doc: dict, split_doc: dict, ranks: int) -> int:
         return 1
     bad, total, first = compare(ref_doc, split_doc)
     sweep = ",".join(str(r["streams"]) for r in ref_doc["runs"])
-    where = f"{ranks} ranks, fabric {split_doc['fabric']}, sweep M={sweep}, {len(ref_doc['runs'][0]['tokens'][0])} tokens"
+    where = f"{ranks} ranks, fabric {split_doc['fabric']}, sweep M={sweep}, {max(len(t) for t in ref_doc['runs'][0]['tokens'])} tokens"
     if not bad:
         print(f"STATIC FIRE PASS: 0/{total} streams mismatched ({where})")
         return 0

@@ -19,3 +19,27 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def clear_stream(cache, s: int) -> None:
+    """Empty stream slot `s` of any model's cache (KV rows, latents, indexer keys, recurrent states, its length):
+    every tensor the cache holds whose first dimension is its streams has row `s` zeroed, so a slot reused for a
+    new stream starts exactly as a fresh cache does."""
+    m, seen = cache.streams, set()
+
+    def visit(obj):
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() and obj.shape[0] == m:
+                obj[s].zero_()
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                visit(o)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                visit(o)
+        elif hasattr(obj, "__dict__") and id(obj) not in seen:
+            seen.add(id(obj))
+            for o in vars(obj).values():
+                visit(o)
+
+    visit(cache)

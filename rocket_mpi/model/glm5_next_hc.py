@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rocket_mpi import ops
+from rocket_mpi.model.layers import linear_rows
 
 
 @dataclass
@@ -50,7 +51,7 @@ def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs, fuse: bool = F
     t, n, _ = streams.shape
     flat = streams.reshape(t, -1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + a.norm_eps)      # unweighted RMSNorm
-    mix = F.linear(flat, hc.fn)                                                       # [T, (2+N)*N]
+    mix = linear_rows(flat, hc.fn)                                                      # [T, (2+N)*N]
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
     pre_s, post_s, comb_s = hc.scale.unbind(0)

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_input_linears, linears,
+from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_input_linears, linear_rows, linears,
                                      matmul_fp32, norm_of, prefill_blocks, rms_norm)
+from rocket_mpi.ops.select import topk_first
 
 DT = torch.bfloat16
 
@@ -143,7 +144,7 @@ def _pick(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Ten
     index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                          # [R, P]
     candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]       # pool's last token <= p
     index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
-    chosen = index.topk(min(a.index_topk // kp, pools), dim=-1).indices
+    chosen = topk_first(index, min(a.index_topk // kp, pools))[1]
     return chosen, candidate.gather(1, chosen)
 
 
@@ -164,10 +165,9 @@ def _pool_cols(chosen: torch.Tensor, taken: torch.Tensor, pos: torch.Tensor,
     return cols, valid
 
 
-def _pool_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, a: MlaArgs) -> None:
-    """The key of every pool that this step's token completes (one token per stream at pos [M])."""
-    m, kp, dev = pos.shape[0], a.kpool, pos.device
-    idx = torch.arange(m, device=dev)
+def _pool_decode(ix: Indexer, c: MlaCache, pos: torch.Tensor, a: MlaArgs, idx: torch.Tensor) -> None:
+    """The key of every pool that this step's token completes (one token for each stream idx [M] at pos [M])."""
+    kp, dev = a.kpool, pos.device
     j = pos // kp                                                    # the pool this token falls in
     complete = (pos + 1) % kp == 0
     rows = (j[:, None] * kp + torch.arange(kp, device=dev)).clamp(max=c.index_k.shape[1] - 1)  # [M, kp]
@@ -187,8 +187,10 @@ def _chosen_all(pos: torch.Tensor, span: int, a: MlaArgs) -> torch.Tensor:
 
 
 def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: int, args: MlaArgs,
-               shared: tuple[torch.Tensor, torch.Tensor] | None, fused: bool = False) -> tuple[torch.Tensor, tuple]:
-    """One new token per stream at positions pos [M] (device), batched over streams with fixed shapes:
+               shared: tuple[torch.Tensor, torch.Tensor] | None, fused: bool = False,
+               streams: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+    """One new token per stream at positions pos [M] (device), batched over streams with fixed shapes (streams: the
+    cache's streams they are, default all of them in order; a host-path step of the streams that go on):
     h [M, H] -> ([M, H] BF16, its selection (cols, valid) [M, n_cols], which a "shared" layer reuses). Each
     stream's chosen pools and tail (_pool_cols: at most index_topk + kpool latents, a fixed number of columns, the
     unused ones masked) are gathered and attended in the absorbed form (layers.latent_attention): the same tokens and
@@ -203,7 +205,7 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     q_resid = norm(qa, a.q_a_norm, args.eps)                                          # [M, q_lora]
     q = linears(q_resid, [a.q_b], packs=P.get("q_b"))[0].view(m, args.heads, args.qk_dim)
     latent = norm(kv, a.kv_a_norm, args.eps)                                          # [M, kv_lora]
-    idx = torch.arange(m, device=dev)
+    idx = torch.arange(m, device=dev) if streams is None else streams
     with distinct_writes():
         c.latent[idx, pos] = latent
     if ix is not None:
@@ -212,14 +214,15 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
         with distinct_writes():
             c.index_k[idx, pos] = ik
             c.index_gate[idx, pos] = ig
-        _pool_decode(ix, c, pos, args)
+        _pool_decode(ix, c, pos, args, idx)
         pools = span // args.kpool                                    # pools that can be complete in span
         if pools <= args.index_topk // args.kpool:                    # the top-k takes them all: no scores needed
             shared = (torch.arange(span, device=dev).expand(m, span), _chosen_all(pos, span, args))
         else:  # pools past a stream's position are never candidates: any span >= the longest stream + 1 will do
             iq = linears(q_resid, [ix.wq_b], packs=P.get("wq_b"))[0].view(m, args.index_heads, args.index_dim)
             iw = iw_h.float() * args.index_heads ** -0.5
-            chosen, taken = _pick(iq, iw, c.pool_k[:, :pools].transpose(-1, -2), pos, pools, args)
+            keys = c.pool_k[:, :pools] if streams is None else c.pool_k[idx, :pools]
+            chosen, taken = _pick(iq, iw, keys.transpose(-1, -2), pos, pools, args)
             shared = _pool_cols(chosen, taken, pos, args)
     cols, valid = shared
     rows = c.latent[idx[:, None], cols]                                               # [M, n_cols, kv_lora]
@@ -237,6 +240,10 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
     (cols, valid) pair for all streams)."""
     if seqlens and all(n == 1 for n in seqlens):
         return mla_decode(a, h, c, torch.tensor(starts, device=h.device), max(starts) + 1, args, shared)
+    live = [s for s, n in enumerate(seqlens) if n]
+    if live and all(seqlens[s] == 1 for s in live):  # a decode step of the streams that go on (the others ended)
+        return mla_decode(a, h, c, torch.tensor([starts[s] for s in live], device=h.device),
+                          max(starts[s] for s in live) + 1, args, shared, streams=torch.tensor(live, device=h.device))
     t = h.shape[0]
     q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [T, q_lora]
     q = F.linear(q_resid, a.q_b).view(t, args.heads, args.qk_dim)
@@ -247,7 +254,7 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
         ig = F.linear(h, ix.gate)
         if any((p0 + n) // args.kpool > args.index_topk // args.kpool for p0, n in zip(starts, seqlens)):
             iq = F.linear(q_resid, ix.wq_b).view(t, args.index_heads, args.index_dim)  # some rows pick pools
-            iw = F.linear(h, ix.weights).float() * args.index_heads ** -0.5         # [T, ih]
+            iw = linear_rows(h, ix.weights).float() * args.index_heads ** -0.5         # [T, ih]
     sels, outs, off = [], [], 0
     for s, (p0, n) in enumerate(zip(starts, seqlens)):
         if n == 0:

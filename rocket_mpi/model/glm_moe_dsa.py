@@ -32,7 +32,7 @@ from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
 from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_input_linears,
-                                     linears, load_embed_head,
+                                     linear_rows, linears, load_embed_head,
                                      load_ffn, load_swiglu, matmul_fp32, mlp_forward, move_stack, norm_of,
                                      pack_linears, pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled,
                                      unique_nbytes)
@@ -290,7 +290,7 @@ class GlmMoeDsaModel:
         t, r = h.shape[0], self.rope_dim
         q = linears(q_resid, [ix.wq_b], packs=packs)[0].view(t, self.index_heads, self.index_dim)
         q = torch.cat((rope_interleaved(q[..., :r], cos, sin), q[..., r:]), dim=-1)
-        w = F.linear(h.float(), ix.weights_proj) * self.index_heads ** -0.5
+        w = linear_rows(h.float(), ix.weights_proj) * self.index_heads ** -0.5
         return q, w
 
     def _index_scores(self, q, w, keys) -> torch.Tensor:
@@ -379,7 +379,7 @@ class GlmMoeDsaModel:
                 blocks.append((r0, r1, None, causal))
                 continue
             scores = self._index_scores(iq[r0:r1], iw[r0:r1], keys[None, :w])
-            top, cols = scores.masked_fill(~causal, float("-inf")).topk(k, dim=-1)        # [rows, k]
+            top, cols = ops.topk_first(scores.masked_fill(~causal, float("-inf")), k)     # [rows, k]
             blocks.append((r0, r1, cols, top > float("-inf")))
         return PrefillSelection(p0, blocks)
 
@@ -426,7 +426,7 @@ class GlmMoeDsaModel:
         elif a.indexer is not None:
             scores = self._index_scores(iq, iw, ixc[:, :span])                            # [M, span]
             scores = scores.masked_fill(torch.arange(span, device=dev)[None, :] > pos[:, None], float("-inf"))
-            top, sel = scores.topk(min(self.index_topk, span), dim=-1)                    # [M, k]
+            top, sel = ops.topk_first(scores, min(self.index_topk, span))                 # [M, k]
             selection = (sel, top > float("-inf"))              # a short stream pads with masked rows
         sel, valid = selection
         return self._over_rows(q_cat, kvc[idx[:, None], sel], valid), selection             # rows [M, k, c + rope]

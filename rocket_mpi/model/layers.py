@@ -52,6 +52,18 @@ def distinct_writes():
 _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype=): bf16 in, fp32 out (CUDA)
 
 
+ROW_CLASS = 4  # the CPU GEMMs round a row the same way in every launch of at least this many rows
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose rows do not depend on how many rows share the call (batch invariance): the CPU's fp32 GEMM
+    (MKL) sums a launch of 1, 2-3 and 4+ rows in different orders, so fewer than ROW_CLASS rows are padded to it."""
+    n = x.shape[0]
+    if x.is_cuda or n >= ROW_CLASS or n == 0:
+        return F.linear(x, w, b)
+    return F.linear(torch.cat((x, x[:1].expand(ROW_CLASS - n, *x.shape[1:]))), w, b)[:n]
+
+
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, m, k] @ b [B, k, n] (or one b [k, n] for every batch) of bf16 values -> fp32 [B, m, n]: bf16 products
     (exact in fp32), fp32 sums. On a GPU the bf16 tensor cores (bmm / mm with out_dtype); on the CPU, or a torch
@@ -61,7 +73,28 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if b.dim() == 2:
             return torch.mm(a.reshape(-1, a.shape[-1]), b, out_dtype=torch.float32).view(*a.shape[:-1], b.shape[-1])
         return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.matmul(a.float(), b.float())
+    return _matmul_rows_cols(a.float(), b.float())
+
+
+COL_BLOCK = 64  # the CPU GEMM's columns are padded to a multiple of this: a column's sum then does not depend on n
+
+
+def _matmul_rows_cols(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 a @ b on the CPU with every output element's bits independent of how many rows and columns share the
+    call (batch invariance: n is often a span set by the longest stream): rows padded to ROW_CLASS, columns to a
+    multiple of COL_BLOCK (MKL's sgemm sums a launch's edge rows and columns in other orders)."""
+    n = b.shape[-1]
+    b = F.pad(b, (0, -n % COL_BLOCK))
+    if b.dim() == 2:
+        flat = a.reshape(-1, a.shape[-1])
+        rows = flat.shape[0]
+        if 0 < rows < ROW_CLASS:
+            flat = torch.cat((flat, flat[:1].expand(ROW_CLASS - rows, -1)))
+        return torch.mm(flat, b)[:rows, :n].reshape(*a.shape[:-1], n)
+    m = a.shape[-2]
+    if 0 < m < ROW_CLASS:
+        a = torch.cat((a, a[..., :1, :].expand(*a.shape[:-2], ROW_CLASS - m, a.shape[-1])), dim=-2)
+    return torch.matmul(a, b)[..., :m, :n]
 
 
 def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,

@@ -5,6 +5,7 @@
     route.py     route: the router (sigmoid scores, group-limited top-k) in two kernels
     rows.py      plan_rows: the canonical row order on the host
     plan.py      moe_plan: the same plan on the device, in fixed-capacity slot space
+    select.py    topk_first: the DSA indexers' top-k, exact ties to the lower index (independent of the row's length)
     scatter.py   moe_scatter_add: a token's rows summed in expert order, once rounded; the rows' checksum
     norm.py      rms_norm and the decode step's glue (embedding + norm, RoPE, KV append, softmax, argmax)
     glm5.py      GLM-5.3-Flash's hyper-connection and KDA kernels
@@ -30,6 +31,7 @@ from rocket_mpi.ops.route import route, route_ref  # noqa: F401
 from rocket_mpi.ops.rows import RowPlan, plan_rows  # noqa: F401
 from rocket_mpi.ops.scatter import (fold_row_sums, moe_scatter_add, moe_scatter_add_ref, row_checksum,  # noqa: F401
                                     row_sum)
+from rocket_mpi.ops.select import topk_first  # noqa: F401
 from rocket_mpi.ops.stack import (STACK_KERNEL_MAX_ROWS, PackedLinear, add_residuals, linear, pack_linear,  # noqa: F401
                                   pack_mlp, swiglu_dense, swiglu_mlp)
 

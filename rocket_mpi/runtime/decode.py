@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +20,9 @@ from rocket_mpi.runtime.dist import collective as _collective
 from rocket_mpi.runtime.dist import handshake, local_rank, run_guarded, wait_all, watchdog, world
 from rocket_mpi.runtime.engine import Engine
 from rocket_mpi.runtime.progress import log, setup_logging
+from rocket_mpi.runtime.chat import read_chat_prompts, stop_ids
 from rocket_mpi.runtime.prompts import default_prompts, load_tokenizer, read_prompts
+from rocket_mpi.runtime.sampling import Sampling, Stop, cut_at_stop
 from rocket_mpi.settings import RunSettings, Settings
 
 
@@ -30,11 +33,27 @@ def decode(args: RunSettings, settings: Settings, report=None) -> int:
     return run_guarded(comm, "rocket_mpi", lambda: _decode(args, settings, comm, report))
 
 
-def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
+@dataclass
+class Booted:
+    """A rank ready to decode: its engine (share loaded, fabric up, decode path agreed) and what set-up found."""
+    engine: Engine
+    reader: CheckpointReader
+    fabric_name: str
+    path: str
+    runs: list            # the prompts of each run of the sweep (decode), [] for the server
+    text: bool            # were the prompts text
+    stop: Stop            # when streams end (stop_rule)
+    detok: object         # the tokenizer's decode where stop strings need it, else None
+
+
+def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_extra: dict | None = None,
+         rows_for=None, want_path: str | None = None) -> Booted:
+    """Everything before the first step, shared by decode and serve: logging, device, checkpoint and placement,
+    prompts (one run per M of `sweep`), fabric choice, the handshake (the ranks agree on the checkpoint's
+    fingerprint, flags and `facts_extra`), this rank's share, the fabric with row buffers for `rows_for(engine,
+    runs)` rows (default: the runs' largest prefill chunk or decode step) and the decode path (`want_path`, default
+    args.decode_path). Every wait is bounded by args.startup_timeout."""
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
-    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else None
-    if rank == 0 and out_dir and not os.path.isdir(out_dir):  # before the run, not after it
-        raise RocketError(f"--out {args.out}: the folder {out_dir} does not exist")
     fab = args.fabric
     setup_logging(rank, args.log_level)
     log.info(f"rocket_mpi {__version__}: {size} rank(s), device {args.device}, checkpoint {args.checkpoint}")
@@ -45,7 +64,6 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
             shared = gpu_sharing(comm.allgather(gpu_identity(device)))
         if shared and rank == 0:
             print(f"warning: {shared}", file=sys.stderr, flush=True)
-    sweep = list(args.streams)
 
     def setup():
         if is_synthetic(args.checkpoint):
@@ -56,18 +74,22 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
         placement = (Placement.from_file(args.placement, cfg, size) if args.placement
                      else Placement.contiguous(cfg, size))
         runs, text = [], False
+        if args.chat and args.prompts:
+            raise RocketError("--chat and --prompts: give one of them")
         for m in sweep:
-            if args.prompts:
+            if args.chat:
+                p, text = read_chat_prompts(args.chat, args.checkpoint, m), True
+            elif args.prompts:
                 p, text = read_prompts(args.prompts, args.checkpoint, m)
             else:
                 p = default_prompts(m, cfg.vocab_size)
             runs.append(p)
-        return reader, placement, runs, text
+        return reader, placement, runs, text, stop_rule(args, cfg)
 
     # no collective may run inside a _collective step: a rank that failed earlier would never join it
-    reader, placement, runs, text = _collective(comm, args.startup_timeout, "set-up", setup)
+    reader, placement, runs, text, (stop, detok) = _collective(comm, args.startup_timeout, "set-up", setup)
     log.info(f"{reader.config.model_type}: {reader.config.num_hidden_layers} layers, {reader.config.n_routed_experts} "
-             f"routed experts; streams {sweep}, {args.tokens} tokens each")
+             f"routed experts" + (f"; streams {sweep}, {args.tokens} tokens each" if sweep else ""))
     with watchdog(comm, args.startup_timeout, "choosing the fabric"):
         fabric_name = choose(fab.name, comm, args.device, settings.hostname)
     _collective(comm, args.startup_timeout, "fabric checks", lambda: fabric_precheck(fabric_name, args.device))
@@ -76,10 +98,11 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
              "config": hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16],
              "checkpoint fingerprint": _collective(comm, args.startup_timeout, "fingerprint", reader.fingerprint),
              "streams": sweep, "tokens": args.tokens, "threads": args.threads, "device": args.device,
-             "fabric": fabric_name, "placement": placement.digest(), "decode path": args.decode_path,
-             "prefill chunk": args.prefill_chunk,
+             "fabric": fabric_name, "placement": placement.digest(), "decode path": want_path or args.decode_path,
+             "prefill chunk": args.prefill_chunk, "sampling": (args.temperature, args.top_p, args.top_k, args.seed),
+             "stop": (args.stop, args.ignore_eos),
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
-             "settings": settings.bits()}
+             "settings": settings.bits(), **(facts_extra or {})}
     log.info(f"fabric {fabric_name}" + (" (--fabric auto)" if fab.name == "auto" else "") + "; loading this "
              "rank's share of the checkpoint")
     handshake(comm, facts, args.startup_timeout)
@@ -96,18 +119,30 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     for p in runs:
         _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
     engine.prefill_chunk = args.prefill_chunk
-    max_rows = max(engine.max_rows(runs), 1)
+    max_rows = max(rows_for(engine, runs) if rows_for else engine.max_rows(runs), 1)
     # the fabric's endpoint exchange is collective: a watchdog, not _collective, bounds it
     with watchdog(comm, args.startup_timeout, f"setting up fabric {fabric_name}"):
         engine.fabric = make_fabric(fabric_name, comm, max_rows, cfg.hidden_size, fab.timeout,
                                     fab.rail_spec(fabric_name), fab.rail_split_min_bytes, fab.gid_index, device,
                                     settings.hostname)
     path = _collective(comm, args.startup_timeout, "decode path",
-                       lambda: engine.set_decode_path(args.decode_path, fabric_name))
+                       lambda: engine.set_decode_path(want_path or args.decode_path, fabric_name))
     with watchdog(comm, args.startup_timeout, "agreeing on the decode path"):
         paths = comm.allgather(path) if comm else [path]
     if len(set(paths)) > 1:  # every rank must take the same path (parity); all ranks see the same list
         raise RocketError(f"the ranks chose different decode paths: {paths}")
+    return Booted(engine, reader, fabric_name, path, runs, text, stop, detok)
+
+
+def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
+    rank, size = (comm.rank, comm.size) if comm else (0, 1)
+    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else None
+    if rank == 0 and out_dir and not os.path.isdir(out_dir):  # before the run, not after it
+        raise RocketError(f"--out {args.out}: the folder {out_dir} does not exist")
+    sweep = list(args.streams)
+    b = boot(args, settings, comm, sweep)
+    engine, reader, fabric_name, path, runs = b.engine, b.reader, b.fabric_name, b.path, b.runs
+    cfg, device = reader.config, engine.device
     wait_all(comm, args.startup_timeout, "the start of decoding")
     log.info(f"decode path {path}; decoding")
 
@@ -115,10 +150,13 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "resident_gib": engine.resident_bytes() / 2**30,
             "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts(),
             "stack_bytes": engine.stack_read_bytes()}
+    base = Sampling(args.temperature, args.top_p, args.top_k, args.seed).check()
+    stop, detok = b.stop, b.detok
     results = []
     try:
         for p in runs:
-            r = engine.generate(p, args.tokens)
+            r = engine.generate(p, args.tokens, sampling=[base.for_stream(s) for s in range(len(p))], stop=stop,
+                                detok=detok)
             results.append(r)
     finally:
         engine.fabric.close()
@@ -131,16 +169,17 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     tok = load_tokenizer(args.checkpoint)
     out_runs = []
     for i, r in enumerate(results):
-        run = {"streams": r.streams, "tokens": r.tokens, "path": r.path, "note": r.note, "spans": r.spans,
+        run = {"streams": r.streams, "tokens": r.tokens, "finish": r.finish, "path": r.path, "note": r.note,
+               "spans": r.spans,
                "prefill": {"tokens": r.prefill[0], "forwards": r.prefill[1], "chunk": args.prefill_chunk},
                "row_checksums": {str(g[0]["rank"]): g[2][i] for g in gathered},
                "per_rank": [g[1][i] for g in gathered]}
         run.update(split_ceiling(run["per_rank"], [g[0]["stack_bytes"] for g in gathered]))
         if tok is not None:
-            run["text"] = [tok.decode(t) for t in r.tokens]
+            run["text"] = [cut_at_stop(tok.decode(t), stop.strings) for t in r.tokens]
         out_runs.append(run)
     doc = {"ranks": size, "fabric": fabric_name, "checkpoint": args.checkpoint, "model_type": cfg.model_type,
-           "tokens": out_runs[-1]["tokens"], "runs": out_runs, "load": [g[0] for g in gathered]}
+           "tokens": out_runs[-1]["tokens"], "finish": out_runs[-1]["finish"], "runs": out_runs, "load": [g[0] for g in gathered]}
     if "text" in out_runs[-1]:
         doc["text"] = out_runs[-1]["text"]
     if args.out:
@@ -149,6 +188,20 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     if report is not None:
         report(doc, cfg)
     return 0
+
+
+def stop_rule(args: RunSettings, cfg) -> tuple[Stop, object]:
+    """(when streams end, the decoder that finds stop strings): the checkpoint's end-of-text ids (config.json and
+    generation_config.json) unless --ignore-eos, and --stop strings, which need the checkpoint's tokenizer."""
+    eos = () if is_synthetic(args.checkpoint) else stop_ids(args.checkpoint, cfg.eos_token_id)
+    stop = Stop(eos or tuple(cfg.eos_token_id), tuple(args.stop), args.ignore_eos)
+    detok = None
+    if stop.strings:
+        tok = None if is_synthetic(args.checkpoint) else load_tokenizer(args.checkpoint)
+        if tok is None:
+            raise RocketError(f"--stop needs the checkpoint's tokenizer.json, and {args.checkpoint} has none")
+        detok = tok.decode
+    return stop, detok
 
 
 def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:

@@ -81,6 +81,62 @@ def wait_all(comm, timeout: float, what: str) -> None:
         time.sleep(1e-3)
 
 
+def _wait(req, timeout: float, what) -> None:
+    deadline = time.monotonic() + timeout
+    spins = 0
+    while not req.Test():
+        spins += 1
+        if time.monotonic() > deadline:
+            raise RocketError(what())
+        time.sleep(0 if spins < 200 else 1e-4)  # a few hundred yields, then short sleeps
+
+
+def bcast(comm, obj, timeout: float, what: str):
+    """Rank 0's `obj` on every rank (pickled; a length, then the bytes), each wait bounded by `timeout` s."""
+    if comm is None or comm.size == 1:
+        return obj
+    import pickle
+
+    import numpy as np
+    n = np.zeros(1, dtype=np.int64)
+    data = None
+    if comm.rank == 0:
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        n[0] = data.size
+    late = lambda: (f"rank {comm.rank}: timed out after {timeout:g} s waiting for rank 0's {what} "  # noqa: E731
+                    f"(rank 0 is dead, stalled or failed)")
+    _wait(comm.Ibcast(n, root=0), timeout, late)
+    if comm.rank != 0:
+        data = np.empty(int(n[0]), dtype=np.uint8)
+    _wait(comm.Ibcast(data, root=0), timeout, late)
+    return obj if comm.rank == 0 else pickle.loads(data.tobytes())
+
+
+ACK_TAG = 7301  # the followers' answers to rank 0's heartbeat (acknowledge)
+
+
+def acknowledge(comm, timeout: float, what: str) -> None:
+    """Every rank tells rank 0 it is alive; rank 0 waits at most `timeout` s and names the ranks that did not."""
+    if comm is None or comm.size == 1:
+        return
+    import numpy as np
+    if comm.rank != 0:
+        comm.Isend(np.full(1, comm.rank, dtype=np.int32), dest=0, tag=ACK_TAG).Wait()
+        return
+    bufs = {r: np.zeros(1, dtype=np.int32) for r in range(1, comm.size)}
+    reqs = {r: comm.Irecv(bufs[r], source=r, tag=ACK_TAG) for r in bufs}
+    deadline = time.monotonic() + timeout
+    while reqs:
+        for r in [r for r, q in reqs.items() if q.Test()]:
+            del reqs[r]
+        if reqs and time.monotonic() > deadline:
+            for q in reqs.values():
+                q.Cancel()
+            raise RocketError(f"rank 0: rank(s) {', '.join(map(str, sorted(reqs)))} did not answer within "
+                              f"{timeout:g} s at {what} (dead or stalled)")
+        time.sleep(1e-4)
+
+
 def handshake(comm, facts: dict, timeout: float) -> None:
     """Every rank must agree on config, checkpoint fingerprint and flags; name the first that differs."""
     if comm is None or comm.size == 1:

@@ -25,6 +25,7 @@ from rocket_mpi.moe.step import HostMoE
 from rocket_mpi.ops import plan as kplan
 from rocket_mpi.runtime.graph import STEPS_AHEAD, GraphStep, unsupported
 from rocket_mpi.runtime.progress import bar
+from rocket_mpi.runtime.sampling import GREEDY, Sampling, Stop, draw
 from rocket_mpi.settings import Settings
 
 WARMUP_STEPS = 3
@@ -35,19 +36,19 @@ TRIM_EVERY = 64  # decode steps between returns of the freed C heap to the syste
 
 
 def prefill_chunks(seqlens: list[int], chunk: int) -> list[list[int]]:
-    """The prompts (seqlens[s] tokens for stream s, packed stream after stream) cut into forwards of at most `chunk`
-    tokens: each chunk is the next `chunk` of the packed tokens, so it holds a run of each stream's prompt in order
-    (0 tokens for most streams of a chunk). -> per chunk, the tokens of each stream."""
+    """The prompts (seqlens[s] tokens for stream s) cut into forwards of at most `chunk` tokens, all streams together.
+    Each stream's prompt is cut at multiples of `chunk` from its own start, whatever the other prompts are, so a
+    stream's prefill does not depend on its batch (batch invariance); a forward takes, stream by stream, the next
+    piece of each stream that still fits, at most one piece per stream. -> per forward, the tokens of each stream."""
     if chunk < 1:
         raise ValueError(f"prefill chunk {chunk}: at least 1 token")
-    out, s, used = [], 0, [0] * len(seqlens)
-    while s < len(seqlens):
+    out, used = [], [0] * len(seqlens)
+    while any(u < n for u, n in zip(used, seqlens)):
         counts, room = [0] * len(seqlens), chunk
-        while room and s < len(seqlens):
-            take = min(room, seqlens[s] - used[s])
-            counts[s], used[s], room = take, used[s] + take, room - take
-            if used[s] == seqlens[s]:
-                s += 1
+        for s, n in enumerate(seqlens):
+            take = min(chunk, n - used[s])
+            if 0 < take <= room:
+                counts[s], used[s], room = take, used[s] + take, room - take
         out.append(counts)
     return out
 
@@ -72,6 +73,7 @@ class RunResult:
     note: str = ""           # why a wanted graph did not capture, if it did not
     spans: list = field(default_factory=list)  # the fixed-shape step's (first step, span) pairs (graph.span_for)
     prefill: tuple = (0, 1)  # (prompt tokens, forwards they took: more than one where they pass --prefill-chunk)
+    finish: list = field(default_factory=list)  # per stream: "stop" (an end-of-text id or stop string), "length"
 
     def timed(self) -> list[StepLog]:
         """Decode steps after the warm-up (step 0 is the prefill)."""
@@ -252,16 +254,24 @@ class Engine:
         return logits, len(chunks)
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None, capacity: int = 0) -> RunResult:
-        """capacity: cache positions per stream if more than the longest prompt + n_tokens (benchmarks: the
+    def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None, capacity: int = 0,
+                 sampling: list[Sampling] | None = None, stop: Stop | None = None, detok=None) -> RunResult:
+        """Decode every prompt for at most n_tokens tokens. sampling: per stream (default greedy); stop: when a stream
+        ends early (its end-of-text ids, stop strings found by `detok(ids) -> str`); a stream that ended costs no
+        more compute on the host path (0 tokens in the forwards), and the run ends when every stream has.
+        capacity: cache positions per stream if more than the longest prompt + n_tokens (benchmarks: the
         graphed step's cost at a long run's cache)."""
         self.check_prompts(prompts, n_tokens)
         m = len(prompts)
+        sampling = list(sampling) if sampling is not None else [GREEDY] * m
+        stop = stop or Stop()
+        greedy = all(sp.greedy for sp in sampling)
         # positions rounded up to a multiple of CACHE_QUANTUM: a span that is the capacity keeps the attention's
         # matmuls on aligned rows (an odd span costs the matmuls more than a round one, docs/PERFORMANCE.md)
         need = max(max(len(p) for p in prompts) + n_tokens, capacity)
         cache = self.model.new_cache(m, -(-need // CACHE_QUANTUM) * CACHE_QUANTUM)
-        result = RunResult(m, [[] for _ in range(m)])
+        result = RunResult(m, [[] for _ in range(m)], finish=["length"] * m)
+        done = [False] * m
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         seqlens = [len(p) for p in prompts]
         result.path = "host" if self.decode_path == "host" or n_tokens < 2 else self.decode_path
@@ -280,9 +290,10 @@ class Engine:
             if step % TRIM_EVERY == TRIM_EVERY - 1:
                 release_heap()
             if step > 0 and result.path != "host":
-                if static is None:
-                    static = GraphStep(self, cache, tokens, graph=result.path == "graph",
-                                       keep_logits=on_step is not None, ahead=self.steps_ahead)
+                if static is None:  # a draw needs the logits and the token before the next step launches
+                    static = GraphStep(self, cache, first, graph=result.path == "graph",
+                                       keep_logits=on_step is not None or not greedy,
+                                       ahead=self.steps_ahead if greedy else 0)
                 # this step if it is not in flight yet, then up to static.ahead more while they keep its span; the
                 # host's lengths count every step launched (they pick the spans)
                 while launched < step or (launched + 1 < n_tokens and len(static.pending) <= static.ahead
@@ -293,6 +304,9 @@ class Engine:
                     cache.lengths += 1
                 self.step = step
                 chosen, c, logits, dt = static.collect(step)
+                if not greedy:
+                    chosen = self._choose(logits, None, sampling, result.tokens)
+                    static.tokens.copy_(torch.tensor(chosen, dtype=torch.long))
                 result.spans = static.spans
                 log = StepLog(dt, 0.0, c["rows_mine"], c["rows_total"], c["bytes_sent"], c["crc"],
                               c["experts_mine"] * per_expert + self.stack_read_bytes())
@@ -305,18 +319,42 @@ class Engine:
                 if step == 0:  # the prompts, in chunks where they pass prefill_chunk
                     logits, forwards = self._forward(tokens, cache, seqlens)
                     result.prefill = (sum(seqlens), forwards)
-                else:  # a host-path decode step: one token per stream, one forward whatever M
+                else:  # a host-path decode step: one token per stream that goes on, one forward whatever M
                     logits = self.model.forward(tokens, cache, seqlens, self.moe)
-                nxt = torch.argmax(logits, dim=-1)
-                chosen = nxt.tolist()  # the host needs the tokens: this waits for the device, so dt covers it
+                # the host needs the tokens: this waits for the device, so dt covers it
+                chosen = self._choose(logits, torch.argmax(logits, dim=-1) if greedy else None, sampling,
+                                      result.tokens)
                 dt = time.perf_counter() - t0
                 mo = self.moe
                 log = StepLog(dt, self.fabric.stats.seconds - f0, mo.rows_owned, mo.rows_total,
                               self.fabric.stats.bytes_sent - b0, int(mo.crc), mo.expert_bytes + self.stack_read_bytes())
-                tokens, seqlens = nxt, [1] * m
             for s, t in enumerate(chosen):
+                if done[s]:
+                    continue
                 result.tokens[s].append(t)
+                if stop.reason(result.tokens[s], detok):
+                    done[s], result.finish[s] = True, "stop"
+            live = [s for s in range(m) if not done[s]]
+            if step == 0:
+                first = torch.tensor(chosen, dtype=torch.long)  # every stream's, for the fixed-shape step
+            tokens = torch.tensor([chosen[s] for s in live], dtype=torch.long)
+            seqlens = [0 if done[s] else 1 for s in range(m)]
             result.steps.append(log)
             if on_step:  # fp32 logits (the graphed step keeps the lm_head's bf16 ones: an exact cast)
                 on_step(step, logits.float())
+            if not live:
+                break
+        if static is not None:  # steps launched ahead of a run that ended early: finish them, drop their tokens
+            for pending in list(static.pending):
+                static.collect(pending[0])
         return result
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: list[Sampling],
+                tokens: list[list[int]]) -> list[int]:
+        """Each stream's next token: the batch's argmax where every stream is greedy, else a draw per stream at
+        its own position (runtime/sampling.py)."""
+        if argmax is not None:
+            return argmax.tolist()
+        rows = logits.float().cpu()
+        return [draw(rows[s], sp, len(tokens[s])) for s, sp in enumerate(sampling)]

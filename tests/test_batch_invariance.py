@@ -1,0 +1,156 @@
+"""A stream's tokens must not depend on the other streams in its batch.
+
+The same prompt decoded alone and in another slot of a batch whose other prompts are longer: its logits are
+bitwise equal at every step, the prefill (step 0) included, for every model family. A decode step's attention
+runs over the longest stream's span (positions past a stream's own masked), so the length of every row it scores
+is set by the batch. The DSA indexers' top-k over those rows is where this broke: index scores are sums of ReLUs,
+often exactly 0, and torch.topk broke such ties differently at different row lengths (dsa-tiny alone vs in a
+batch of 8 differed from step 4 on). ops.topk_first breaks them toward the lower index, whatever the row's length.
+
+The prompts are decoded well past index_topk, so the selection chooses: test_selection_chooses checks that, and
+with torch.topk in place of ops.topk_first the dsa-tiny and glm5 two-head cases here fail. glm5-tiny's eight index
+heads seldom score a pool exactly 0; the two-head variant (several pools, two of them chosen) has many ties.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rocket_mpi.checkpoint import make, make_glm5
+from rocket_mpi.checkpoint.synthetic import SyntheticReader
+from rocket_mpi.ops import select, topk_first
+from rocket_mpi.runtime.engine import Engine
+from rocket_mpi.runtime.prompts import default_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# glm5-tiny with two index heads: a pool's score is 0 wherever both heads' ReLUs are, so ties are common
+GLM5_IX2 = {**make_glm5.PRESETS["glm5-tiny"], "index_n_heads": 2}
+
+# (preset, its config or None for the stock one, the target's prompt, the batch's other prompts, the target's slot,
+# tokens). default_prompts(8) has lengths 3, 8, 13, 7, 12, 6, 11, 5.
+CASES = {
+    "tiny": ("tiny", None, 5, [2, 4, 6], 2, 8),
+    "default": ("default", None, 5, [2, 4], 1, 6),
+    "dsa-tiny": ("dsa-tiny", None, 5, [2, 4, 6, 1, 3, 0, 7], 5, 14),
+    "glm5-tiny": ("glm5-tiny", None, 5, [2, 4, 6], 2, 14),
+    "glm5-ix2": ("glm5-ix2", GLM5_IX2, 3, [2, 4, 6], 2, 14),
+}
+
+
+def _engine(monkeypatch, preset: str, cfg: dict | None) -> Engine:
+    if cfg is not None:
+        monkeypatch.setitem(make_glm5.PRESETS, preset, cfg)
+    reader = SyntheticReader(f"preset:{preset}")
+    return Engine(reader.dir, reader=reader)
+
+
+def _logits(engine: Engine, prompts: list[list[int]], n: int, slot: int) -> list[torch.Tensor]:
+    out = []
+    engine.generate(prompts, n, on_step=lambda step, logits: out.append(logits[slot].clone()))
+    assert len(out) == n
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_alone_equals_batched(monkeypatch, case):
+    preset, cfg, target, others, slot, n = CASES[case]
+    e = _engine(monkeypatch, preset, cfg)
+    prompts = default_prompts(8, e.cfg.vocab_size)
+    batch = [prompts[i] for i in others]
+    assert all(len(p) > len(prompts[target]) for p in batch[:slot])
+    batch.insert(slot, prompts[target])
+    alone, batched = _logits(e, [prompts[target]], n, 0), _logits(e, batch, n, slot)
+    differ = [s for s in range(n) if not torch.equal(alone[s], batched[s])]
+    assert not differ, f"{case}: stream alone vs in slot {slot} of {len(batch)}: logits differ at steps {differ}"
+
+
+@pytest.mark.parametrize("case", ["tiny", "dsa-tiny", "glm5-tiny", "glm5-ix2"])
+def test_every_stream_alone_equals_batched_and_ended_streams_change_nothing(monkeypatch, case):
+    """Each of 6 streams (one of them 12x longer, so spans and row counts vary) decoded alone has the logits it has
+    in the batch, and the same when other streams of the batch end early (an end-of-text id: they leave the
+    forwards, and the decode steps run over fewer rows). Beyond the top-k ties this checks the CPU GEMMs' row
+    and column classes (model/layers.py linear_rows, matmul_fp32) and the decode step of a subset of streams."""
+    from rocket_mpi.runtime.sampling import Stop
+    preset, cfg, *_ = CASES[case]
+    e = _engine(monkeypatch, preset, cfg)
+    p = default_prompts(6, e.cfg.vocab_size)
+    p[1] = p[1] * 12
+    n = 12
+    batch, ended = [], []
+    free = e.generate(p, n, on_step=lambda step, lg: batch.append(lg.clone()))
+    eos = free.tokens[0][2]
+    stopped = e.generate(p, n, on_step=lambda step, lg: ended.append(lg.clone()), stop=Stop(eos=(eos,)))
+    assert len(stopped.tokens[0]) < n and any(len(t) == n for t in stopped.tokens)
+    for s in range(len(p)):
+        alone = []
+        e.generate([p[s]], n, on_step=lambda step, lg: alone.append(lg[0].clone()))
+        differ = [t for t in range(n) if not torch.equal(alone[t], batch[t][s])]
+        assert not differ, f"{case}: stream {s} alone vs batched differs at steps {differ}"
+        differ = [t for t in range(len(stopped.tokens[s])) if not torch.equal(alone[t], ended[t][s])]
+        assert not differ, f"{case}: stream {s} alone vs beside streams that ended differs at steps {differ}"
+
+
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[0] != "tiny" and v[0] != "default"])
+def test_selection_chooses(case):
+    """The target's context passes index_topk (in whole pools where the model pools keys) within its tokens."""
+    preset, cfg, target, _, _, n = CASES[case]
+    raw = cfg or make.config_dict(preset)
+    length = len(default_prompts(8, raw["vocab_size"])[target]) + n - 1      # the last step's context
+    pool = raw.get("index_kpool", 1)
+    assert length // pool > raw["index_topk"] // pool + 1
+
+
+# -- topk_first --------------------------------------------------------------------------------------------------
+def _reference(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices by (value descending, index ascending), -0.0 == +0.0: a stable descending sort (no NaN in x)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _both_ways(x: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_first's indices, after checking that its CUDA way (a stable sort) gives the same on the CPU."""
+    v, i = topk_first(x, k)
+    torch.testing.assert_close(v, x.gather(-1, i), rtol=0, atol=0, equal_nan=True)    # the values are the scores'
+    assert i.dtype == torch.int64
+    assert torch.equal(select.by_sort(select._canonical(x), k), i)
+    return i
+
+
+@pytest.mark.parametrize("pad", [float("-inf"), torch.finfo(torch.float32).min])
+def test_topk_first_ignores_padding(pad):
+    """Rows of exact ties (zeros, as ReLU sums give) padded to other lengths choose the same, lowest, indices."""
+    k, real = 5, 9
+    for n in (real, real + 1, 16, 17, 100, 1000):
+        x = torch.full((3, n), pad)
+        x[:, :real] = 0.0
+        x[1, 6] = 0.5                       # one larger value first, then the ties in index order
+        x[2, :real:2] = -0.0                # -0.0 ties with +0.0
+        assert _both_ways(x, k).tolist() == [[0, 1, 2, 3, 4], [6, 0, 1, 2, 3], [0, 1, 2, 3, 4]], n
+
+
+def test_topk_first_matches_stable_sort():
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([float("-inf"), torch.finfo(torch.float32).min, -0.0, 0.0, float("inf"),
+                            torch.finfo(torch.float32).tiny / 4, -torch.finfo(torch.float32).tiny / 4])
+    for trial in range(50):
+        n = int(torch.randint(1, 200, (1,), generator=g))
+        k = int(torch.randint(0, n + 1, (1,), generator=g))
+        x = (torch.randint(-4, 5, (4, n), generator=g) * 0.25).float()       # many exact ties
+        pick = torch.randint(0, 4 * special.numel(), (4, n), generator=g)
+        x = torch.where(pick < special.numel(), special[pick.clamp(max=special.numel() - 1)], x)
+        assert torch.equal(_both_ways(x, k), _reference(x, k)), trial
+        b = x.bfloat16()                                                     # bf16 scores: exact in fp32
+        assert torch.equal(_both_ways(b, k), _reference(b.float(), k)), trial
+
+
+def test_topk_first_batched_dims_and_nan():
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[[1.0, nan, 1.0, 2.0], [0.0, 0.0, 0.0, 0.0]], [[inf, nan, -inf, nan], [-1, -2, -1, -2]]])
+    i = _both_ways(x, 3)                                                     # [2, 2, 4]: NaN counts as +inf
+    assert i.tolist() == [[[1, 3, 0], [0, 1, 2]], [[0, 1, 3], [0, 2, 1]]]
+    x = torch.zeros(2, 8)[:, ::2]                                            # a non-contiguous row
+    assert _both_ways(x, 2).tolist() == [[0, 1], [0, 1]]
+    with pytest.raises(TypeError):
+        topk_first(torch.zeros(2, 3, dtype=torch.float64), 1)
+    with pytest.raises(ValueError):
+        topk_first(torch.zeros(2, 3), 4)

@@ -1,0 +1,224 @@
+"""The OpenAI-compatible server over a 2-rank split on CPU, driven by the real `openai` client.
+
+- greedy completions are the decode command's tokens for the same prompts, whatever else is being served
+  (requests join a running batch, in any slot);
+- 8 concurrent streaming clients with sampling draw exactly what each request draws alone;
+- chat completions apply the checkpoint's chat template (the same ids as `decode --chat`);
+- bad requests get OpenAI-style 4xx errors; a client that goes away mid-stream frees its slot;
+- ^C shuts every rank down with exit 0; a stalled rank ends the server non-zero, naming the rank.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, rocket
+from rocket_mpi.cli import launch
+
+openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
+httpx = pytest.importorskip("httpx", reason="httpx comes with the openai client")
+
+PROMPTS = [[5, 17, 99, 3], [42] * 11, [7, 8], [300, 200, 100, 50, 25, 12, 6]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, ckpt: str, ranks: int = 2, extra=(), env=None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [*launch.launcher(), "-n", str(ranks), sys.executable, "-m", "rocket_mpi", "serve", "--checkpoint", ckpt,
+               "--port", str(self.port), "--fabric", "shm", "--max-streams", "4", "--max-model-len", "256",
+               "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env=launch.clean_env(env), start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            line = self.proc.stdout.readline()
+            if "serving on" in line:
+                break
+            if not line and self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"the server did not start: {self.proc.stderr.read()[-2000:]}")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def stop(self, timeout=30) -> tuple[int, str]:
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("the server did not shut down within 30 s of ^C") from None
+        return self.proc.returncode, err
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    srv = Server(tiny_ckpt)
+    yield srv
+    if srv.proc.poll() is None:
+        srv.kill()
+
+
+def _ids(choice) -> list[int]:
+    return list(getattr(choice, "token_ids"))
+
+
+def _decode_cli(ckpt, tmp_path, *, prompts=None, chat=None, tokens=12, extra=()):
+    src = tmp_path / ("chat.json" if chat else "prompts.json")
+    src.write_text(json.dumps(chat or prompts))
+    out = tmp_path / "decode.json"
+    r = rocket("decode", "--checkpoint", ckpt, "--chat" if chat else "--prompts", str(src),
+               "--streams", str(len(chat or prompts)), "--tokens", str(tokens), "--out", str(out), "--quiet", *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())["tokens"]
+
+
+def test_greedy_completions_are_the_decode_commands_tokens(server, tiny_ckpt, tmp_path):
+    """Every prompt, sent by 8 clients at once (so requests wait, join the running batch and reuse slots), comes
+    back with the decode command's greedy tokens for that prompt."""
+    want = _decode_cli(tiny_ckpt, tmp_path, prompts=PROMPTS, extra=("--ignore-eos",))
+
+    def ask(i):
+        c = server.client.completions.create(model=os.path.basename(tiny_ckpt), prompt=PROMPTS[i % 4], max_tokens=12,
+                                             temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 12
+        return i % 4, _ids(c.choices[0])
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    for i, ids in got:
+        assert ids == want[i], f"prompt {i}: server {ids} vs decode {want[i]}"
+
+
+def test_streaming_clients_draw_what_each_draws_alone(server):
+    """8 concurrent streaming clients with temperature, top-p, top-k and their own seeds: each one's tokens are those
+    of the same request made alone afterwards (a draw depends on the stream's seed and position only)."""
+    def body(i):
+        return dict(model=None, prompt=PROMPTS[i % 4], max_tokens=10, temperature=0.9, top_p=0.95, seed=100 + i,
+                    extra_body={"top_k": 50, "ignore_eos": True, "return_token_ids": True})
+
+    def stream(i):
+        kw = body(i)
+        kw.pop("model")
+        ids, reasons = [], []
+        for chunk in server.client.completions.create(model=None, stream=True, **kw):
+            ch = chunk.choices[0]
+            ids += list(getattr(ch, "token_ids", None) or [])
+            reasons.append(ch.finish_reason)
+        assert reasons[-1] == "length"
+        return ids
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        streamed = list(pool.map(stream, range(8)))
+    assert len({tuple(s) for s in streamed}) > 1, "different seeds drew the same tokens"
+    for i, ids in enumerate(streamed):
+        kw = body(i)
+        kw.pop("model")
+        alone = server.client.completions.create(model=None, **kw)
+        assert ids == _ids(alone.choices[0]), f"client {i}: streamed {ids}, alone {_ids(alone.choices[0])}"
+
+
+def test_chat_completions_apply_the_chat_template(server, tiny_ckpt, tmp_path):
+    chats = [[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}],
+             [{"role": "user", "content": "hello"}]]
+    want = _decode_cli(tiny_ckpt, tmp_path, chat=chats, tokens=8, extra=("--ignore-eos",))
+    for conv, w in zip(chats, want):
+        r = server.client.chat.completions.create(model=None, messages=conv, max_tokens=8, temperature=0,
+                                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.choices[0].message.role == "assistant" and _ids(r.choices[0]) == w
+        assert r.usage.prompt_tokens > len(conv[-1]["content"].split())  # the template's markers are in the prompt
+    chunks = list(server.client.chat.completions.create(model=None, messages=chats[1], max_tokens=8, temperature=0,
+                                                        stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_bad_requests_get_openai_errors(server):
+    c = server.client
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="no-such-model", prompt=[1, 2], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
+        c.completions.create(model=None, prompt=[3] * 200, max_tokens=100)
+    for kw, what in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(n=2), "n = 1"),
+                     (dict(logprobs=2), "logprobs"), (dict(max_tokens=0), "at least 1")):
+        with pytest.raises(openai.BadRequestError, match=what):
+            c.completions.create(model=None, prompt=[1, 2], **{"max_tokens": 2, **kw})
+    with pytest.raises(openai.BadRequestError, match="out of range"):
+        c.completions.create(model=None, prompt=[10 ** 9], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="message 0"):
+        c.chat.completions.create(model=None, messages=[{"role": "user"}], max_tokens=2)
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_models_and_metrics(server, tiny_ckpt):
+    assert [m.id for m in server.client.models.list().data] == [os.path.basename(tiny_ckpt)]
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = dict(line.split() for line in text.splitlines() if not line.startswith("#"))
+    assert float(values["rocket_tokens_generated_total"]) > 0 and values["rocket_slots"] == "4"
+    for key in ("rocket_step_seconds", "rocket_fabric_share", "rocket_streams_active", "rocket_tokens_per_second"):
+        assert key in values
+
+
+def test_a_client_that_goes_away_frees_its_slot(server):
+    def active():
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("rocket_streams_active")))
+
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"prompt": [1, 2, 3], "max_tokens": 250, "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert active() == 1
+    deadline = time.monotonic() + 15
+    while active() != 0:
+        assert time.monotonic() < deadline, "the slot of a client that went away is still decoding"
+        time.sleep(0.2)
+
+
+def test_interrupt_shuts_every_rank_down(tiny_ckpt):
+    srv = Server(tiny_ckpt)
+    srv.client.completions.create(model=None, prompt=[1, 2], max_tokens=3)
+    code, err = srv.stop()
+    assert code == 0, err[-2000:]
+    left = subprocess.run(["pgrep", "-s", str(srv.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+
+
+def test_a_stalled_rank_ends_the_server_naming_it(tiny_ckpt):
+    """Rank 1 stalls in its 3rd step: the request fails, /health stops answering ok, and the server exits non-zero
+    within the fabric timeout with a line naming rank 1."""
+    srv = Server(tiny_ckpt, extra=("--fabric-timeout", "3"), env={"ROCKET_FAULT": "stall:rank=1,step=3"})
+    try:
+        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+            srv.client.completions.create(model=None, prompt=[1, 2], max_tokens=20)
+        srv.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        srv.kill()
+        raise AssertionError("the server outlived its stalled rank by 30 s") from None
+    err = srv.proc.stderr.read()
+    assert srv.proc.returncode != 0
+    assert "rank 1" in err and "error" in err, err[-2000:]
+    srv.kill()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import gpu
 from rocket_mpi.checkpoint import make, make_glm5
 from rocket_mpi.checkpoint.synthetic import SyntheticReader
 from rocket_mpi.ops import select, topk_first
@@ -154,3 +155,25 @@ def test_topk_first_batched_dims_and_nan():
         topk_first(torch.zeros(2, 3, dtype=torch.float64), 1)
     with pytest.raises(ValueError):
         topk_first(torch.zeros(2, 3), 4)
+
+
+@gpu
+@pytest.mark.parametrize("preset", ["default", "dsa-tiny", "glm5-tiny"])
+@pytest.mark.parametrize("path", ["host", "graph"])
+def test_gpu_every_stream_alone_equals_batched(preset, path):
+    """On a GPU, host path and graphed step: each of 6 streams (one 12x longer) alone gets the tokens it gets in
+    the batch, greedy and sampled (the graphed step attends over a span set by the longest stream: this is where a
+    span-dependent sum would show)."""
+    from rocket_mpi.runtime.sampling import Sampling
+    ckpt = f"preset:{preset}:nvfp4"
+    e = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
+    assert e.set_decode_path(path, "local") == path
+    p = default_prompts(6, e.cfg.vocab_size)
+    p[1] = p[1] * 12
+    sp = [Sampling(temperature=0.9, top_p=0.95, seed=40 + s) for s in range(6)]
+    n = 12
+    greedy, sampled = e.generate(p, n), e.generate(p, n, sampling=sp)
+    assert greedy.path == path and not greedy.note, greedy.note
+    for s in range(6):
+        assert e.generate([p[s]], n).tokens[0] == greedy.tokens[s], f"{preset} {path}: stream {s} greedy"
+        assert e.generate([p[s]], n, sampling=[sp[s]]).tokens[0] == sampled.tokens[s], f"{preset} {path}: stream {s}"

@@ -5,8 +5,7 @@ Request fields follow the OpenAI API and the extensions vLLM accepts (top_k, ign
 A bad request gets an OpenAI-style error body ({"error": {"message", "type", "param", "code"}}) with a 4xx
 status; what the server does not do (n > 1, logprobs, echo, best_of) is refused, not ignored.
 """
-from __future__ import annotations
-
+# no `from __future__ import annotations`: FastAPI reads the routes' annotations, which name make_app's imports
 import asyncio
 import json
 import secrets

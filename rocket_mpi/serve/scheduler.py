@@ -170,7 +170,7 @@ class Scheduler:
         f0, t0 = fab.seconds, time.perf_counter()
         logits = self.slots.forward(joins, decodes)
         dt = time.perf_counter() - t0
-        if decodes:
+        if decodes and not joins:  # the gauges follow decode steps; a step with a prefill is counted apart
             self.recent.append((dt, fab.seconds - f0))
         self.steps_total += 1
         now = time.perf_counter()

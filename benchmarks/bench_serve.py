@@ -74,6 +74,7 @@ def main() -> int:
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--serve-path", default="auto", help="the server's --decode-path (auto: graph on a GPU)")
     ap.add_argument("--json", help="write the table's rows here too")
     a = ap.parse_args()
     clients = [int(c) for c in a.clients.split(",")]
@@ -86,7 +87,8 @@ def main() -> int:
     port = _port()
     url = f"http://127.0.0.1:{port}"
     srv = subprocess.Popen(_cmd(a.ranks, ["serve", *common, "--port", str(port), "--max-streams", str(max(clients)),
-                                          "--max-model-len", str(64 + a.tokens), "--log-level", "warning"]),
+                                          "--max-model-len", str(64 + a.tokens), "--log-level", "warning",
+                                          "--decode-path", a.serve_path]),
                            stdout=subprocess.PIPE, text=True, env=launch.clean_env(), start_new_session=True)
     rows = []
     try:
@@ -132,10 +134,13 @@ def main() -> int:
             per = json.load(open(out))["runs"][-1]["per_rank"]
             row[f"cli_{path}_ms"] = max(p["ms_per_step"] for p in per)
         row["server_vs_cli_host"] = row["server_step_ms"] / row["cli_host_ms"]
+        if "cli_graph_ms" in row:
+            row["server_vs_cli_graph"] = row["server_step_ms"] / row["cli_graph_ms"]
     print(f"serve vs decode: {a.checkpoint}, {a.ranks} rank(s), device {a.device}, fabric {a.fabric}, "
-          f"{a.tokens} tokens per request; server ready {ready:.1f} s after start")
+          f"{a.tokens} tokens per request, server --decode-path {a.serve_path}; server ready {ready:.1f} s after start")
     head = ["clients", "tok_s", "ttft_p50_ms", "ttft_max_ms", "server_step_ms", "cli_host_ms"] + \
-        (["cli_graph_ms"] if "graph" in paths else []) + ["server_vs_cli_host", "fabric_share"]
+        (["cli_graph_ms"] if "graph" in paths else []) + ["server_vs_cli_host"] + \
+        (["server_vs_cli_graph"] if "graph" in paths else []) + ["fabric_share"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:

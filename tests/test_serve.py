@@ -98,16 +98,38 @@ def test_greedy_completions_are_the_decode_commands_tokens(server, tiny_ckpt, tm
     back with the decode command's greedy tokens for that prompt."""
     want = _decode_cli(tiny_ckpt, tmp_path, prompts=PROMPTS, extra=("--ignore-eos",))
 
+    _check_staggered(server, want, os.path.basename(tiny_ckpt))
+
+
+def _check_staggered(server, want, model=None):
+    """8 clients at once, of 3 lengths: slots free at different steps, so requests join a running batch and slots
+    sit idle beside decoding ones. Request i gets the first max_tokens of the decode command's tokens."""
     def ask(i):
-        c = server.client.completions.create(model=os.path.basename(tiny_ckpt), prompt=PROMPTS[i % 4], max_tokens=12,
-                                             temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
-        assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 12
-        return i % 4, _ids(c.choices[0])
+        n = 4 + 4 * (i % 3)
+        c = server.client.completions.create(model=model, prompt=PROMPTS[i % 4], max_tokens=n, temperature=0,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == n
+        return i % 4, n, _ids(c.choices[0])
 
     with cf.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(ask, range(8)))
-    for i, ids in got:
-        assert ids == want[i], f"prompt {i}: server {ids} vs decode {want[i]}"
+    for i, n, ids in got:
+        assert ids == want[i][:n], f"prompt {i}: server {ids} vs decode {want[i][:n]}"
+
+
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "glm5_ckpt"])
+def test_the_fixed_shape_step_serves_the_decode_commands_tokens(ckpt_name, request, tmp_path):
+    """--decode-path device (the graphed step's plan and exchange without the CUDA graph, which CPUs run): every slot
+    decodes in each step, the idle ones at their next free position with their recurrent state (GLM-5.3-Flash's
+    KDA) put back; the tokens are the decode command's on the same path."""
+    ckpt = request.getfixturevalue(ckpt_name)
+    want = _decode_cli(ckpt, tmp_path, prompts=PROMPTS, extra=("--ignore-eos", "--decode-path", "device"))
+    srv = Server(ckpt, extra=("--decode-path", "device"))
+    try:
+        _check_staggered(srv, want)
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]
 
 
 def test_streaming_clients_draw_what_each_draws_alone(server):

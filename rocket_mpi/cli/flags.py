@@ -133,6 +133,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=pos_float, default=600.0, help="seconds to wait for all ranks to load")
     add_fabric_flags(p)
     p.add_argument("--prefill-chunk", type=pos_int, default=PREFILL_CHUNK, help="prompt tokens per prefill forward")
+    p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "device", "host"),
+                   help="decode steps as in decode: auto = the graphed step of all slots where it runs, else host")
     p.add_argument("--log-level", default="info", choices=LEVELS)
 
 
@@ -148,7 +150,7 @@ def port_number(s: str) -> int:
 
 def serve_run_settings(args) -> RunSettings:
     return RunSettings(checkpoint=args.checkpoint, streams=(), tokens=1, placement=args.placement, device=args.device,
-                       threads=args.threads, startup_timeout=args.startup_timeout, decode_path="host",
+                       threads=args.threads, startup_timeout=args.startup_timeout, decode_path=args.decode_path,
                        prefill_chunk=args.prefill_chunk, fabric=fabric_settings(args), log_level=args.log_level,
                        progress=True)
 

@@ -25,7 +25,7 @@ from rocket_mpi.moe.step import HostMoE
 from rocket_mpi.ops import plan as kplan
 from rocket_mpi.runtime.graph import STEPS_AHEAD, GraphStep, unsupported
 from rocket_mpi.runtime.progress import bar
-from rocket_mpi.runtime.sampling import GREEDY, Sampling, Stop, draw
+from rocket_mpi.runtime.sampling import GREEDY, Sampling, Stop, choose
 from rocket_mpi.settings import Settings
 
 WARMUP_STEPS = 3
@@ -305,7 +305,7 @@ class Engine:
                 self.step = step
                 chosen, c, logits, dt = static.collect(step)
                 if not greedy:
-                    chosen = self._choose(logits, None, sampling, result.tokens)
+                    chosen = choose(logits, sampling, [len(t) for t in result.tokens])
                     static.tokens.copy_(torch.tensor(chosen, dtype=torch.long))
                 result.spans = static.spans
                 log = StepLog(dt, 0.0, c["rows_mine"], c["rows_total"], c["bytes_sent"], c["crc"],
@@ -322,8 +322,7 @@ class Engine:
                 else:  # a host-path decode step: one token per stream that goes on, one forward whatever M
                     logits = self.model.forward(tokens, cache, seqlens, self.moe)
                 # the host needs the tokens: this waits for the device, so dt covers it
-                chosen = self._choose(logits, torch.argmax(logits, dim=-1) if greedy else None, sampling,
-                                      result.tokens)
+                chosen = choose(logits, sampling, [len(t) for t in result.tokens])
                 dt = time.perf_counter() - t0
                 mo = self.moe
                 log = StepLog(dt, self.fabric.stats.seconds - f0, mo.rows_owned, mo.rows_total,
@@ -348,13 +347,3 @@ class Engine:
             for pending in list(static.pending):
                 static.collect(pending[0])
         return result
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: list[Sampling],
-                tokens: list[list[int]]) -> list[int]:
-        """Each stream's next token: the batch's argmax where every stream is greedy, else a draw per stream at
-        its own position (runtime/sampling.py)."""
-        if argmax is not None:
-            return argmax.tolist()
-        rows = logits.float().cpu()
-        return [draw(rows[s], sp, len(tokens[s])) for s, sp in enumerate(sampling)]

@@ -93,6 +93,23 @@ def draw(logits: torch.Tensor, s: Sampling, position: int) -> int:
     return int(order[i]) if order is not None else i
 
 
+def choose(rows: torch.Tensor, sampling: list[Sampling], positions: list[int]) -> list[int]:
+    """Each row's next token (rows [n, V] on any device; row i draws with sampling[i] at positions[i]): the greedy
+    rows in one argmax where they are, the sampled ones from one copy to the host (not a wait per row)."""
+    out = [0] * len(sampling)
+    greedy = [i for i, sp in enumerate(sampling) if sp.greedy]
+    sampled = [i for i, sp in enumerate(sampling) if not sp.greedy]
+    if greedy:
+        picked = (rows if len(greedy) == len(sampling) else rows[greedy]).argmax(dim=-1).tolist()
+        for i, t in zip(greedy, picked):
+            out[i] = t
+    if sampled:
+        host = rows[sampled].float().cpu()
+        for j, i in enumerate(sampled):
+            out[i] = draw(host[j], sampling[i], positions[i])
+    return out
+
+
 @dataclass(frozen=True)
 class Stop:
     """When a stream ends before its token budget: at one of `eos` ids (unless ignore_eos), or once its text

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from rocket_mpi.errors import RocketError
 from rocket_mpi.runtime.chat import generation_config, load_chat_template, special_tokens, stop_ids
 from rocket_mpi.runtime.decode import boot
+from rocket_mpi.ops.plan import stream_limit
+from rocket_mpi.runtime.dist import collective as _collective
 from rocket_mpi.runtime.dist import run_guarded, wait_all, world
 from rocket_mpi.runtime.progress import log
 from rocket_mpi.runtime.prompts import load_tokenizer
@@ -64,9 +66,16 @@ def _serve(args: RunSettings, opts: ServeSettings, settings: Settings, comm) -> 
         limit = engine.cfg.max_position_embeddings
         return min(opts.max_model_len or min(limit, 8192), limit)
 
-    b = boot(args, settings, comm, [], facts, rows_for, want_path="host")
+    b = boot(args, settings, comm, [], facts, rows_for)
     engine = b.engine
-    slots = Slots(engine, m, cap(engine))
+    path = b.path
+    why = stream_limit(m, engine.cfg) if path != "host" else ""
+    if why and args.decode_path == "auto":  # the same on every rank: same slots, same model
+        path = "host"
+    elif why:
+        raise RocketError(f"--decode-path {path}: {why}; use fewer --max-streams or --decode-path host")
+    slots = Slots(engine, m, cap(engine), path)
+    _collective(comm, args.startup_timeout, "warming up the decode step", slots.warm)
     wait_all(comm, args.startup_timeout, "the start of serving")
     timeout = args.fabric.timeout
     if rank != 0:  # rank 0 ends the job (a launcher passes ^C to every rank): the others wait for its word
@@ -102,7 +111,7 @@ def _serve(args: RunSettings, opts: ServeSettings, settings: Settings, comm) -> 
         signal.signal(sig, lambda *_: sched.stop())
     host = f"[{opts.host}]" if ":" in opts.host else opts.host
     log.info(f"serving {name} on http://{host}:{opts.port}/v1 ({m} stream slots of {slots.capacity} positions, "
-             f"{b.fabric_name} fabric, {engine.size} rank(s))")
+             f"{b.fabric_name} fabric, {engine.size} rank(s), decode path {path})")
     print(f"rocket_mpi: serving on http://{host}:{opts.port}/v1", flush=True)
     try:
         sched.run()

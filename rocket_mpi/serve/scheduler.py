@@ -26,20 +26,39 @@ from rocket_mpi.errors import RocketError
 from rocket_mpi.model.cache import clear_stream
 from rocket_mpi.runtime.dist import acknowledge, bcast
 from rocket_mpi.runtime.engine import CACHE_QUANTUM
-from rocket_mpi.runtime.sampling import Sampling, Stop, cut_at_stop, draw
+from rocket_mpi.runtime.graph import GraphStep
+from rocket_mpi.runtime.sampling import Sampling, Stop, choose, cut_at_stop
 
 HEARTBEAT = 1.0  # seconds an idle rank 0 waits for a request before it checks on the other ranks
 WINDOW = 64      # decode steps the step-time and fabric-share gauges average over
 
 
 class Slots:
-    """The persistent cache of M stream slots and the forwards that fill it (the same calls on every rank)."""
+    """The persistent cache of M stream slots and the forwards that fill it (the same calls on every rank).
 
-    def __init__(self, engine, slots: int, capacity: int):
-        self.engine, self.m = engine, slots
+    path "host": each decode step is the host path's forward over the slots that decode (the others cost nothing).
+    "graph" (or "device", the same without the CUDA graph): the decode step is the fixed-shape step of all M slots
+    (runtime/graph.py GraphStep) fed the slots' tokens and positions from the host; a slot that does not decode
+    this step runs at its next free position (what it writes there is overwritten before it is read), and its
+    recurrent state, where the model has one, is put back after the step. The graph is captured once at start-up
+    (warm) and again only where the longest slot passes a span."""
+
+    def __init__(self, engine, slots: int, capacity: int, path: str = "host"):
+        self.engine, self.m, self.path = engine, slots, path
         self.capacity = -(-capacity // CACHE_QUANTUM) * CACHE_QUANTUM
         self.cache = engine.model.new_cache(slots, self.capacity)
         self.steps = 0
+        self.static = None
+
+    @torch.inference_mode()
+    def warm(self) -> None:
+        """Run and capture the fixed-shape step before the first request (on every rank), then empty the slots."""
+        if self.path == "host":
+            return
+        for _ in range(3):  # eager, capture, replay
+            self.forward({}, {s: 0 for s in range(self.m)})
+        for s in range(self.m):
+            clear_stream(self.cache, s)
 
     @torch.inference_mode()
     def forward(self, joins: dict[int, list[int]], decodes: dict[int, int]) -> dict[int, torch.Tensor]:
@@ -55,7 +74,9 @@ class Slots:
             eng.moe.reset()
             logits, _ = eng._forward(tokens, self.cache, seqlens)
             out.update((s, logits[s]) for s in joins)
-        if decodes:
+        if decodes and self.path != "host":
+            out.update(self._fixed_shape(decodes))
+        elif decodes:
             seqlens = [1 if s in decodes else 0 for s in range(m)]
             tokens = torch.tensor([decodes[s] for s in sorted(decodes)], dtype=torch.long)
             eng.moe.reset()
@@ -63,6 +84,34 @@ class Slots:
             out.update((s, logits[s]) for s in decodes)
         self.steps += 1
         return out
+
+    def _fixed_shape(self, decodes: dict[int, int]) -> dict[int, torch.Tensor]:
+        eng, m, cache = self.engine, self.m, self.cache
+        if self.static is None:
+            self.static = GraphStep(eng, cache, torch.zeros(m, dtype=torch.long), graph=self.path == "graph",
+                                    keep_logits=True, ahead=0)
+        st = self.static
+        live = sorted(decodes)
+        idle = [s for s in range(m) if s not in decodes]
+        tokens = torch.zeros(m, dtype=torch.long)
+        tokens[live] = torch.tensor([decodes[s] for s in live], dtype=torch.long)
+        pos = cache.lengths.clamp(max=self.capacity - 1)
+        kept = [(t, t[idle].clone()) for t in recurrent_state(cache)] if idle else []
+        st.tokens.copy_(tokens)
+        st.pos.copy_(pos)
+        st.moe.seq.fill_(eng.seq)  # the host path's prefills moved the doorbell sequence on
+        st.launch(self.steps, int(pos[live].max()))
+        _, _, logits, _ = st.collect(self.steps)
+        for t, saved in kept:
+            t[idle] = saved
+        cache.lengths[live] += 1
+        return {s: logits[s] for s in live}
+
+
+def recurrent_state(cache) -> list[torch.Tensor]:
+    """The per-slot tensors a decode step updates in place whatever its position (GLM-5.3-Flash's KDA conv and
+    recurrent states); a KV-style cache has none."""
+    return [t for d in (getattr(cache, "conv", None), getattr(cache, "rec", None)) if d for t in d.values()]
 
 
 @dataclass
@@ -174,12 +223,15 @@ class Scheduler:
             self.recent.append((dt, fab.seconds - f0))
         self.steps_total += 1
         now = time.perf_counter()
-        for s, row in logits.items():
-            self._advance(s, self.active[s], row, now)
+        fed = sorted(logits)
+        reqs = [self.active[s] for s in fed]
+        chosen = choose(torch.stack([logits[s] for s in fed]), [r.sampling for r in reqs],
+                        [len(r.generated) for r in reqs])
+        for s, r, tok in zip(fed, reqs, chosen):
+            self._advance(s, r, tok, now)
         self.emitted.append((now, len(logits)))
 
-    def _advance(self, s: int, req: Request, row: torch.Tensor, now: float) -> None:
-        tok = draw(row, req.sampling, len(req.generated))
+    def _advance(self, s: int, req: Request, tok: int, now: float) -> None:
         req.generated.append(tok)
         req.first_token = req.first_token or now
         self.tokens_total += 1

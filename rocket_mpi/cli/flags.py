@@ -21,51 +21,39 @@ def int_list(s: str) -> list[int]:
     return v
 
 
+def _number(s: str, kind, ok, want: str):
+    """s as `kind` (int or float) where ok(value), else the flag's one-line error."""
+    try:
+        v = kind(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid {'int value' if kind is int else 'number'}: '{s}'") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"must be {want}, got {s}")
+    return v
+
+
 def pos_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: '{s}'") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
-    return v
-
-
-def pos_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: '{s}'") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s}")
-    return v
-
-
-def nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: '{s}'") from None
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
-    return v
-
-
-def unit_float(s: str) -> float:
-    v = nonneg_float(s)
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
-    return v
+    return _number(s, int, lambda v: v > 0, "positive")
 
 
 def nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: '{s}'") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+    return _number(s, int, lambda v: v >= 0, ">= 0")
+
+
+def pos_float(s: str) -> float:
+    return _number(s, float, lambda v: 0 < v < float("inf"), "a positive finite number")
+
+
+def nonneg_float(s: str) -> float:
+    return _number(s, float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+
+
+def unit_float(s: str) -> float:
+    return _number(s, float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def port_number(s: str) -> int:
+    return _number(s, int, lambda v: 0 <= v < 65536, "a port, 0..65535")
 
 
 def add_fabric_flags(p: argparse.ArgumentParser, choices=BACKENDS) -> None:
@@ -136,16 +124,6 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "device", "host"),
                    help="decode steps as in decode: auto = the graphed step of all slots where it runs, else host")
     p.add_argument("--log-level", default="info", choices=LEVELS)
-
-
-def port_number(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port: '{s}'") from None
-    if not 0 <= v < 65536:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {v}")
-    return v
 
 
 def serve_run_settings(args) -> RunSettings:

@@ -34,14 +34,18 @@ def _read_json(path: str, what: str):
         raise RocketError(f"{path}: not valid JSON ({e})") from None
 
 
-def _tokenizer_config(ckpt_dir: str) -> dict:
-    path = os.path.join(ckpt_dir, TOKENIZER_CONFIG)
-    cfg = _read_json(path, "tokenizer config")
+def _json_object(path: str, what: str) -> dict:
+    """The JSON object in `path`, {} when there is no such file."""
+    cfg = _read_json(path, what)
     if cfg is None:
         return {}
     if not isinstance(cfg, dict):
         raise RocketError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg
+
+
+def _tokenizer_config(ckpt_dir: str) -> dict:
+    return _json_object(os.path.join(ckpt_dir, TOKENIZER_CONFIG), "tokenizer config")
 
 
 def load_chat_template(ckpt_dir: str) -> str | None:
@@ -309,11 +313,7 @@ def generation_config(ckpt_dir: str) -> dict:
     """The checkpoint's generation_config.json: "eos_token_id" as a tuple of ints, and temperature, top_p, top_k
     where present; {} when there is none. A malformed file -> RocketError naming it."""
     path = os.path.join(ckpt_dir, GENERATION_CONFIG)
-    raw = _read_json(path, "generation config")
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise RocketError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    raw = _json_object(path, "generation config")
     out: dict = {}
     if raw.get("eos_token_id") is not None:
         out["eos_token_id"] = _token_ids(raw["eos_token_id"], path, "eos_token_id")

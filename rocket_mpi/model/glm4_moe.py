@@ -143,11 +143,12 @@ class Glm4MoeModel:
         cos, sin = self.rope.cos_sin(positions)
         x = self.embed[tokens.to(dev)]                                # [T, H]
         decode = None
-        if all(n == 1 for n in seqlens):  # one new token per stream: where it goes and what it sees, once
-            span = max(starts) + 1                                    # from the host list: no device sync
-            pos = torch.tensor(starts, device=dev)
+        live = [s for s, n in enumerate(seqlens) if n]
+        if live and all(seqlens[s] == 1 for s in live):  # one new token per stream that goes on: where it goes and
+            span = max(starts[s] for s in live) + 1       # what it sees, once, from the host list (no device sync)
+            pos = torch.tensor([starts[s] for s in live], device=dev)
             hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # [M,1,1,span]
-            decode = (torch.arange(len(seqlens), device=dev), pos, span, hide)
+            decode = (torch.tensor(live, device=dev), pos, span, hide)
         x, _ = self._layers(x, cos, sin, cache, starts, seqlens, decode, moe)
         cache.lengths += torch.tensor(seqlens)
         last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
@@ -249,7 +250,11 @@ class Glm4MoeModel:
             idx, pos, span, hide = decode
             kc[idx, :, pos] = k
             vc[idx, :, pos] = v
-            out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], hide, self.scale).reshape(t, -1)
+            if idx.numel() < kc.shape[0]:  # some streams ended (or sit idle): their rows are not read
+                keys, vals = kc[idx, :, :span], vc[idx, :, :span]
+            else:
+                keys, vals = kc[:, :, :span], vc[:, :, :span]
+            out = _attend(q[:, :, None, :], keys, vals, hide, self.scale).reshape(t, -1)
         else:
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
             outs, off = [], 0

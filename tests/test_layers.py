@@ -1,4 +1,4 @@
-"""The package's layers (.importlinter): imports run one way, cli -> runtime -> moe -> model | fabric -> checkpoint
+"""The package's layers (.importlinter): imports run one way, cli -> serve -> runtime -> moe -> model | fabric -> checkpoint
 -> ops -> config | settings -> errors. A back-edge fails here, naming the import chain."""
 import os
 import shutil

@@ -73,12 +73,11 @@ def fabric_settings(args) -> FabricSettings:
     return FabricSettings(args.fabric, args.fabric_timeout, args.rails, args.gid_index, args.rail_split_min_bytes)
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
+def add_rank_flags(p: argparse.ArgumentParser) -> None:
+    """What every rank of a decoding job is given: the checkpoint, its split, the device, the fabric, the path."""
     p.add_argument("--checkpoint", required=True,
                    help="Hugging Face checkpoint folder, or preset:NAME[:nvfp4|:nvfp4-all] (random weights made in "
                         f"memory; presets: {', '.join(all_presets())})")
-    p.add_argument("--tokens", type=pos_int, default=20, help="tokens to generate per stream")
-    p.add_argument("--prompts", help="JSON list of token-id lists (or strings, with tokenizer.json)")
     p.add_argument("--placement", help="JSON: MoE layer (or \"default\") -> rank of each expert")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=pos_int, default=1, help="torch threads per rank (fixed for parity)")
@@ -91,6 +90,14 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=pos_int, default=PREFILL_CHUNK,
                    help="prompt tokens per prefill forward, all streams together: longer prompts are prefilled in "
                         "chunks, which bounds the prefill's memory and the fabric's row buffers")
+    p.add_argument("--log-level", default="info", choices=LEVELS,
+                   help="what the ranks log on stderr (rank 0 from this level, the others warnings and errors)")
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    add_rank_flags(p)
+    p.add_argument("--tokens", type=pos_int, default=20, help="tokens to generate per stream")
+    p.add_argument("--prompts", help="JSON list of token-id lists (or strings, with tokenizer.json)")
     p.add_argument("--chat", help="JSON list of conversations (lists of {role, content} messages), rendered with the "
                                   "checkpoint's chat template (instead of --prompts)")
     g = p.add_argument_group("sampling and stopping (greedy and end-of-text by default)")
@@ -102,12 +109,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="end a stream once its text holds TEXT (repeatable; needs tokenizer.json)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not end streams at the checkpoint's end-of-text ids (fixed lengths, for benchmarks)")
-    p.add_argument("--log-level", default="info", choices=LEVELS,
-                   help="what the ranks log on stderr (rank 0 from this level, the others warnings and errors)")
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint folder, or preset:NAME[:nvfp4]")
+    add_rank_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--max-streams", type=pos_int, default=8,
@@ -115,15 +120,6 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=pos_int, default=None,
                    help="positions per slot, prompt and completion together (default: the model's, at most 8192)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the checkpoint folder's)")
-    p.add_argument("--placement", help="JSON: MoE layer (or \"default\") -> rank of each expert")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--threads", type=pos_int, default=1, help="torch threads per rank")
-    p.add_argument("--startup-timeout", type=pos_float, default=600.0, help="seconds to wait for all ranks to load")
-    add_fabric_flags(p)
-    p.add_argument("--prefill-chunk", type=pos_int, default=PREFILL_CHUNK, help="prompt tokens per prefill forward")
-    p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "device", "host"),
-                   help="decode steps as in decode: auto = the graphed step of all slots where it runs, else host")
-    p.add_argument("--log-level", default="info", choices=LEVELS)
 
 
 def serve_run_settings(args) -> RunSettings:

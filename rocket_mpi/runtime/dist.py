@@ -72,13 +72,8 @@ def wait_all(comm, timeout: float, what: str) -> None:
     """A barrier that gives up after `timeout` s, naming what it waited for."""
     if comm is None or comm.size == 1:
         return
-    req = comm.Ibarrier()
-    deadline = time.monotonic() + timeout
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise RocketError(f"rank {comm.rank}: timed out after {timeout:g} s waiting for all ranks to reach "
-                              f"{what}")
-        time.sleep(1e-3)
+    _wait(comm.Ibarrier(), timeout,
+          lambda: f"rank {comm.rank}: timed out after {timeout:g} s waiting for all ranks to reach {what}")
 
 
 def _wait(req, timeout: float, what) -> None:

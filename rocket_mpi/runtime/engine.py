@@ -198,6 +198,18 @@ class Engine:
             raise RocketError(f"--decode-path: unknown path {want!r} (auto, graph, device, host)")
         return self.decode_path
 
+    def path_for(self, streams: int) -> str:
+        """The decode path for `streams` streams decoded together: the fixed-shape step has a stream limit (the same on
+        every rank: same streams, same model); past it auto falls back to host, a path asked for by name fails."""
+        if self.decode_path == "host":
+            return "host"
+        why = kplan.stream_limit(streams, self.cfg)
+        if why and self.decode_path_auto:
+            return "host"
+        if why:
+            raise RocketError(f"--decode-path {self.decode_path}: {why}; use fewer streams or --decode-path host")
+        return self.decode_path
+
     # -- accounting ------------------------------------------------------------------
     def resident_bytes(self) -> int:
         return self.model.nbytes() + sum(s.resident_bytes() for s in self.experts.values())
@@ -274,13 +286,7 @@ class Engine:
         done = [False] * m
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         seqlens = [len(p) for p in prompts]
-        result.path = "host" if self.decode_path == "host" or n_tokens < 2 else self.decode_path
-        if result.path != "host":
-            why = kplan.stream_limit(m, self.cfg)  # the same on every rank: same streams, same model
-            if why and self.decode_path_auto:
-                result.path = "host"
-            elif why:
-                raise RocketError(f"--decode-path {result.path}: {why}; use fewer streams or --decode-path host")
+        result.path = "host" if n_tokens < 2 else self.path_for(m)
         static = None
         launched = 0  # the fixed-shape step's last step launched
         per_expert = next((s.read_bytes_per_expert for s in self.experts.values() if s.owned), 0)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from rocket_mpi.errors import RocketError
 from rocket_mpi.runtime.chat import generation_config, load_chat_template, special_tokens, stop_ids
 from rocket_mpi.runtime.decode import boot
-from rocket_mpi.ops.plan import stream_limit
 from rocket_mpi.runtime.dist import collective as _collective
 from rocket_mpi.runtime.dist import run_guarded, wait_all, world
 from rocket_mpi.runtime.progress import log
@@ -68,12 +67,7 @@ def _serve(args: RunSettings, opts: ServeSettings, settings: Settings, comm) -> 
 
     b = boot(args, settings, comm, [], facts, rows_for)
     engine = b.engine
-    path = b.path
-    why = stream_limit(m, engine.cfg) if path != "host" else ""
-    if why and args.decode_path == "auto":  # the same on every rank: same slots, same model
-        path = "host"
-    elif why:
-        raise RocketError(f"--decode-path {path}: {why}; use fewer --max-streams or --decode-path host")
+    path = _collective(comm, args.startup_timeout, "the slots' decode path", lambda: engine.path_for(m))
     slots = Slots(engine, m, cap(engine), path)
     _collective(comm, args.startup_timeout, "warming up the decode step", slots.warm)
     wait_all(comm, args.startup_timeout, "the start of serving")

@@ -46,7 +46,7 @@ int tuning_arg(int64_t v) { return static_cast<int>(std::clamp<int64_t>(v, INT_M
 // Returns whether the experts are BF16.
 bool check_packed(const c10::Device& dev, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                   const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
-                  int64_t inter) {
+                  int64_t inter, int64_t far_slots = 0) {
   const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
   if (q_gu.scalar_type() == torch::kBFloat16) {
     expect(q_gu, "q_gu", torch::kBFloat16, 5, dev);
@@ -58,7 +58,8 @@ bool check_packed(const c10::Device& dev, const torch::Tensor& q_gu, const torch
     ROCKET_CHECK(s_gu.numel() == 0 && s_dn.numel() == 0, "BF16 experts have no block scales (s_gu " << s_gu.sizes()
                  << ", s_dn " << s_dn.sizes() << ")");
     expect(s2_gu, "s2_gu", torch::kFloat, 2, dev, 4);
-    ROCKET_CHECK(s2_gu.sizes() == torch::IntArrayRef({slots, 2}), "s2_gu " << s2_gu.sizes());
+    ROCKET_CHECK(s2_gu.sizes() == torch::IntArrayRef({slots + far_slots, 2}), "s2_gu " << s2_gu.sizes() << " for "
+               << slots << " + " << far_slots << " slots");
     return true;
   }
   expect(q_gu, "q_gu", torch::kByte, 5, dev);
@@ -68,12 +69,62 @@ bool check_packed(const c10::Device& dev, const torch::Tensor& q_gu, const torch
   expect(s_gu, "s_gu", torch::kByte, 5, dev);
   ROCKET_CHECK(s_gu.sizes() == torch::IntArrayRef({slots, 2 * ip / 16, hp / 64, 8, 8}), "s_gu " << s_gu.sizes());
   expect(s2_gu, "s2_gu", torch::kFloat, 2, dev, 4);
-  ROCKET_CHECK(s2_gu.sizes() == torch::IntArrayRef({slots, 2}), "s2_gu " << s2_gu.sizes());
+  ROCKET_CHECK(s2_gu.sizes() == torch::IntArrayRef({slots + far_slots, 2}), "s2_gu " << s2_gu.sizes() << " for "
+               << slots << " + " << far_slots << " slots");
   expect(q_dn, "q_dn", torch::kByte, 5, dev);
   ROCKET_CHECK(q_dn.sizes() == torch::IntArrayRef({slots, hp / 16, ip / 64, 32, 16}), "q_dn " << q_dn.sizes());
   expect(s_dn, "s_dn", torch::kByte, 5, dev);
   ROCKET_CHECK(s_dn.sizes() == torch::IntArrayRef({slots, hp / 16, ip / 64, 8, 8}), "s_dn " << s_dn.sizes());
   return false;
+}
+
+// Far slots of the expert cache: {q_gu, s_gu, q_dn, s_dn} in host memory registered with CUDA (mapped), the same
+// layout as the device slots but for the slot count. Returns their device pointers (null where empty) and the count.
+struct Far {
+  const uint8_t* q_gu = nullptr;
+  const uint8_t* s_gu = nullptr;
+  const uint8_t* q_dn = nullptr;
+  const uint8_t* s_dn = nullptr;
+  int64_t slots = 0;
+};
+
+const uint8_t* mapped(const torch::Tensor& t, const char* name) {
+  if (t.numel() == 0) return nullptr;
+  void* dptr = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&dptr, t.data_ptr(), 0);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  ROCKET_CHECK(err == cudaSuccess, "far " << name << ": host memory not registered with CUDA ("
+               << cudaGetErrorString(err) << ")");
+  return static_cast<const uint8_t*>(dptr);
+}
+
+Far check_far(const std::optional<std::vector<torch::Tensor>>& far, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
+              const torch::Tensor& q_dn, const torch::Tensor& s_dn) {
+  Far f;
+  if (!far.has_value()) return f;
+  ROCKET_CHECK(far->size() == 4, "far: expected [q_gu, s_gu, q_dn, s_dn], got " << far->size() << " tensors");
+  const torch::Tensor* near[4] = {&q_gu, &s_gu, &q_dn, &s_dn};
+  const char* names[4] = {"q_gu", "s_gu", "q_dn", "s_dn"};
+  f.slots = (*far)[0].dim() > 0 ? (*far)[0].size(0) : 0;
+  for (int i = 0; i < 4; ++i) {
+    const torch::Tensor& t = (*far)[i];
+    ROCKET_CHECK(t.device().is_cpu(), "far " << names[i] << " must be in host memory, got " << t.device());
+    ROCKET_CHECK(t.scalar_type() == near[i]->scalar_type() && t.is_contiguous(), "far " << names[i] << " is "
+                 << t.scalar_type() << (t.is_contiguous() ? "" : ", not contiguous") << "; device slots are "
+                 << near[i]->scalar_type());
+    if (near[i]->numel() == 0 && near[i]->dim() == 2) {  // BF16 experts: no block scales either side
+      ROCKET_CHECK(t.numel() == 0, "far " << names[i] << ": BF16 experts have no block scales");
+      continue;
+    }
+    ROCKET_CHECK(t.dim() == near[i]->dim() && t.size(0) == f.slots && t.sizes().slice(1) == near[i]->sizes().slice(1),
+                 "far " << names[i] << " " << t.sizes() << " does not match the device slots " << near[i]->sizes());
+  }
+  if (f.slots == 0) return f;
+  f.q_gu = mapped((*far)[0], "q_gu");
+  f.s_gu = mapped((*far)[1], "s_gu");
+  f.q_dn = mapped((*far)[2], "q_dn");
+  f.s_dn = mapped((*far)[3], "s_dn");
+  return f;
 }
 
 // Fills ExpertsLaunch from checked tensors and launches on the current stream.
@@ -82,8 +133,16 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden,
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
                     torch::Tensor& out, int64_t out_rows, int64_t pdl, int64_t dense_rows = 0,
-                    const std::vector<torch::Tensor>& residuals = {}, bool direct_k = false, int64_t split = 0) {
+                    const std::vector<torch::Tensor>& residuals = {}, bool direct_k = false, int64_t split = 0,
+                    const Far& far = Far{}) {
   rocket::ExpertsLaunch a{};
+  if (far.slots > 0) {
+    a.q_gu_far = far.q_gu;
+    a.s_gu_far = far.s_gu;
+    a.q_dn_far = far.q_dn;
+    a.s_dn_far = far.s_dn;
+    a.near = static_cast<int>(q_gu.size(0));
+  }
   a.pdl = tuning_arg(pdl);
   a.split = tuning_arg(split);
   a.direct_k = direct_k ? 1 : 0;
@@ -129,7 +188,8 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
                                                 int64_t n_rows, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                                                 const torch::Tensor& s2_gu, const torch::Tensor& q_dn,
                                                 const torch::Tensor& s_dn, int64_t hidden, int64_t inter,
-                                                std::optional<double> swiglu_limit, int64_t pdl) {
+                                                std::optional<double> swiglu_limit, int64_t pdl,
+                                                const std::optional<std::vector<torch::Tensor>>& far) {
   rocket::check_launch_tuning(tuning_arg(pdl), 0);
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
@@ -137,7 +197,8 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
   expect(plan, "plan", torch::kInt, 1, dev);
   ROCKET_CHECK(plan.numel() == n_tiles * rocket::kRowTile + n_groups * 4,
                "plan has " << plan.numel() << " ints for " << n_tiles << " tiles and " << n_groups << " groups");
-  check_packed(dev, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter);
+  const Far f = check_far(far, q_gu, s_gu, q_dn, s_dn);
+  check_packed(dev, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, f.slots);
   const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
   const int64_t* ri = nullptr;
   if (row_index.has_value()) {
@@ -155,7 +216,8 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
   auto h_frag = torch::empty({n_tiles, ip / 32, 32, 4}, i32);
   if (n_tiles == 0 || n_groups == 0) return {out, x_frag, h_frag};
   launch_experts(x, ri, plan.data_ptr<int>(), plan.data_ptr<int>() + n_tiles * rocket::kRowTile, n_tiles, n_groups,
-                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows, pdl);
+                 q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows, pdl, 0, {},
+                 false, 0, f);
   return {out, x_frag, h_frag};
 }
 
@@ -163,9 +225,10 @@ torch::Tensor nvfp4_experts(const torch::Tensor& x, const std::optional<torch::T
                             const torch::Tensor& plan, int64_t n_tiles, int64_t n_groups, int64_t n_rows,
                             const torch::Tensor& q_gu, const torch::Tensor& s_gu, const torch::Tensor& s2_gu,
                             const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden, int64_t inter,
-                            std::optional<double> swiglu_limit, int64_t pdl) {
+                            std::optional<double> swiglu_limit, int64_t pdl,
+                            const std::optional<std::vector<torch::Tensor>>& far) {
   return nvfp4_experts_stages(x, row_index, plan, n_tiles, n_groups, n_rows, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden,
-                              inter, swiglu_limit, pdl)[0];
+                              inter, swiglu_limit, pdl, far)[0];
 }
 
 torch::Tensor dequant_packed(const torch::Tensor& q, const torch::Tensor& s) {
@@ -278,12 +341,13 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
                         const torch::Tensor& groups, torch::Tensor& out, const torch::Tensor& q_gu,
                         const torch::Tensor& s_gu, const torch::Tensor& s2_gu, const torch::Tensor& q_dn,
                         const torch::Tensor& s_dn, int64_t hidden, int64_t inter, std::optional<double> swiglu_limit,
-                        int64_t pdl) {
+                        int64_t pdl, const std::optional<std::vector<torch::Tensor>>& far) {
   rocket::check_launch_tuning(tuning_arg(pdl), 0);
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, experts have hidden " << hidden);
-  check_packed(dev, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter);
+  const Far f = check_far(far, q_gu, s_gu, q_dn, s_dn);
+  check_packed(dev, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, f.slots);
   expect(pad_rows, "pad_rows", torch::kInt, 1, dev);
   expect(groups, "groups", torch::kInt, 2, dev);
   const int64_t cap = groups.size(0);
@@ -300,7 +364,8 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
   auto h_frag = torch::empty({cap, ip / 32, 32, 4}, i32);
   if (cap == 0) return;
   launch_experts(x, row_index.data_ptr<int64_t>(), pad_rows.data_ptr<int>(), groups.data_ptr<int>(), cap, cap, q_gu,
-                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0), pdl);
+                 s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, out.size(0), pdl, 0, {},
+                 false, 0, f);
 }
 
 // A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: stack.py pack_mlp, gate/up's K
@@ -396,7 +461,8 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
                                     const torch::Tensor& s2_down, int64_t rank, int64_t n_ranks, int64_t n_sets,
                                     int64_t set_stride, torch::Tensor& seq,
                                     const std::optional<torch::Tensor>& meta_out,
-                                    const std::optional<torch::Tensor>& zero) {
+                                    const std::optional<torch::Tensor>& zero,
+                                    const std::optional<torch::Tensor>& fires) {
   const c10::Device dev = experts.device();
   expect(experts, "experts", torch::kLong, 2, dev, 8);
   expect(weights, "weights", torch::kFloat, 2, dev, 4);
@@ -458,6 +524,12 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   a.meta = meta.data_ptr<int64_t>();
   a.by_canon = by_canon.data_ptr<int>();
   a.zero = zero ? zero->data_ptr<int64_t>() : nullptr;
+  if (fires) {
+    expect(*fires, "fires", torch::kInt, 2, dev, 4);
+    ROCKET_CHECK(fires->size(0) == 2 && fires->size(1) == n_exp, "fires " << fires->sizes() << ", expected [2, "
+                 << n_exp << "]");
+    a.fires = fires->data_ptr<int>();
+  }
   rocket::launch_moe_plan(a, c10::cuda::getCurrentCUDAStream().stream());
   return {by_token, coef, row_index, pad_rows, groups, canon_slot, meta, by_canon};
 }
@@ -829,11 +901,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "3 down waits for each pass of gate/up (never changes the bits)", py::arg("x"), py::arg("row_index"),
         py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"), py::arg("n_rows"), py::arg("q_gu"), py::arg("s_gu"),
         py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"), py::arg("inter"),
-        py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto);
+        py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto, py::arg("far") = py::none());
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)",
         py::arg("x"), py::arg("row_index"), py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"),
         py::arg("n_rows"), py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"),
-        py::arg("hidden"), py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto);
+        py::arg("hidden"), py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto,
+        py::arg("far") = py::none());
   m.def("swiglu_dense", &swiglu_dense, "a SwiGLU MLP (one BF16 expert) over dense rows in the expert kernels "
         "(gate and up clamped to swiglu_limit where given), then + each residual in order; pdl as nvfp4_experts', "
         "split: K slices (0 by shape, 1, 2, 4, 8)", py::arg("x"), py::arg("q_gu"), py::arg("s2_gu"), py::arg("q_dn"),
@@ -847,11 +920,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe); pdl as "
         "nvfp4_experts'", py::arg("x"), py::arg("row_index"), py::arg("pad_rows"), py::arg("groups"), py::arg("out"),
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
-        py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto);
+        py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto, py::arg("far") = py::none());
   m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe); meta into meta_out where given, "
         "and *zero = 0", py::arg("experts"), py::arg("weights"), py::arg("owner"), py::arg("slot"), py::arg("canon"),
         py::arg("s2_down"), py::arg("rank"), py::arg("n_ranks"), py::arg("n_sets"), py::arg("set_stride"),
-        py::arg("seq"), py::arg("meta_out") = py::none(), py::arg("zero") = py::none());
+        py::arg("seq"), py::arg("meta_out") = py::none(), py::arg("zero") = py::none(),
+        py::arg("fires") = py::none());
   m.def("ipc_exchange_flags", &ipc_exchange_flags, "cuda-ipc: one kernel, a flag word per (sender, block) (the "
         "graphed step's exchange)");
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step); with index, (x[index], its norm) from one launch",

@@ -116,6 +116,10 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
         (uint64_t((n_t + kMaxRowTiles - 1) / kMaxRowTiles) << kGroupsShift);
     atomicAdd(&rank_rows[own[ce]], c);
     if (n_t) atomicAdd(&mine, 1);
+    if (a.fires != nullptr) {  // the expert cache's telemetry: one thread per expert, no atomics
+      a.fires[ce] += c;
+      a.fires[E + ce] += c > 0;
+    }
   }
   uint64_t total;
   const uint64_t ex = block_exclusive_scan(v, warp_sums, total);

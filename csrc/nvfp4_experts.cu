@@ -103,6 +103,9 @@ struct GemmParams {
   const uint8_t* s;
   int64_t q_slot_stride;     // bytes between slots
   int64_t s_slot_stride;
+  const uint8_t* q_far;      // nullable: slots >= near at q_far / s_far (slot - near), host memory mapped in
+  const uint8_t* s_far;
+  int near;
   const uint4* frag;         // B fragments [tiles][2 * nk][32]
   const int4* groups;
   int nk;                    // K / 64
@@ -207,10 +210,14 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   const int64_t q_tile = int64_t(nk_all) * kTileBytes, s_tile = int64_t(nk_all) * kTileScaleBytes;
   const uint8_t* qp[kFT];
   const uint8_t* sp[kFT];
+  const bool far = p.q_far != nullptr && slot >= p.near;  // an expert-cache miss: its weights in host memory
+  const uint8_t* qb = far ? p.q_far : p.q;
+  const uint8_t* sb = far ? p.s_far : p.s;
+  const int64_t ws = far ? slot - p.near : slot;
 #pragma unroll
   for (int i = 0; i < kFT; ++i) {
-    qp[i] = p.q + slot * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + int64_t(kt0) * kTileBytes + lane * 16;
-    sp[i] = kBf16 ? nullptr : p.s + slot * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile +
+    qp[i] = qb + ws * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + int64_t(kt0) * kTileBytes + lane * 16;
+    sp[i] = kBf16 ? nullptr : sb + ws * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile +
                               int64_t(kt0) * kTileScaleBytes + (lane >> 2) * 8;
   }
   // No L2 evict-first hint: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an LDGSTS
@@ -898,6 +905,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     GemmParams p{};
     p.q = a.q_gu;
     p.s = a.s_gu;
+    p.q_far = a.q_gu_far;
+    p.s_far = a.s_gu_far;
+    p.near = a.near;
     p.nk = a.hidden_pad / kTileK;
     const int tiles = 2 * a.inter_pad / kTileN;
     p.q_slot_stride = int64_t(tiles) * p.nk * (a.bf16 ? kBf16TileBytes : kTileCodeBytes);
@@ -923,6 +933,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     GemmParams p{};
     p.q = a.q_dn;
     p.s = a.s_dn;
+    p.q_far = a.q_dn_far;
+    p.s_far = a.s_dn_far;
+    p.near = a.near;
     p.nk = a.inter_pad / kTileK;
     const int tiles = a.hidden_pad / kTileN;
     p.q_slot_stride = int64_t(tiles) * p.nk * (a.bf16 ? kBf16TileBytes : kTileCodeBytes);

@@ -100,6 +100,11 @@ struct ExpertsLaunch {
   const uint8_t *q_gu, *s_gu;  // gate/up tiles interleaved: tile T = gate rows 8T..8T+7, up rows 8T..8T+7
   const float* s2_gu;          // [slots][2] weight_scale_2 of gate, up
   const uint8_t *q_dn, *s_dn;  // down [hidden_pad, inter_pad]; its weight_scale_2 is the scatter's
+  // Far slots (the expert cache, rocket_mpi/moe/cache.py): slots >= near live in host memory mapped into the device
+  // (device pointers of registered pinned memory), slot s at far slot s - near; null: every slot is in q_* / s_*.
+  // The kernel reads them through the same copies as device slots: the same bytes, the same bits.
+  const uint8_t *q_gu_far = nullptr, *s_gu_far = nullptr, *q_dn_far = nullptr, *s_dn_far = nullptr;
+  int near = 0;
   int hidden, inter;           // logical sizes (multiples of 16)
   int hidden_pad, inter_pad;   // multiples of 64
   float swiglu_limit;          // used when has_limit
@@ -207,6 +212,7 @@ struct PlanLaunch {
   int* by_canon;            // [tokens, topk] canonical row of each by_token entry (the scatter's checksum)
   int64_t* meta;            // [kPlanMetaHead + n_ranks]  (layout in rocket_mpi/ops/plan.py)
   int64_t* zero;            // nullable: one word set to 0 (the layer's checksum sum, which the scatter adds to)
+  int* fires;               // nullable: [2][E] firing counts, += rows of each expert and += 1 where it has rows
 };
 
 void launch_moe_plan(const PlanLaunch& a, cudaStream_t stream);

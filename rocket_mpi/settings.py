@@ -117,3 +117,5 @@ class RunSettings:
     stop: tuple[str, ...] = ()       # strings that end a stream (besides the checkpoint's end-of-text ids)
     ignore_eos: bool = False         # fixed lengths: only --tokens ends a stream
     chat: str | None = None          # a JSON file of conversations, rendered with the checkpoint's chat template
+    expert_cache: str = "auto"       # GiB of routed experts in device memory per rank, or auto (moe/cache.py)
+    telemetry: str | None = None     # where rank 0 writes the routing trace and the expert cache's accounting

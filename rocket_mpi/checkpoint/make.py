@@ -204,7 +204,8 @@ def _numel(shape) -> int:
 
 
 def make_checkpoint(preset: str, out_dir: str, seed: int = 0, nvfp4_experts: bool = False,
-                    nvfp4_all: bool = False, shards: int = 1, tokenizer: bool = True) -> dict:
+                    nvfp4_all: bool = False, shards: int = 1, tokenizer: bool = True, skew: float = 0.0) -> dict:
+    """skew: the routers' expert popularity (specs.router_bias; 0: uniform)."""
     cfg = config_dict(preset)
     fam = _family_for_preset(preset)
     specs = list(fam.tensor_specs(cfg) if fam is not None else tensor_specs(cfg))
@@ -214,7 +215,7 @@ def make_checkpoint(preset: str, out_dir: str, seed: int = 0, nvfp4_experts: boo
         raise RocketError(f"--preset {preset}: {nbytes / 2**30:.0f} GiB in BF16 is too large to write here "
                           f"({ram / 2**30:.0f} GiB RAM); decode it straight from memory with "
                           f"--checkpoint preset:{preset}")
-    tensors = {name: make_tensor(seed, name, shape, kind) for name, shape, kind in specs}
+    tensors = {name: make_tensor(seed, name, shape, kind, skew) for name, shape, kind in specs}
     quant = None
     if nvfp4_experts or nvfp4_all:
         tensors = quantize_tensors(tensors, cfg, nvfp4_all)

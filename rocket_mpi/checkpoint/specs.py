@@ -6,6 +6,7 @@ GLM-4.x family's; make_dsa.py and make_glm5.py hold the other families' and reus
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -64,12 +65,26 @@ def head_specs(cfg: dict):
     yield "lm_head.weight", (cfg["vocab_size"], cfg["hidden_size"]), "linear"
 
 
-def make_tensor(seed: int, name: str, shape, kind: str) -> torch.Tensor:
-    """Realistic magnitudes: linears N(0, 0.02), norms near 1, a non-zero correction bias."""
+def router_bias(seed: int, name: str, shape, skew: float = 0.0, device=None) -> torch.Tensor:
+    """A router's e_score_correction_bias [E] fp32: small noise, and with skew S > 0 a Zipf-like popularity: the
+    experts ranked by a permutation drawn from (seed, name) get -S * log(1 + rank) / log(E), so a few experts win
+    the top-k far more often than the rest, as real routing does (a different ranking in every layer)."""
+    g = _gen(seed, name) if device is None else torch.Generator(device=device).manual_seed(
+        _gen(seed, name).initial_seed())
+    noise = (torch.rand(shape, generator=g, device=device) - 0.5) * 0.1
+    if not skew:
+        return noise
+    n = shape[0]
+    rank = torch.randperm(n, generator=_gen(seed + 1, name)).to(noise.device).float()
+    return noise - skew * torch.log1p(rank) / math.log(max(n, 2))
+
+
+def make_tensor(seed: int, name: str, shape, kind: str, skew: float = 0.0) -> torch.Tensor:
+    """Realistic magnitudes: linears N(0, 0.02), norms near 1, a non-zero correction bias (skewed: router_bias)."""
     if kind == "norm":
         return (1.0 + _randn(seed, name, shape, 0.1)).to(torch.bfloat16)
     if kind == "bias":
-        return (torch.rand(shape, generator=_gen(seed, name)) - 0.5) * 0.1   # fp32, like real checkpoints
+        return router_bias(seed, name, shape, skew)   # fp32, like real checkpoints
     if kind == "router":
         return _randn(seed, name, shape, 0.02)                              # fp32 router weight
     if kind == "attn_bias":

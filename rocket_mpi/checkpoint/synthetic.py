@@ -1,4 +1,4 @@
-"""`--checkpoint preset:NAME[:nvfp4|:nvfp4-all][:seed=N]`: a make-checkpoint preset drawn straight into
+"""`--checkpoint preset:NAME[:nvfp4|:nvfp4-all][:seed=N][:skew=S]`: a make-checkpoint preset drawn straight into
 memory, tensor by tensor, on the device that will hold it. For shapes too large to write to disk
 (GLM-4.5-Air cut to 8 layers is 36 GB in BF16): each rank draws only the tensors it loads.
 
@@ -29,14 +29,23 @@ def is_synthetic(spec: str) -> bool:
 class SyntheticReader(CheckpointReader):
     def __init__(self, spec: str, device: str = "cpu"):
         parts = spec[len(PREFIX):].split(":")
-        self.preset, self.seed, self.quant_mode = parts[0], 0, None
+        self.preset, self.seed, self.quant_mode, self.skew = parts[0], 0, None, 0.0
         for p in parts[1:]:
-            if p in ("nvfp4", "nvfp4-all"):
-                self.quant_mode = p
-            elif p.startswith("seed="):
-                self.seed = int(p[5:])
-            else:
-                raise CheckpointError(f"--checkpoint {spec}: unknown option '{p}' (nvfp4, nvfp4-all, seed=N)")
+            try:
+                if p in ("nvfp4", "nvfp4-all"):
+                    self.quant_mode = p
+                elif p.startswith("seed="):
+                    self.seed = int(p[5:])
+                elif p.startswith("skew="):
+                    self.skew = float(p[5:])
+                    if not 0 <= self.skew < float("inf"):
+                        raise ValueError(p)
+                else:
+                    raise CheckpointError(f"--checkpoint {spec}: unknown option '{p}' (nvfp4, nvfp4-all, seed=N, "
+                                          f"skew=S)")
+            except ValueError:
+                raise CheckpointError(f"--checkpoint {spec}: bad option '{p}' (seed=N takes an integer, skew=S a "
+                                      f"finite number >= 0)") from None
         raw = make.config_dict(self.preset)
         self.dir = spec
         self.device = torch.device(device)
@@ -67,7 +76,7 @@ class SyntheticReader(CheckpointReader):
         g = torch.Generator(device=self.device).manual_seed(specs._gen(self.seed, name).initial_seed())
         std = {"norm": 0.1, "attn_bias": 0.1, "embed": 1.0}.get(kind, 0.02)
         if kind == "bias":
-            return (torch.rand(shape, generator=g, device=self.device) - 0.5) * 0.1
+            return specs.router_bias(self.seed, name, shape, self.skew, self.device)
         t = torch.randn(shape, generator=g, device=self.device) * std
         if kind == "norm":
             t = t + 1.0

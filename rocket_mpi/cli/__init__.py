@@ -12,8 +12,9 @@ import time
 from rocket_mpi import __version__
 from rocket_mpi.checkpoint.make import all_presets, make_checkpoint
 from rocket_mpi.cli import fabric_bench
-from rocket_mpi.cli.flags import (add_run_flags, add_serve_flags, int_list, pos_int, run_settings, serve_run_settings,
-                                  serve_settings)
+from rocket_mpi.cli import plan as plan_cmd
+from rocket_mpi.cli.flags import (add_run_flags, add_serve_flags, int_list, nonneg_float, pos_int, run_settings,
+                                  serve_run_settings, serve_settings)
 from rocket_mpi.cli.report import print_report
 from rocket_mpi.cli.static_fire import static_fire
 from rocket_mpi.errors import RocketError
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--streams", type=pos_int, default=8, help="M, streams decoded together")
     d.add_argument("--sweep", type=int_list, help="several M in one run, e.g. 1,8 (overrides --streams)")
     d.add_argument("--out", help="JSON with the generated tokens (rank 0 writes it)")
+    d.add_argument("--telemetry", metavar="FILE",
+                   help="record the routing (rows per MoE layer and expert, every decode step of the last run) and the "
+                        "expert cache's accounting per rank to FILE (.npz; benchmarks/bench_cache.py replays it)")
     d.add_argument("--quiet", action="store_true", help="no report, progress bars or info lines (warnings and errors "
                                                         "still print)")
 
@@ -64,12 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nvfp4-all", action="store_true", help="quantise every Linear as ModelOpt does")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--shards", type=pos_int, default=1)
+    m.add_argument("--skew", type=nonneg_float, default=0.0,
+                   help="routing skew: router biases giving the experts a Zipf-like popularity (0: uniform; 1-2: a few "
+                        "hot experts per layer, as real MoE routing)")
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the split (alone, or under mpirun -np N)",
                        formatter_class=_Help)
     add_serve_flags(v)
 
     fabric_bench.add_parser(sub, _Help)
+    plan_cmd.add_parser(sub, _Help)
     return ap
 
 
@@ -82,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "make-checkpoint":
         return _guard(lambda: _make(args))
+    if args.cmd == "plan":
+        return _guard(lambda: plan_cmd.plan(args))
     if args.cmd == "static-fire":
         return _guard(lambda: static_fire(args, settings))
     if args.cmd == "fabric-bench":
@@ -104,7 +114,7 @@ def _guard(fn) -> int:
 
 def _make(args) -> int:
     t0 = time.perf_counter()
-    cfg = make_checkpoint(args.preset, args.out, args.seed, args.nvfp4, args.nvfp4_all, args.shards)
+    cfg = make_checkpoint(args.preset, args.out, args.seed, args.nvfp4, args.nvfp4_all, args.shards, skew=args.skew)
     kind = "NVFP4 experts" if args.nvfp4 else "NVFP4 all Linears" if args.nvfp4_all else "BF16"
     print(f"wrote {args.out}: preset {args.preset} ({cfg['num_hidden_layers']} layers, {cfg['n_routed_experts']} "
           f"experts, hidden {cfg['hidden_size']}), {kind}, seed {args.seed}, {time.perf_counter() - t0:.1f} s")

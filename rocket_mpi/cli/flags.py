@@ -6,7 +6,9 @@ import argparse
 from rocket_mpi.checkpoint.make import all_presets
 from rocket_mpi.config import PREFILL_CHUNK
 from rocket_mpi.runtime.progress import LEVELS
+from rocket_mpi.errors import RocketError
 from rocket_mpi.fabric import BACKENDS
+from rocket_mpi.moe.cache import parse_budget
 from rocket_mpi.serve import ServeSettings
 from rocket_mpi.settings import FabricSettings, RunSettings
 
@@ -73,6 +75,15 @@ def fabric_settings(args) -> FabricSettings:
     return FabricSettings(args.fabric, args.fabric_timeout, args.rails, args.gid_index, args.rail_split_min_bytes)
 
 
+def cache_budget(text: str) -> str:
+    """--expert-cache: auto, or GiB >= 0 (kept as given: static-fire passes it on)."""
+    try:
+        parse_budget(text)
+    except RocketError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+    return text
+
+
 def add_rank_flags(p: argparse.ArgumentParser) -> None:
     """What every rank of a decoding job is given: the checkpoint, its split, the device, the fabric, the path."""
     p.add_argument("--checkpoint", required=True,
@@ -82,6 +93,10 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=pos_int, default=1, help="torch threads per rank (fixed for parity)")
     p.add_argument("--startup-timeout", type=pos_float, default=600.0, help="seconds to wait for all ranks to load")
+    p.add_argument("--expert-cache", type=cache_budget, default="auto", metavar="GIB|auto",
+                   help="GiB of this rank's routed-expert weights kept in device memory; the rest sits in pinned host "
+                        "memory (GPU) or is read from the checkpoint (CPU) when a step needs it. auto: all where they "
+                        "fit beside the stack, KV cache and workspaces, else as much as fits")
     add_fabric_flags(p)
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "device", "host"),
                    help="GPU decode steps: graph = row plan on the device, the step one CUDA graph; device = the "
@@ -126,7 +141,7 @@ def serve_run_settings(args) -> RunSettings:
     return RunSettings(checkpoint=args.checkpoint, streams=(), tokens=1, placement=args.placement, device=args.device,
                        threads=args.threads, startup_timeout=args.startup_timeout, decode_path=args.decode_path,
                        prefill_chunk=args.prefill_chunk, fabric=fabric_settings(args), log_level=args.log_level,
-                       progress=True)
+                       progress=True, expert_cache=args.expert_cache)
 
 
 def serve_settings(args) -> ServeSettings:
@@ -141,7 +156,8 @@ def run_settings(args, streams: list[int]) -> RunSettings:
                        log_level="warning" if getattr(args, "quiet", False) else args.log_level,
                        progress=not getattr(args, "quiet", False), temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-                       ignore_eos=args.ignore_eos, chat=args.chat)
+                       ignore_eos=args.ignore_eos, chat=args.chat, expert_cache=args.expert_cache,
+                       telemetry=getattr(args, "telemetry", None))
 
 
 def sampling_args(args) -> list[str]:

@@ -23,6 +23,8 @@ class ExpertStore:
                  s2_down: torch.Tensor, packed_bytes: int, swiglu_limit: float | None = None):
         self.layer = layer
         self.owned = owned
+        self.capacity = len(owned)   # experts kept in device memory (the expert cache, moe/cache.py)
+        self.fetch = None            # CPU, bounded: expert id -> (gate_up, down) read from the checkpoint
         self.gate_up = gate_up
         self.down = down
         self.s2_down = s2_down       # [E] fp32, all experts
@@ -37,11 +39,13 @@ class ExpertStore:
 
     @classmethod
     def load(cls, reader: CheckpointReader, layer: int, owned: list[int], prefix: str | None = None,
-             device=None) -> "ExpertStore":
+             device=None, resident: list[int] | None = None) -> "ExpertStore":
         """`prefix`: the experts' tensor-name prefix (default model.layers.{layer}.mlp.experts).
         On a GPU with the CUDA extension built, NVFP4 experts stay packed and run in the batch-invariant
         kernel (ops.nvfp4_experts), and BF16 experts are packed into the same kernel's BF16 tiles; otherwise they
-        are dequantised to BF16 for the torch reference."""
+        are dequantised to BF16 for the torch reference. `resident`: the owned experts kept in device memory (the
+        expert cache; None: all): on a GPU the others go to far slots in host memory, on a CPU they are read from
+        the checkpoint when a step needs them."""
         cfg = reader.config
         h, i, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         pre = prefix or f"model.layers.{layer}.mlp.experts"
@@ -52,15 +56,25 @@ class ExpertStore:
                 s2[e] = float(reader.get(name, None, (torch.float32,), finite=True).reshape(()))
         gate_up, down, nbytes, packer = {}, {}, 0, None
         use_kernel = device is not None and ops.on_gpu(device)
+        keep = set(owned if resident is None else resident)
+
+        def read(e):
+            return (reader.linear(f"{pre}.{e}.gate_proj", i, h), reader.linear(f"{pre}.{e}.up_proj", i, h),
+                    reader.linear(f"{pre}.{e}.down_proj", h, i))
+
+        def dense(e, g, u, d):
+            if d.nvfp4 and float(d.weight_scale_2) != float(s2[e]):
+                raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
+            return torch.cat((g.dense(), u.dense()), dim=0), d.dense(with_global_scale=False)
+
+        dense_bytes = 0
         for e in owned:
-            g = reader.linear(f"{pre}.{e}.gate_proj", i, h)
-            u = reader.linear(f"{pre}.{e}.up_proj", i, h)
-            d = reader.linear(f"{pre}.{e}.down_proj", h, i)
+            g, u, d = read(e)
             nv = g.nvfp4 and u.nvfp4 and d.nvfp4
             if use_kernel and (nv or not (g.nvfp4 or u.nvfp4 or d.nvfp4)):
                 # packed as read, one expert at a time (ops.ExpertPacker)
                 if packer is None:
-                    packer = ops.ExpertPacker(owned, h, i, bf16=not nv, device=device)
+                    packer = ops.ExpertPacker(owned, h, i, bf16=not nv, device=device, resident=sorted(keep))
                 elif packer.bf16 == nv:
                     raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
                 parts = (g, u, d) if nv else (g.dense(), u.dense(), d.dense())
@@ -68,18 +82,56 @@ class ExpertStore:
                            else sum(x.numel() * x.element_size() for x in parts))  # what the kernel reads
                 packer.add(e, *parts)
                 continue
-            gate_up[e] = torch.cat((g.dense(), u.dense()), dim=0)
-            down[e] = d.dense(with_global_scale=False)
-            if d.nvfp4 and float(d.weight_scale_2) != float(s2[e]):
-                raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
             nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
+            dense_bytes = 3 * h * i * 2
+            if e in keep:
+                gate_up[e], down[e] = dense(e, g, u, d)
         store = cls(layer, owned, gate_up, down, s2, nbytes, cfg.swiglu_limit)
         if packer is not None:
             if gate_up:
                 raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
             store.packed = packer.done()
             store.read_bytes_per_expert = nbytes // max(len(owned), 1)
+        else:
+            store.read_bytes_per_expert = dense_bytes
+            if len(keep) < len(owned):
+                store.fetch = lambda e: dense(e, *read(e))
+        store.capacity = len(keep)
         return store
+
+    # -- the expert cache (moe/cache.py) ------------------------------------------------
+    def is_resident(self, e: int) -> bool:
+        if self.packed is not None:
+            return self.packed.slot[e] < self.packed.near
+        return e in self.gate_up
+
+    def resident(self) -> list[int]:
+        return [e for e in self.owned if self.is_resident(e)]
+
+    def swap(self, e_in: int, e_out: int) -> None:
+        """Far expert e_in takes resident expert e_out's place in device memory."""
+        if self.packed is not None:
+            self.packed.swap(e_in, e_out)
+            return
+        if e_in in self.gate_up or e_out not in self.gate_up:
+            raise ValueError(f"layer {self.layer}: swap {e_in} in for {e_out}: {e_in} must be far, {e_out} resident")
+        dev = self.gate_up[e_out].device
+        gu, d = self.fetch(e_in)
+        del self.gate_up[e_out], self.down[e_out]
+        self.gate_up[e_in], self.down[e_in] = gu.to(dev), d.to(dev)
+
+    def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) of expert e: resident, or read from the checkpoint for this step (a CPU cache miss)."""
+        if e in self.gate_up:
+            return self.gate_up[e], self.down[e]
+        if self.fetch is None:
+            raise KeyError(f"layer {self.layer}: expert {e} is not on this rank")
+        return self.fetch(e)
+
+    def far_resident_bytes(self) -> int:
+        """Bytes of owned experts outside device memory: far slots in host memory (GPU); 0 on a CPU (the
+        checkpoint holds them)."""
+        return self.packed.far_bytes if self.packed is not None else 0
 
     def compute(self, x: torch.Tensor, tokens: torch.Tensor, segments: list[tuple[int, int, int]],
                 base: int) -> torch.Tensor:
@@ -90,12 +142,15 @@ class ExpertStore:
             return ops.nvfp4_experts(x, segments, self.packed, base, tokens[base:base + n], self.swiglu_limit)
         out = torch.empty(n, x.shape[1], dtype=torch.bfloat16, device=x.device)
         for e, start, end in segments:
+            if end == start:
+                continue
             xe = x[tokens[start:end]]                                        # [n_e, H]
-            gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
+            w_gu, w_dn = self._weights(e)
+            gate, up = F.linear(xe, w_gu.to(xe.device)).chunk(2, dim=-1)
             if self.swiglu_limit is not None:  # GLM-5.3-Flash: clamp before the activation
                 gate = gate.clamp(max=self.swiglu_limit)
                 up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-            out[start - base:end - base] = F.linear(F.silu(gate) * up, self.down[e])
+            out[start - base:end - base] = F.linear(F.silu(gate) * up, w_dn.to(xe.device))
         return out
 
     def to(self, device) -> "ExpertStore":

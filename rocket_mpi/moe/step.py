@@ -35,6 +35,9 @@ class HostMoE:
     def __init__(self, engine):
         self.engine = engine
         self.scatter_kernel = ops.on_gpu(engine.device)  # decided once, not per layer
+        xc = engine.expert_cache  # the expert cache counts every expert's rows (moe/cache.py)
+        self.fires = xc.counter("host", "cpu") if xc is not None else None
+        self.index = {layer: i for i, layer in enumerate(engine.cfg.moe_layers)}
         self.reset()
 
     def reset(self) -> None:
@@ -49,7 +52,10 @@ class HostMoE:
         weights, experts = ops.route_ref(x, L.router_w, L.router_b, e.cfg)
         store = e.experts[layer]
         # the plan is host bookkeeping over T x k integers: one small device-to-host copy per layer
-        plan = ops.plan_rows(experts.cpu(), weights.cpu(), e.placement.owners[layer], store.s2_down, e.size)
+        experts_h = experts.cpu()
+        if self.fires is not None:
+            self.fires[self.index[layer]] += kplan.count_fires(experts_h, e.cfg.n_routed_experts)
+        plan = ops.plan_rows(experts_h, weights.cpu(), e.placement.owners[layer], store.s2_down, e.size)
         if x.device.type != "cpu":
             plan.tokens, plan.by_token, plan.coef = (plan.tokens.to(x.device), plan.by_token.to(x.device),
                                                      plan.coef.to(x.device))
@@ -101,6 +107,8 @@ class DeviceMoE:
             slot = store.packed.slot if store.packed is not None else {x: i for i, x in enumerate(sorted(store.owned))}
             self.tables[layer] = (owner.to(dev, torch.int32), kplan.slot_table(owner.numel(), slot).to(dev),
                                   kplan.canonical_experts(owner).to(dev), store.s2_down.to(dev, torch.float32))
+        xc = e.expert_cache  # firing counts, added to by each layer's plan; residency changes refresh the slots
+        self.fires = xc.counter("device", dev, self._refresh_slots) if xc is not None else None
         self.router = {}  # the router kernels' operands, contiguous fp32 once (not per step)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the shared expert's (__call__)
         self.seq = torch.tensor([e.seq], dtype=torch.long, device=dev)  # continues the host's seq
@@ -148,7 +156,8 @@ class DeviceMoE:
         owner, slot, canon, s2 = self.tables[layer]
         xc = self.xchg
         p = kplan.moe_plan(experts, weights, owner, slot, canon, s2, self.rank, self.size, xc.n_sets,
-                           xc.set_stride, self.seq, self.meta_rows[i], self.sums[i:i + 1])
+                           xc.set_stride, self.seq, self.meta_rows[i], self.sums[i:i + 1],
+                           None if self.fires is None else self.fires[i])
         if self.host:
             n = p["meta"].tolist()[kplan.META_ROWS]
             if n:
@@ -157,13 +166,21 @@ class DeviceMoE:
             pk = store.packed
             ops._ext.require().nvfp4_experts_into(x.contiguous(), p["row_index"], p["pad_rows"], p["groups"],
                                                   xc.out, pk.q_gu, pk.s_gu, pk.s2_gu, pk.q_dn, pk.s_dn,
-                                                  pk.hidden, pk.inter, store.swiglu_limit)
+                                                  pk.hidden, pk.inter, store.swiglu_limit, far=pk.far_args())
         rows = xc.exchange(p["meta"], layer, self.engine.step)
         if side is not None:  # join: the scatter adds the shared expert's output
             torch.cuda.current_stream(x.device).wait_stream(side)
         out = ops.moe_scatter_add(rows, p["by_token"], p["coef"], p["by_canon"], self.sums[i], res, next_norm)
         self.calls += 1
         return out
+
+    def _refresh_slots(self, layer: int) -> None:
+        """The expert cache moved experts of `layer`: its device slot table follows (a copy on the stream, before the
+        next step reads it; the captured step reads the table, so the capture stays valid)."""
+        store = self.engine.experts[layer]
+        if store.packed is not None:
+            table = self.tables[layer][1]
+            table.copy_(kplan.slot_table(table.numel(), store.packed.slot))
 
     def _segments(self, layer: int, p) -> list[tuple[int, int, int]]:
         """CPU: this rank's (expert, start, end) segments rebuilt from the plan's padded rows and weight passes,

@@ -117,7 +117,7 @@ def nvfp4_experts_planned(x: torch.Tensor, row_index: torch.Tensor | None, plan:
     """nvfp4_experts with the launch plan (launch_plan) already on the device: just the kernels."""
     return _ext.require().nvfp4_experts(x.contiguous(), row_index, plan, n_tiles, n_groups, n_rows, packed.q_gu,
                                         packed.s_gu, packed.s2_gu, packed.q_dn, packed.s_dn, packed.hidden,
-                                        packed.inter, swiglu_limit, pdl=pdl)
+                                        packed.inter, swiglu_limit, pdl=pdl, far=packed.far_args())
 
 def nvfp4_experts_stages(x: torch.Tensor, segments: list[tuple[int, int, int]], packed: PackedExperts, base: int = 0,
                          row_index: torch.Tensor | None = None, swiglu_limit: float | None = None, *,
@@ -128,4 +128,4 @@ def nvfp4_experts_stages(x: torch.Tensor, segments: list[tuple[int, int, int]], 
     ri = None if row_index is None else row_index.to(device=x.device, dtype=torch.int64).contiguous()
     return tuple(_ext.require().nvfp4_experts_stages(
         x.contiguous(), ri, plan.to(x.device), n_tiles, n_groups, n_rows, packed.q_gu, packed.s_gu, packed.s2_gu,
-        packed.q_dn, packed.s_dn, packed.hidden, packed.inter, swiglu_limit, pdl=pdl))
+        packed.q_dn, packed.s_dn, packed.hidden, packed.inter, swiglu_limit, pdl=pdl, far=packed.far_args()))

@@ -50,6 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
 
+import math
+import weakref
+
 import torch
 
 from rocket_mpi.ops import _ext, nvfp4
@@ -327,9 +330,32 @@ def split_fused_gate_up(weight: torch.Tensor, weight_scale: torch.Tensor):
     return weight[:i], weight_scale[:i], weight[i:], weight_scale[i:]
 
 
+KERNEL_PARTS = ("q_gu", "s_gu", "q_dn", "s_dn")  # what the kernel reads per slot (s2_* are small, all on the device)
+
+
+def pin_host(t: torch.Tensor) -> torch.Tensor:
+    """Register a CPU tensor's memory with CUDA (pinned and mapped into the device's address space) so kernels read
+    it where it is and copies to and from it are asynchronous; unregistered when the tensor is freed. The exact
+    size, unlike torch's pinned allocator, which rounds each allocation up to a power of two. A no-op without CUDA."""
+    nbytes = t.numel() * t.element_size()
+    if not torch.cuda.is_available() or nbytes == 0 or t.is_pinned():
+        return t
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 3)  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    if int(err) != 0:
+        raise MemoryError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB of host memory failed (error {int(err)})")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
+
+
 @dataclass
 class PackedExperts:
-    """The owned experts of one layer in the kernel's layout; slot s holds expert experts[s]."""
+    """The owned experts of one layer in the kernel's layout; slot s holds the expert e with slot[e] == s.
+
+    With an expert cache (rocket_mpi/moe/cache.py) only slots 0 .. near-1 are device memory (q_gu, s_gu, q_dn,
+    s_dn); slots near .. are `far`: the same four parts in registered host memory (pin_host), which the kernel
+    reads in place (csrc/nvfp4_experts.cu, far slots). swap() trades an expert between the two; a slot's bytes are
+    the same wherever they are, so residency never changes a row's bits."""
     experts: list[int]
     hidden: int
     inter: int
@@ -342,6 +368,7 @@ class PackedExperts:
     s_dn: torch.Tensor     # uint8 [E, hidden_pad / 16, inter_pad / 64, 8, 8]
     s2_dn: torch.Tensor    # fp32  [E] down weight_scale_2: NOT applied by the kernel (the scatter's)
     slot: dict[int, int] = field(default_factory=dict)
+    far: dict[str, torch.Tensor] | None = None   # KERNEL_PARTS of slots near.. in host memory (None: all on device)
 
     def __post_init__(self):
         if not self.slot:
@@ -352,29 +379,78 @@ class PackedExperts:
         return self.q_gu.device
 
     @property
+    def near(self) -> int:
+        """Slots in device memory: slot s < near is there, the others are far."""
+        return self.q_gu.shape[0]
+
+    def far_args(self) -> list[torch.Tensor] | None:
+        """The kernel's `far` argument: [q_gu, s_gu, q_dn, s_dn] of the far slots, or None."""
+        return None if self.far is None else [self.far[k] for k in KERNEL_PARTS]
+
+    def resident(self) -> list[int]:
+        """The experts in device slots, in slot order."""
+        inv = {s: e for e, s in self.slot.items()}
+        return [inv[s] for s in range(self.near) if s in inv]
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """Bytes the kernel reads for one expert's weights (its four parts)."""
+        parts = (self.q_gu, self.s_gu, self.q_dn, self.s_dn)
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in parts if t.dim() > 1)
+
+    def part(self, name: str, slot: int) -> torch.Tensor:
+        """One part (KERNEL_PARTS) of one slot, where it lives."""
+        if slot < self.near:
+            return getattr(self, name)[slot]
+        return self.far[name][slot - self.near]
+
+    def swap(self, e_in: int, e_out: int) -> None:
+        """Bring far expert e_in into device slot of resident expert e_out, which takes e_in's far slot. Copies
+        on the current stream (asynchronous: the far memory is registered), ordered before every later launch."""
+        a, b = self.slot[e_in], self.slot[e_out]
+        if a < self.near or b >= self.near:
+            raise ValueError(f"swap: expert {e_in} must be far and {e_out} resident (slots {a}, {b}, near {self.near})")
+        for name in KERNEL_PARTS:
+            dev_t, host_t = getattr(self, name)[b], self.far[name][a - self.near]
+            if not dev_t.numel():
+                continue
+            out = dev_t.clone()                       # e_out's bytes, before e_in's overwrite them
+            dev_t.copy_(host_t, non_blocking=True)    # e_in into the device slot
+            host_t.copy_(out, non_blocking=True)      # e_out into e_in's far slot
+        self.s2_gu[[a, b]] = self.s2_gu[[b, a]]
+        self.s2_dn[[a, b]] = self.s2_dn[[b, a]]
+        self.slot[e_in], self.slot[e_out] = b, a
+
+    @property
     def bf16(self) -> bool:
         """BF16 experts (pack_experts_bf16): q_* hold bf16 tiles, s_* are empty, s2_* are ones."""
         return self.q_gu.dtype == torch.bfloat16
 
     @property
     def nbytes(self) -> int:
-        """Packed bytes one full pass over every slot reads (codes + scales, or the BF16 tiles)."""
+        """Packed bytes in device memory (codes + scales, or the BF16 tiles)."""
         return sum(t.numel() * t.element_size() for t in (self.q_gu, self.s_gu, self.q_dn, self.s_dn))
+
+    @property
+    def far_bytes(self) -> int:
+        """Packed bytes of the far slots, in host memory."""
+        return 0 if self.far is None else sum(t.numel() * t.element_size() for t in self.far.values())
 
     def to(self, device) -> "PackedExperts":
         mv = lambda t: t.to(device)  # noqa: E731
         return PackedExperts(list(self.experts), self.hidden, self.inter, self.hidden_pad, self.inter_pad,
                              mv(self.q_gu), mv(self.s_gu), mv(self.s2_gu), mv(self.q_dn), mv(self.s_dn),
-                             mv(self.s2_dn), dict(self.slot))
+                             mv(self.s2_dn), dict(self.slot), self.far)
 
     def dense(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 (gate [I, H], up [I, H], down [H, I]) of one slot as E2M1 * scale, no weight_scale_2
         (BF16 experts: the weights themselves)."""
+        part = lambda name: self.part(name, slot).to(self.device)  # noqa: E731
         if self.bf16:
-            gu, d = unpack_bf16(self.q_gu[slot]).float(), unpack_bf16(self.q_dn[slot]).float()
+            gu, d = unpack_bf16(part("q_gu")).float(), unpack_bf16(part("q_dn")).float()
         else:
-            gu = dequant_packed(self.q_gu[slot], self.s_gu[slot])
-            d = dequant_packed(self.q_dn[slot], self.s_dn[slot])
+            gu = dequant_packed(part("q_gu"), part("s_gu"))
+            d = dequant_packed(part("q_dn"), part("s_dn"))
         g, u = deinterleave_gate_up(gu)
         return g[:self.inter, :self.hidden], u[:self.inter, :self.hidden], d[:self.hidden, :self.inter]
 
@@ -397,20 +473,30 @@ class ExpertPacker:
     expert's parts, then a list of packed tensors, then their stack). NVFP4 parts: (weight, weight_scale,
     weight_scale_2) or reader Linears; BF16 parts: bf16 tensors ([I, H], [I, H], [H, I] each)."""
 
-    def __init__(self, ids: Sequence[int], hidden: int, inter: int, bf16: bool, device=None):
+    def __init__(self, ids: Sequence[int], hidden: int, inter: int, bf16: bool, device=None,
+                 resident: Sequence[int] | None = None):
+        """`resident`: the experts that get device slots (the expert cache's first choice); the others get far slots
+        in registered host memory. None: all on the device."""
         mult = TILE_N if bf16 else nvfp4.BLOCK
         if hidden % mult or inter % mult:
             raise ValueError(f"hidden {hidden}, moe_intermediate {inter}: "
                              f"{'the expert kernel' if bf16 else 'NVFP4'} needs multiples of {mult}")
         self.ids, self.hidden, self.inter, self.bf16 = sorted(ids), hidden, inter, bf16
         self.hp, self.ip = round_up(hidden, TILE_K), round_up(inter, TILE_K)
-        self.slot = {e: k for k, e in enumerate(self.ids)}
+        near = self.ids if resident is None else sorted(set(resident))
+        if not set(near) <= set(self.ids):
+            raise ValueError(f"resident experts {sorted(set(near) - set(self.ids))} are not among {self.ids}")
+        far = [e for e in self.ids if e not in set(near)]
+        self.near = len(near)
+        self.slot = {e: k for k, e in enumerate(list(near) + far)}
         self.device = torch.device(device) if device is not None else None
         self.filled: set[int] = set()
         self.t: dict[str, torch.Tensor] = {}
+        self.far: dict[str, torch.Tensor] | None = None
 
-    def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        n, hp, ip = len(self.ids), self.hp, self.ip
+    def _shapes(self, n: int | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        n = self.near if n is None else n
+        hp, ip = self.hp, self.ip
         if self.bf16:
             return {"q_gu": ((n, 2 * ip // 16, hp // 64, 4, 256), torch.bfloat16), "s_gu": ((n, 0), torch.uint8),
                     "q_dn": ((n, hp // 16, ip // 64, 4, 256), torch.bfloat16), "s_dn": ((n, 0), torch.uint8),
@@ -423,8 +509,22 @@ class ExpertPacker:
     def _alloc(self, device) -> None:
         if not self.t:
             self.device = self.device or torch.device(device)
-            self.t = {k: (torch.ones if k.startswith("s2") else torch.empty)(shape, dtype=dt, device=self.device)
-                      for k, (shape, dt) in self._shapes().items()}
+            n = len(self.ids)
+            shapes = self._shapes()
+            full = self._shapes(n)  # s2_*: every slot, near and far, on the device
+            self.t = {k: (torch.ones if k.startswith("s2") else torch.empty)(full[k][0] if k.startswith("s2") else
+                                                                              shape, dtype=dt, device=self.device)
+                      for k, (shape, dt) in shapes.items()}
+            if self.near < n:
+                self.far = {k: pin_host(torch.empty(sh, dtype=dt)) for k, (sh, dt) in self._shapes(n - self.near).items()
+                            if k in KERNEL_PARTS}
+
+    def _put(self, name: str, k: int, value: torch.Tensor) -> None:
+        """Slot k of one part: a device slot, or a far one (copied out to host memory)."""
+        if k < self.near:
+            self.t[name][k] = value
+        else:
+            self.far[name][k - self.near].copy_(value)
 
     def add(self, e: int, gate, up, down) -> None:
         if e not in self.slot or e in self.filled:
@@ -438,9 +538,9 @@ class ExpertPacker:
             self._alloc(gate.device)
             dev = self.device
             pad = lambda w, n, kk: torch.nn.functional.pad(w.to(dev), (0, kk - w.shape[1], 0, n - w.shape[0]))  # noqa: E731
-            self.t["q_gu"][k] = pack_bf16(interleave_gate_up(pad(gate, self.ip, self.hp), pad(up, self.ip, self.hp)),
-                                          2 * self.ip, self.hp)
-            self.t["q_dn"][k] = pack_bf16(down.to(dev), self.hp, self.ip)
+            self._put("q_gu", k, pack_bf16(interleave_gate_up(pad(gate, self.ip, self.hp), pad(up, self.ip, self.hp)),
+                                           2 * self.ip, self.hp))
+            self._put("q_dn", k, pack_bf16(down.to(dev), self.hp, self.ip))
         else:
             (gw, gs, g2), (uw, us, u2), (dw, ds, d2) = (_parts(x) for x in (gate, up, down))
             for name, w, shape in (("gate", gw, (self.inter, self.hidden // 2)),
@@ -451,8 +551,10 @@ class ExpertPacker:
             dev = self.device
             gc, gsb = padded_codes(gw.to(dev), gs.to(dev), self.ip, self.hp)
             uc, usb = padded_codes(uw.to(dev), us.to(dev), self.ip, self.hp)
-            self.t["q_gu"][k], self.t["s_gu"][k] = pack_codes(interleave_gate_up(gc, uc), interleave_gate_up(gsb, usb))
-            self.t["q_dn"][k], self.t["s_dn"][k] = pack_codes(*padded_codes(dw.to(dev), ds.to(dev), self.hp, self.ip))
+            for name, v in zip(("q_gu", "s_gu"), pack_codes(interleave_gate_up(gc, uc), interleave_gate_up(gsb, usb))):
+                self._put(name, k, v)
+            for name, v in zip(("q_dn", "s_dn"), pack_codes(*padded_codes(dw.to(dev), ds.to(dev), self.hp, self.ip))):
+                self._put(name, k, v)
             self.t["s2_gu"][k, 0], self.t["s2_gu"][k, 1], self.t["s2_dn"][k] = g2, u2, d2
         self.filled.add(e)
 
@@ -462,7 +564,7 @@ class ExpertPacker:
         self._alloc(self.device or "cpu")
         t = self.t
         return PackedExperts(list(self.ids), self.hidden, self.inter, self.hp, self.ip, t["q_gu"], t["s_gu"],
-                             t["s2_gu"], t["q_dn"], t["s_dn"], t["s2_dn"])
+                             t["s2_gu"], t["q_dn"], t["s_dn"], t["s2_dn"], dict(self.slot), self.far)
 
 
 def pack_experts(experts: Mapping[int, Sequence], hidden: int, inter: int, device=None) -> PackedExperts:

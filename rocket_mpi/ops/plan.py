@@ -108,13 +108,16 @@ PLAN_KEYS = ("by_token", "coef", "row_index", "pad_rows", "groups", "canon_slot"
 
 def moe_plan(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, slot: torch.Tensor,
              canon: torch.Tensor, s2_down: torch.Tensor, rank: int, n_ranks: int, n_sets: int, set_stride: int,
-             seq: torch.Tensor, meta_out: torch.Tensor | None = None, zero: torch.Tensor | None = None
-             ) -> dict[str, torch.Tensor]:
+             seq: torch.Tensor, meta_out: torch.Tensor | None = None, zero: torch.Tensor | None = None,
+             fires: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The device plan (one kernel, no host read; `seq` [1] int64 on the device is bumped by one). CPU
     tensors take the reference (the CPU mode of runtime/graph.py's fixed-shape step). meta_out: where the meta goes (a
     row of the step's report, runtime/graph.py), returned as "meta"; zero: one int64 the plan sets to 0 (the layer's
-    checksum sum, before the scatter adds to it)."""
+    checksum sum, before the scatter adds to it); fires: [2, E] int32 firing counts the plan adds to (rows of each
+    expert, and 1 for each expert with rows: count_fires)."""
     if not experts.is_cuda:
+        if fires is not None:
+            fires += count_fires(experts, fires.shape[1])
         table = {e: s for e, s in enumerate(slot.tolist()) if s >= 0}
         out = moe_plan_ref(experts, weights, owner, table, s2_down, rank, n_ranks, n_sets, set_stride, int(seq))
         seq += 1
@@ -125,5 +128,12 @@ def moe_plan(experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, 
             zero.zero_()
         return out
     out = _ext.require().moe_plan(experts.contiguous(), weights.float().contiguous(), owner, slot, canon, s2_down,
-                                  rank, n_ranks, n_sets, set_stride, seq, meta_out, zero)
+                                  rank, n_ranks, n_sets, set_stride, seq, meta_out, zero, fires)
     return dict(zip(PLAN_KEYS, out))
+
+
+def count_fires(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """One MoE layer's routing [T, k] -> [2, E] int32: rows of each expert, and whether it has any (what the device
+    plan adds to its `fires`)."""
+    rows = torch.bincount(experts.reshape(-1).cpu(), minlength=n_experts).to(torch.int32)
+    return torch.stack((rows, (rows > 0).to(torch.int32))).to(experts.device)

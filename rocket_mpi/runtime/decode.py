@@ -8,6 +8,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rocket_mpi import __version__
@@ -15,6 +16,7 @@ from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
 from rocket_mpi.errors import RocketError
 from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
+from rocket_mpi.moe.cache import parse_budget
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.runtime.dist import collective as _collective
 from rocket_mpi.runtime.dist import handshake, local_rank, run_guarded, wait_all, watchdog, world
@@ -59,9 +61,12 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
     log.info(f"rocket_mpi {__version__}: {size} rank(s), device {args.device}, checkpoint {args.checkpoint}")
     torch.set_num_threads(args.threads)
     device = pick_device(args.device, comm)
+    share = 1  # ranks on this rank's GPU (or host, for CPU ranks): the expert cache's auto budget splits its memory
     if device.type == "cuda" and size > 1:
         with watchdog(comm, args.startup_timeout, "comparing the ranks' GPUs"):
-            shared = gpu_sharing(comm.allgather(gpu_identity(device)))
+            ids = comm.allgather(gpu_identity(device))
+        shared = gpu_sharing(ids)
+        share = sum(1 for i in ids if i[:2] == ids[rank][:2])
         if shared and rank == 0:
             print(f"warning: {shared}", file=sys.stderr, flush=True)
 
@@ -110,12 +115,16 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
         with watchdog(comm, args.startup_timeout, "naming the ranks"):
             where = comm.allgather((socket.gethostname(), os.getpid()))
         log.info("ranks: " + ", ".join(f"{r} = pid {pid} on {host}" for r, (host, pid) in enumerate(where)))
+        if device.type == "cpu":
+            share = sum(1 for host, _ in where if host == where[rank][0])
 
     engine = _collective(comm, args.startup_timeout, "checkpoint loading",
                          lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
-                                        progress=args.progress and rank == 0))
+                                        progress=args.progress and rank == 0,
+                                        expert_cache=parse_budget(args.expert_cache), share=share,
+                                        telemetry=bool(args.telemetry)))
     log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
-             f"{engine.resident_bytes() / 2**30:.2f} GiB resident")
+             f"{engine.resident_bytes() / 2**30:.2f} GiB resident; expert cache: {engine.cache_plan.reason}")
     for p in runs:
         _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
     engine.prefill_chunk = args.prefill_chunk
@@ -147,7 +156,8 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     log.info(f"decode path {path}; decoding")
 
     copy_bw = measure_copy_bandwidth(device)
-    load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "resident_gib": engine.resident_bytes() / 2**30,
+    load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "h2d_gbps": measure_h2d_bandwidth(device),
+            "expert_cache_plan": engine.cache_plan.as_dict(), "resident_gib": engine.resident_bytes() / 2**30,
             "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts(),
             "stack_bytes": engine.stack_read_bytes()}
     base = Sampling(args.temperature, args.top_p, args.top_k, args.seed).check()
@@ -160,12 +170,15 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
             results.append(r)
     finally:
         engine.fabric.close()
-    summaries = [r.summary(rank) for r in results]
+    summaries = [dict(r.summary(rank), expert_cache=r.expert_cache) for r in results]
+    trace = engine.expert_cache.trace_array() if args.telemetry and engine.expert_cache else None
     crcs = [[f"{s.row_crc:08x}" for s in r.steps] for r in results]
     with watchdog(comm, args.startup_timeout, "gathering results"):
         gathered = comm.gather((load, summaries, crcs), root=0) if comm else [(load, summaries, crcs)]
     if rank != 0:
         return 0
+    if args.telemetry:
+        write_telemetry(args.telemetry, trace, cfg, [g[1][-1] for g in gathered], engine.placement)
     tok = load_tokenizer(args.checkpoint)
     out_runs = []
     for i, r in enumerate(results):
@@ -216,6 +229,35 @@ def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:
     busiest = max(s["weight_bytes_per_step"] for s in per_rank)
     return {"one_rank_bytes_per_step": one, "busiest_rank_bytes_per_step": busiest,
             "split_ceiling": one / busiest if busiest else 0.0}
+
+
+def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement) -> None:
+    """--telemetry: the last run's routing ([steps, MoE layers, experts] rows, the same on every rank: rank 0's), the
+    placement's owners and each rank's expert-cache accounting, as one .npz."""
+    layers = list(cfg.moe_layers)
+    owners = np.stack([placement.owners[la].numpy() for la in layers]) if layers else np.zeros((0, 0))
+    np.savez_compressed(path, rows=trace, layers=np.array(layers), owners=owners,
+                        per_rank=np.array(json.dumps(per_rank)))
+
+
+def measure_h2d_bandwidth(device) -> float | None:
+    """Pinned host-to-device copy GB/s (256 MiB): what an expert-cache miss reads at, at best. GPU only."""
+    if device.type != "cuda":
+        return None
+    n = 1 << 28
+    a = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    b = torch.empty(n, dtype=torch.uint8, device=device)
+    b.copy_(a, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(3):
+        start.record()
+        b.copy_(a, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del a, b
+    return n / (sorted(times)[1] * 1e-3) / 1e9
 
 
 def measure_copy_bandwidth(device) -> float | None:

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.config import PREFILL_CHUNK, ModelConfig
 from rocket_mpi.errors import RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
 from rocket_mpi.model import model_class
+from rocket_mpi.moe.cache import ExpertCache, first_resident, plan_residency
 from rocket_mpi.moe.experts import ExpertStore
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.moe.step import HostMoE
@@ -33,6 +35,7 @@ CACHE_QUANTUM = 64  # cache positions per stream: a multiple of this (Engine.gen
 TIMED_STEPS = 10
 LONG_RUN = 64  # decode steps from which rank 0 shows them as they happen (Engine.progress)
 TRIM_EVERY = 64  # decode steps between returns of the freed C heap to the system (release_heap)
+MAINTAIN_EVERY = 8  # fixed-shape decode steps between the expert cache's upkeeps (a pause in the steps launched ahead)
 
 
 def prefill_chunks(seqlens: list[int], chunk: int) -> list[list[int]]:
@@ -74,6 +77,7 @@ class RunResult:
     spans: list = field(default_factory=list)  # the fixed-shape step's (first step, span) pairs (graph.span_for)
     prefill: tuple = (0, 1)  # (prompt tokens, forwards they took: more than one where they pass --prefill-chunk)
     finish: list = field(default_factory=list)  # per stream: "stop" (an end-of-text id or stop string), "length"
+    expert_cache: dict | None = None  # the expert cache's accounting over the decode steps (moe/cache.py summary)
 
     def timed(self) -> list[StepLog]:
         """Decode steps after the warm-up (step 0 is the prefill)."""
@@ -134,7 +138,10 @@ def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: Ba
 class Engine:
     def __init__(self, ckpt_dir: str, rank: int = 0, size: int = 1, placement: Placement | None = None,
                  reader: CheckpointReader | None = None, device: str = "cpu", settings: Settings | None = None,
-                 progress: bool = False):
+                 progress: bool = False, expert_cache: float | None = None, share: int = 1, telemetry: bool = False):
+        """expert_cache: GiB of routed-expert weights this rank keeps in device memory (moe/cache.py), None: auto
+        (all where they fit, else what fits); share: ranks sharing this rank's device (auto splits its memory);
+        telemetry: record the routing of every decode step (ExpertCache.trace)."""
         t0 = time.perf_counter()
         self.settings = settings or Settings.from_env()  # the command line passes the one it read
         self.reader = reader or CheckpointReader(ckpt_dir)
@@ -151,14 +158,21 @@ class Engine:
             self.model = model_cls.load(self.reader)
             prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
             self.experts = {}
+            owned_all = {layer: self.placement.owned(layer, rank) for layer in self.cfg.moe_layers}
+            nvfp4 = any(f"{prefix(self.reader, la) or f'model.layers.{la}.mlp.experts'}.{v[0]}.gate_proj.weight_scale"
+                        in self.reader for la, v in owned_all.items() if v)
+            self.cache_plan = plan_residency(self.cfg, owned_all, self.device, self.model.nbytes(), expert_cache,
+                                             share, rank, nvfp4, packed=ops.on_gpu(self.device))
             loading = bar("loading MoE layers", len(self.cfg.moe_layers), progress, unit="layer")
             for layer in self.cfg.moe_layers:
-                owned = self.placement.owned(layer, rank)
+                owned = owned_all[layer]
                 what = f"MoE layer {layer}'s experts ({len(owned)} of {self.cfg.n_routed_experts} on this rank)"
                 if fault and fault.kind == "oom" and fault.rank == rank and fault.step == layer:
                     raise torch.OutOfMemoryError("ROCKET_FAULT: injected out of memory")
+                keep = self.cache_plan.capacity
                 self.experts[layer] = ExpertStore.load(self.reader, layer, owned, prefix(self.reader, layer),
-                                                       self.device)
+                                                       self.device, None if keep >= len(owned) else
+                                                       first_resident(owned, keep))
                 loading.update()
             loading.close()
             if self.device.type != "cpu":
@@ -170,6 +184,10 @@ class Engine:
         except (torch.OutOfMemoryError, MemoryError) as e:
             raise out_of_memory(rank, size, self.device, what, e) from None
         self.load_seconds = time.perf_counter() - t0
+        self.expert_cache: ExpertCache | None = None
+        if self.experts and (telemetry or any(s.capacity < len(s.owned) for s in self.experts.values())):
+            self.expert_cache = ExpertCache(self.experts, list(self.cfg.moe_layers), self.cfg.n_routed_experts,
+                                            trace=[] if telemetry else None)
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
         self.seq = 0   # the exchanges so far: each one's doorbell value
         self.step = 0
@@ -291,6 +309,13 @@ class Engine:
         launched = 0  # the fixed-shape step's last step launched
         per_expert = next((s.read_bytes_per_expert for s in self.experts.values() if s.owned), 0)
         long_run = self.progress and n_tokens >= LONG_RUN
+        xc = self.expert_cache
+        # the expert cache's upkeep: after each host-path step; on the fixed-shape path every `every` steps, where no
+        # step is in flight (the steps launched ahead stop short of it), so each interval ran with one residency
+        every = 1 if xc is None or xc.trace is not None else MAINTAIN_EVERY
+        since = 0  # decode steps since the cache's last upkeep
+        if xc is not None:
+            xc.begin()
         for step in bar(f"decoding {m} stream(s)", n_tokens, long_run, unit="step", items=range(n_tokens)):
             self.step = step
             if step % TRIM_EVERY == TRIM_EVERY - 1:
@@ -303,8 +328,13 @@ class Engine:
                 # this step if it is not in flight yet, then up to static.ahead more while they keep its span; the
                 # host's lengths count every step launched (they pick the spans)
                 while launched < step or (launched + 1 < n_tokens and len(static.pending) <= static.ahead
-                                          and static.follows(int(cache.lengths.max()))):
+                                          and static.follows(int(cache.lengths.max()))
+                                          and (xc is None or (launched + 1) % every)):
+                    if xc is not None and since and (launched + 1) % every == 0 and not static.pending:
+                        xc.maintain(since)
+                        since = 0
                     launched += 1
+                    since += 1
                     self.step = launched
                     static.launch(launched, int(cache.lengths.max()))
                     cache.lengths += 1
@@ -333,6 +363,8 @@ class Engine:
                 mo = self.moe
                 log = StepLog(dt, self.fabric.stats.seconds - f0, mo.rows_owned, mo.rows_total,
                               self.fabric.stats.bytes_sent - b0, int(mo.crc), mo.expert_bytes + self.stack_read_bytes())
+                if xc is not None:  # the prefill's firings score the experts; the accounting counts decode steps
+                    xc.maintain(1, account=step > 0)
             for s, t in enumerate(chosen):
                 if done[s]:
                     continue
@@ -352,4 +384,8 @@ class Engine:
         if static is not None:  # steps launched ahead of a run that ended early: finish them, drop their tokens
             for pending in list(static.pending):
                 static.collect(pending[0])
+        if xc is not None and since:
+            xc.maintain(since, promote=False)
+        if xc is not None:
+            result.expert_cache = xc.summary()
         return result

@@ -1,0 +1,229 @@
+"""The expert cache (rocket_mpi/moe/cache.py): a bounded number of each layer's experts in device memory, the rest
+read from the checkpoint (CPU) or from far slots in host memory (GPU). Tokens are bitwise those of the all-resident
+run for every budget, on the host and fixed-shape paths, alone and split; the accounting adds up; the policy comes
+close to Belady's optimum on skewed routing."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import rocket
+from helpers import gpu, make_experts, segments_for
+from rocket_mpi import ops
+from rocket_mpi.checkpoint import specs
+from rocket_mpi.checkpoint.make import make_checkpoint
+from rocket_mpi.errors import RocketError
+from rocket_mpi.ops import nvfp4
+from rocket_mpi.moe.cache import GIB, Policy, expert_bytes, first_resident, parse_budget, plan_capacity
+from rocket_mpi.runtime.engine import Engine
+
+TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def skewed_ckpt(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("skewed"))
+    make_checkpoint("tiny", d, seed=5, skew=1.5)
+    return d
+
+
+def decode(ckpt, budget, path="host", m=4, tokens=TOKENS):
+    eng = Engine(ckpt, expert_cache=budget)
+    eng.set_decode_path(path, "local")
+    prompts = [[(7 * s + 3 * i) % eng.cfg.vocab_size for i in range(3 + s)] for s in range(m)]
+    return eng, eng.generate(prompts, tokens)
+
+
+def per_expert(ckpt) -> int:
+    eng = Engine(ckpt)
+    return expert_bytes(eng.cfg.hidden_size, eng.cfg.moe_intermediate_size, False, packed=False)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_tokens_identical_for_every_budget(skewed_ckpt, path):
+    """0 experts resident, a few, and all: the same tokens; the bounded runs really missed and swapped."""
+    ref_eng, ref = decode(skewed_ckpt, None, path)
+    assert ref_eng.expert_cache is None  # all fit: no cache, as before
+    n_layers = len(ref_eng.cfg.moe_layers)
+    bpe = per_expert(skewed_ckpt)
+    for resident in (0, 2, 5):
+        eng, res = decode(skewed_ckpt, resident * n_layers * bpe / GIB + 1e-9, path)
+        assert res.tokens == ref.tokens, f"{resident} experts per layer resident, {path} path"
+        st = res.expert_cache
+        assert st["resident_experts"] == resident * n_layers, st
+        if resident == 0:
+            assert st["hit_rows"] == 0 < st["miss_rows"], st
+        else:
+            assert st["hit_rows"] > 0 and st["swaps"] > 0, st
+        if resident == 2:
+            assert st["miss_rows"] > 0, st
+
+
+def test_accounting_adds_up(skewed_ckpt):
+    """hit + miss rows = the rows routed to this rank's experts over the decode steps; reads <= rows."""
+    bpe = per_expert(skewed_ckpt)
+    eng, res = decode(skewed_ckpt, 3 * 3 * bpe / GIB + 1e-9, tokens=12)
+    st = res.expert_cache
+    decode_rows = sum(s.rows_owned for s in res.steps[1:])
+    assert st["hit_rows"] + st["miss_rows"] == decode_rows > 0
+    assert st["hit_reads"] + st["miss_reads"] <= decode_rows
+    assert st["steps"] == len(res.steps) - 1
+    assert st["far_bytes_per_step"] * st["steps"] == pytest.approx(st["miss_reads"] * bpe)
+
+
+def test_skew_makes_hot_experts(tmp_path):
+    """--skew: a few experts take most of the rows; skew 0 draws the biases as before (same bits)."""
+    flat = specs.make_tensor(0, "model.layers.1.mlp.gate.e_score_correction_bias", (64,), "bias")
+    assert torch.equal(flat, specs.router_bias(0, "model.layers.1.mlp.gate.e_score_correction_bias", (64,)))
+    hot = specs.router_bias(0, "model.layers.1.mlp.gate.e_score_correction_bias", (64,), 1.5)
+    assert float(hot.max() - hot.min()) > 1.0 > float(flat.max() - flat.min())
+    d = str(tmp_path / "sk")
+    make_checkpoint("tiny", d, seed=5, skew=1.5)
+    _, res = decode(d, None, tokens=6)
+    eng = Engine(d, telemetry=True)
+    r = eng.generate([[1, 2, 3]] * 8, 6)
+    rows = eng.expert_cache.trace_array().sum(axis=(0, 1))   # [E] over steps and layers
+    top = np.sort(rows)[::-1]
+    assert top[:4].sum() > 0.4 * rows.sum(), rows  # 4 of 16 experts take more than 40 % of the rows
+    assert r.tokens[0] == r.tokens[1]
+
+
+def test_policy_keeps_the_hot_experts():
+    pol = Policy(list(range(8)), 2, [0, 1], promotions=8)
+    active = np.zeros(8)
+    active[[5, 6]] = 1
+    for _ in range(3):
+        pol.observe(active)
+        pol.swaps()
+    assert pol.resident == {5, 6}
+    assert first_resident([3, 1, 2], 2) == [1, 2]
+    assert first_resident([0, 1, 2], 1, prior=np.array([0.0, 0.5, 0.1])) == [1]
+
+
+def test_policy_near_belady_on_a_skewed_trace(skewed_ckpt):
+    """benchmarks/bench_cache.py's replay: ours within 90 % of Belady's hit rate at 25 % and 50 % resident."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location("bench_cache", os.path.join(os.path.dirname(__file__), "..",
+                                                                              "benchmarks", "bench_cache.py"))
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    eng = Engine(skewed_ckpt, telemetry=True)
+    eng.generate([[(5 * s + i) % eng.cfg.vocab_size for i in range(4)] for s in range(8)], 40)
+    trace = eng.expert_cache.trace_array()
+    owned = list(range(eng.cfg.n_routed_experts))
+    for frac in (0.25, 0.5):
+        cap = int(frac * len(owned))
+        ours = bel = reads = 0
+        for i in range(trace.shape[1]):
+            reqs = bc.requests(trace[:, i], owned)
+            h, r, _ = bc.replay_ours(reqs, owned, cap)
+            b, r2, _ = bc.replay_belady(reqs, owned, cap)
+            assert r == r2
+            ours, bel, reads = ours + h, bel + b, reads + r
+        assert ours <= bel and ours >= 0.9 * bel, (frac, ours, bel, reads)
+
+
+def test_plan_capacity_and_its_errors():
+    owned = {1: list(range(8)), 2: list(range(8))}
+    p = plan_capacity(owned, 100, None, 10_000, 0, False, 0, "host memory")
+    assert p.capacity == 8 and "every expert fits" in p.reason
+    p = plan_capacity(owned, 100, None, 850, 0, False, 0, "host memory")
+    assert p.capacity == 4 and p.resident_bytes == 800
+    assert plan_capacity(owned, 100, 0.0, 10_000, 0, False, 0, "x").capacity == 0
+    with pytest.raises(RocketError, match=r"rank 1: --expert-cache 1 GiB does not fit on GPU 0"):
+        plan_capacity(owned, GIB, 1.0, GIB // 2, 100 * GIB, True, 1, "GPU 0")
+    with pytest.raises(RocketError, match=r"rank 0: out of host memory for the expert cache"):
+        plan_capacity(owned, GIB, 0.0, 100 * GIB, GIB, True, 0, "GPU 0")
+    for bad in ("-1", "nan", "inf", "lots"):
+        with pytest.raises(RocketError, match="--expert-cache"):
+            parse_budget(bad)
+    assert parse_budget("auto") is None and parse_budget("2.5") == 2.5
+
+
+def test_bad_flag_is_one_line(tiny_ckpt):
+    r = rocket("decode", "--checkpoint", tiny_ckpt, "--expert-cache", "-3")
+    assert r.returncode == 2 and "--expert-cache" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("ranks,fabric,path", [(2, "shm", "host"), (3, "mpi", "device")])
+def test_static_fire_with_a_cache(ranks, fabric, path, skewed_ckpt, tmp_path):
+    """The reference and the split each with a cache of a few experts per layer: PASS, and the split's JSON carries
+    each rank's accounting."""
+    r = rocket("static-fire", "--checkpoint", skewed_ckpt, "--ranks", str(ranks), "--sweep", "1,4", "--tokens", "6",
+               "--fabric", fabric, "--fabric-timeout", "20", "--decode-path", path, "--expert-cache", "0.00005",
+               "--workdir", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "STATIC FIRE PASS: 0/4 streams mismatched" in r.stdout, r.stdout
+    doc = json.loads((tmp_path / "split.json").read_text())
+    stats = [pr["expert_cache"] for pr in doc["runs"][-1]["per_rank"]]
+    assert len(stats) == ranks and sum(s["miss_rows"] for s in stats) > 0, stats
+
+
+# -- GPU: far slots in host memory, read by the kernel in place --------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("bf16", [False, True])
+def test_far_slots_bitwise(bf16):
+    """The kernel over experts split between device and far (host) slots, and after swaps, gives the bits of the
+    all-device pack."""
+    h, i, ids = 256, 128, list(range(6))
+    ex = make_experts(ids, h, i, seed=4)
+    dev = torch.device("cuda")
+    if bf16:
+        dense = {e: tuple(nvfp4.dequantize(w, s, torch.tensor(s2), torch.bfloat16) for w, s, s2 in parts)
+                 for e, parts in ex.items()}
+        full = ops.pack_experts_bf16(dense, h, i, device=dev)
+        packer = ops.ExpertPacker(ids, h, i, bf16=True, device=dev, resident=[1, 4])
+        for e in ids:
+            packer.add(e, *dense[e])
+    else:
+        full = ops.pack_experts(ex, h, i, device=dev)
+        packer = ops.ExpertPacker(ids, h, i, bf16=False, device=dev, resident=[1, 4])
+        for e in ids:
+            packer.add(e, *ex[e])
+    split = packer.done()
+    assert split.near == 2 and split.far is not None and split.far_bytes > 0
+    counts = {0: 3, 1: 9, 2: 1, 4: 17, 5: 40}
+    x = torch.randn(sum(counts.values()), h, device=dev).to(torch.bfloat16)
+    segs = segments_for(counts)
+    want = ops.nvfp4_experts(x, segs, full)
+    assert torch.equal(ops.nvfp4_experts(x, segs, split), want)
+    split.swap(0, 1)
+    split.swap(5, 4)
+    torch.cuda.synchronize()
+    assert split.resident() == [0, 5] or sorted(split.resident()) == [0, 5]
+    assert torch.equal(ops.nvfp4_experts(x, segs, split), want)
+
+
+@gpu
+def test_graphed_step_with_a_cache_matches(tmp_path):
+    """The captured step with half the experts far and swaps between steps: the all-resident tokens."""
+    d = str(tmp_path / "sk")
+    make_checkpoint("tiny", d, seed=5, skew=1.5, nvfp4_experts=True)
+    out = {}
+    for budget in (None, 0.0, 4e-5):
+        eng = Engine(d, device="cuda", expert_cache=budget)
+        eng.set_decode_path("graph", "local")
+        res = eng.generate([[(3 * s + i) % eng.cfg.vocab_size for i in range(5)] for s in range(4)], 24)
+        out[budget] = res
+        assert res.path == "graph" and not res.note, res.note
+    assert out[0.0].tokens == out[None].tokens
+    assert out[4e-5].tokens == out[None].tokens
+    assert out[4e-5].expert_cache["swaps"] > 0 and out[4e-5].expert_cache["hit_rows"] > 0
+
+
+def test_plan_command():
+    """plan from the headers alone: the report's model on two GB10s fits all-resident (16.6 GiB stack + half the
+    experts each); on one 80 GiB GPU with 10 GiB of host memory it does not, and says why."""
+    r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4", "--ranks", "2", "--device-memory", "128",
+               "--host-memory", "0")
+    assert r.returncode == 0, r.stderr
+    assert "replicated stack 16.6" in r.stdout and "verdict: fits all-resident" in r.stdout, r.stdout
+    r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4", "--ranks", "1", "--device-memory", "80",
+               "--host-memory", "10")
+    assert r.returncode == 1 and "does not fit: rank 0: out of host memory for the expert cache" in r.stdout, r.stdout
+    r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4", "--ranks", "1", "--device-memory", "139.8",
+               "--host-memory", "120")
+    assert r.returncode == 0 and "fits with the expert cache" in r.stdout, r.stdout

@@ -156,6 +156,7 @@ def test_static_fire_with_a_cache(ranks, fabric, path, skewed_ckpt, tmp_path):
                "--workdir", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "STATIC FIRE PASS: 0/4 streams mismatched" in r.stdout, r.stdout
+    assert r.stdout.count("expert cache: rank resident GiB") == 2, r.stdout  # the split's report, M=1 and M=4
     doc = json.loads((tmp_path / "split.json").read_text())
     stats = [pr["expert_cache"] for pr in doc["runs"][-1]["per_rank"]]
     assert len(stats) == ranks and sum(s["miss_rows"] for s in stats) > 0, stats

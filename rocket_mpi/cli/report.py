@@ -55,10 +55,29 @@ def print_report(doc: dict, cfg) -> None:
                   f"{run['one_rank_bytes_per_step'] / 1e9:.3f} GB per step, the busiest rank reads "
                   f"{run['busiest_rank_bytes_per_step'] / 1e9:.3f} GB (every rank reads the "
                   f"replicated stack, {stack / 1e9:.3f} GB; only the experts are split)")
+        print_cache(run["per_rank"], {ld["rank"]: ld for ld in doc["load"]})
         print(f"stream 0 tokens: {run['tokens'][0]}")
         if run.get("text"):
             print(f"stream 0 text:   {run['text'][0]!r}")
     sys.stdout.flush()
+
+
+def print_cache(per_rank: list[dict], loads: dict) -> None:
+    """The expert cache's table (ranks with one): resident and far GiB, hit rate, bytes from host memory per step,
+    and the floor those bytes imply at the measured host-to-device bandwidth beside the resident bytes' HBM floor."""
+    rows = [s for s in per_rank if s.get("expert_cache")]
+    if not rows:
+        return
+    print(f"expert cache: {'rank':>4} {'resident GiB':>12} {'far GiB':>8} {'hit %':>6} {'far MB/step':>11} "
+          f"{'copies MB/step':>14} {'HBM floor ms':>12} {'host floor ms':>13}")
+    for s in rows:
+        c, ld = s["expert_cache"], loads.get(s["rank"], {})
+        hbm, h2d = ld.get("copy_gbps"), ld.get("h2d_gbps")
+        far = c["far_bytes_per_step"]
+        hbm_ms = f"{1e3 * (s['weight_bytes_per_step'] - far) / (hbm * 1e9):.2f}" if hbm else "-"
+        host_ms = f"{1e3 * far / (h2d * 1e9):.2f}" if h2d else "-"
+        print(f"              {s['rank']:>4} {c['resident_gib']:>12.2f} {c['far_gib']:>8.2f} {100 * c['hit_rate']:>6.1f} "
+              f"{far / 1e6:>11.1f} {c['moved_bytes_per_step'] / 1e6:>14.1f} {hbm_ms:>12} {host_ms:>13}")
 
 
 def human(n: int) -> str:

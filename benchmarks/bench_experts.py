@@ -6,6 +6,12 @@ against grouped_mm.
 
     python benchmarks/bench_experts.py [--experts 64] [--rows 1,2,4,8,16,32] [--topk 8] [--reps 20] [--profile]
                                        [--decode 8,64 --decode-experts 128 --decode-inter 1408] [--pdl -1|0|3]
+                                       [--far 1,8]
+
+--far R,...: the expert cache's misses. The same experts moved to far slots (registered host memory that the kernel
+reads in place, moe/cache.py), R rows per expert: the kernel's time and GB/s against the same launch with the experts
+in device memory, and against a pinned host-to-device copy (the copy engine) of the same bytes. Tells whether a miss
+costs its bytes at the host link's speed.
 
 --decode M adds rows routed as a decode step routes them: M tokens, each to topk of --decode-experts
 experts at random (most experts get 0-2 rows), the GLM-4.5-Air expert shape (--decode-inter 1408); its
@@ -210,6 +216,38 @@ def decode_case(m: int, n_exp: int, inter: int, topk: int, reps: int, seed: int,
     return f"decode M={m} ({touched} of {n_exp} experts, inter {inter})", us, nbytes, us_b, nbytes_b
 
 
+def far_experts(p: PackedExperts) -> PackedExperts:
+    """The same experts with every slot far: empty device stacks, the four parts in registered host memory."""
+    far = {k: pack.pin_host(getattr(p, k).cpu()) for k in pack.KERNEL_PARTS}
+    empty = {k: getattr(p, k)[:0] for k in pack.KERNEL_PARTS}
+    return PackedExperts(list(p.experts), p.hidden, p.inter, p.hidden_pad, p.inter_pad, empty["q_gu"], empty["s_gu"],
+                         p.s2_gu, empty["q_dn"], empty["s_dn"], p.s2_dn, dict(p.slot), far)
+
+
+def far_case(p: PackedExperts, rows: int, topk: int, reps: int) -> tuple[float, float, float, int]:
+    """(near us, far us, pinned H2D copy us, bytes): R rows per expert, every expert read once."""
+    n = len(p.experts)
+    experts, weights = routing(n, rows, topk, seed=rows)
+    plan = plan_rows(experts, weights, torch.zeros(n, dtype=torch.long), torch.ones(n), 1)
+    segs, (lo, hi) = plan.segments[0], plan.block(0)
+    tokens = plan.tokens.cuda()
+    x = (torch.randn(experts.shape[0], HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+    lp, tiles, groups, n_rows = ops.launch_plan(segs, lo, p.slot)
+    args = (x, tokens[lo:hi].contiguous(), lp.cuda(), tiles, groups, n_rows)
+    pf = far_experts(p)
+    a = ops.nvfp4_experts_planned(*args, p, LIMIT)
+    b = ops.nvfp4_experts_planned(*args, pf, LIMIT)
+    if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
+        print(f"far rows/expert {rows}: far slots and device slots DIFFER bitwise")
+    t_near = median_us(functools.partial(ops.nvfp4_experts_planned, *args, p, LIMIT), reps)
+    t_far = median_us(functools.partial(ops.nvfp4_experts_planned, *args, pf, LIMIT), reps)
+    dst = {k: torch.empty_like(pf.far[k], device="cuda") for k in pack.KERNEL_PARTS}
+    t_copy = median_us(lambda: [dst[k].copy_(pf.far[k], non_blocking=True) for k in pack.KERNEL_PARTS], reps)
+    nbytes = sum(t.numel() * t.element_size() for t in pf.far.values())
+    del pf, dst
+    return t_near, t_far, t_copy, nbytes
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=64)
@@ -224,6 +262,7 @@ def main():
     ap.add_argument("--pdl", type=int, default=-1, choices=(-1, 0, 3),
                     help="the planned launches' pdl: how down follows gate/up (-1 auto, 0 off, 3; the same bits); the "
                          "engine call ('op us', --profile) keeps the engine's auto")
+    ap.add_argument("--far", default="", help="expert-cache misses: rows per expert with the experts in host memory")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.available():
         sys.exit(f"bench_experts: needs a GPU and the extension: {ops.unavailable_reason()}")
@@ -333,6 +372,18 @@ def main():
             gbs, gbs_b = nbytes / (us * 1e-6) / 1e9, nbytes_b / (us_b * 1e-6) / 1e9
             print(f"| {label} | {nbytes / 1e6:.0f} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | "
                   f"{nbytes_b / 1e6:.0f} | {us_b:.1f} | {gbs_b:.0f} | {100 * gbs_b / copy_bw:.1f} |")
+
+    if args.far:
+        q = random_experts(args.experts, seed=1)
+        print(f"\nfar slots: {args.experts} experts in registered host memory, read in place by the kernel")
+        print("| rows/expert | MB | device slots us | far slots us | far GB/s | pinned H2D copy us | copy GB/s | "
+              "far / copy |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for rows in [int(v) for v in args.far.split(",")]:
+            t_near, t_far, t_copy, nbytes = far_case(q, rows, args.topk, args.reps)
+            print(f"| {rows} | {nbytes / 1e6:.0f} | {t_near:.1f} | {t_far:.1f} | {nbytes / t_far / 1e3:.1f} | "
+                  f"{t_copy:.1f} | {nbytes / t_copy / 1e3:.1f} | {t_far / t_copy:.2f} |")
+        del q
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

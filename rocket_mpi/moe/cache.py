@@ -29,7 +29,9 @@ import torch
 from rocket_mpi.errors import RocketError
 
 DECAY = 0.9          # per step: an expert's score is its firings over the last ~10 steps
-HYSTERESIS = 0.5     # a far expert replaces a resident one when it scores this much higher (firings)
+HYSTERESIS = 2.0     # a far expert replaces a resident one when it scores this much higher (firings): a swap costs
+                     # two copies of an expert (in, and the demoted one out), a miss one read, so it pays only when the
+                     # newcomer will fire about twice more than the one it evicts (docs/PERFORMANCE.md, expert cache)
 PROMOTIONS = 4       # swaps per layer at each maintenance: bounds the bytes one maintenance moves
 GIB = 2 ** 30
 

@@ -126,6 +126,13 @@ def test_the_fixed_shape_step_serves_the_decode_commands_tokens(ckpt_name, reque
     want = _decode_cli(ckpt, tmp_path, prompts=PROMPTS, extra=("--ignore-eos", "--decode-path", "device"))
     srv = Server(ckpt, extra=("--decode-path", "device"))
     try:
+        # a request that ends on a stop id while the step after it is already launched (the server launches a greedy
+        # step before reading the one in flight): that step's token is dropped, and the slot serves the next ones
+        ids = want[0]
+        cut = ids.index(ids[3]) + 1
+        c = srv.client.completions.create(model=None, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                          extra_body={"stop_token_ids": [ids[3]], "return_token_ids": True})
+        assert c.choices[0].finish_reason == "stop" and _ids(c.choices[0]) == ids[:cut], (_ids(c.choices[0]), ids)
         _check_staggered(srv, want)
     finally:
         code, err = srv.stop()

@@ -8,7 +8,10 @@ draw the same, runtime/sampling.py), so the plan carries the drawn tokens and th
 
 A step is a prefill forward for the slots that start (their prompts cut as the decode command cuts them), then one
 decode forward for the slots that go on: the same forwards, with the same shapes per stream, as `decode` runs, so
-a request's tokens are bitwise those the decode command gives the same prompt alone (batch invariance). An idle
+a request's tokens are bitwise those the decode command gives the same prompt alone (batch invariance). While the
+same slots decode greedily, the next decode step is launched before the one in flight is read back (one word,
+"next", tells the other ranks), fed the tokens the device chose: the device does not wait for the host's
+bookkeeping, as `decode`'s graphed loop does not. An idle
 rank 0 sends a heartbeat every HEARTBEAT seconds that every rank answers, so a dead or stalled rank is named within
 the fabric timeout even with no traffic.
 """
@@ -25,7 +28,7 @@ import torch
 from rocket_mpi.errors import RocketError
 from rocket_mpi.model.cache import clear_stream
 from rocket_mpi.runtime.dist import acknowledge, bcast
-from rocket_mpi.runtime.engine import CACHE_QUANTUM
+from rocket_mpi.runtime.engine import CACHE_QUANTUM, MAINTAIN_EVERY
 from rocket_mpi.runtime.graph import GraphStep
 from rocket_mpi.runtime.sampling import Sampling, Stop, choose, cut_at_stop
 
@@ -34,78 +37,162 @@ WINDOW = 64      # decode steps the step-time and fabric-share gauges average ov
 
 
 class Slots:
-    """The persistent cache of M stream slots and the forwards that fill it (the same calls on every rank).
+    """The persistent cache of M stream slots and the forwards that fill it (the same calls, in the same order, on
+    every rank).
 
     path "host": each decode step is the host path's forward over the slots that decode (the others cost nothing).
     "graph" (or "device", the same without the CUDA graph): the decode step is the fixed-shape step of all M slots
     (runtime/graph.py GraphStep) fed the slots' tokens and positions from the host; a slot that does not decode
     this step runs at its next free position (what it writes there is overwritten before it is read), and its
     recurrent state, where the model has one, is put back after the step. The graph is captured once at start-up
-    (warm) and again only where the longest slot passes a span."""
+    (warm) and again only where the longest slot passes a span.
+
+    A decode step is launched (launch), then collected (collect): in between, the host may launch the step after it
+    (launch_next), fed the tokens the step chose on the device (greedy), so the device never waits for the host's
+    bookkeeping; the server does that while the same slots decode greedily (Scheduler._follow_on)."""
 
     def __init__(self, engine, slots: int, capacity: int, path: str = "host"):
         self.engine, self.m, self.path = engine, slots, path
         self.capacity = -(-capacity // CACHE_QUANTUM) * CACHE_QUANTUM
         self.cache = engine.model.new_cache(slots, self.capacity)
-        self.steps = 0
+        self.steps = 0          # forwards run (the engine's step number: fault injection, logs)
+        self.launches = 0       # fixed-shape steps launched (GraphStep's step numbers)
         self.static = None
+        self.pending: list[tuple] = []  # launched decode steps not yet collected: (step, live slots, kept state, logits)
+        self.since = 0          # decode steps since the expert cache's last upkeep
+        pin = engine.device.type == "cuda"
+        # positions of a step launched behind another in flight: a pinned buffer per step in flight (the copy is
+        # ordered on the stream, so the host must not rewrite a buffer before its step ran)
+        self.pos_bufs = [torch.zeros(slots, dtype=torch.long, pin_memory=pin) for _ in range(2)]
 
     @torch.inference_mode()
     def warm(self) -> None:
         """Run and capture the fixed-shape step before the first request (on every rank), then empty the slots."""
-        if self.path == "host":
-            return
-        for _ in range(3):  # eager, capture, replay
-            self.forward({}, {s: 0 for s in range(self.m)})
-        for s in range(self.m):
-            clear_stream(self.cache, s)
+        if self.path != "host":
+            for _ in range(3):  # eager, capture, replay
+                self.launch({s: 0 for s in range(self.m)})
+                self.collect()
+            for s in range(self.m):
+                clear_stream(self.cache, s)
+        if self.engine.expert_cache is not None:
+            self.engine.expert_cache.begin()  # the accounting counts the requests' steps
 
     @torch.inference_mode()
-    def forward(self, joins: dict[int, list[int]], decodes: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Prefill the slots in `joins` (emptied first) with their prompts, then one decode step for the slots in
-        `decodes` (slot -> the token it feeds). -> each of those slots' next-token logits [V]."""
-        eng, m, out = self.engine, self.m, {}
+    def prefill(self, joins: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Prefill the slots in `joins` (emptied first) with their prompts -> each one's next-token logits [V]."""
+        if not joins:
+            return {}
+        eng, m = self.engine, self.m
         eng.step = self.steps
-        if joins:
-            for s in joins:
-                clear_stream(self.cache, s)
-            seqlens = [len(joins.get(s, ())) for s in range(m)]
-            tokens = torch.tensor([t for s in range(m) for t in joins.get(s, ())], dtype=torch.long)
-            eng.moe.reset()
-            logits, _ = eng._forward(tokens, self.cache, seqlens)
-            out.update((s, logits[s]) for s in joins)
-        if decodes and self.path != "host":
-            out.update(self._fixed_shape(decodes))
-        elif decodes:
-            seqlens = [1 if s in decodes else 0 for s in range(m)]
-            tokens = torch.tensor([decodes[s] for s in sorted(decodes)], dtype=torch.long)
-            eng.moe.reset()
-            logits = eng.model.forward(tokens, self.cache, seqlens, eng.moe)
-            out.update((s, logits[s]) for s in decodes)
+        for s in joins:
+            clear_stream(self.cache, s)
+        seqlens = [len(joins.get(s, ())) for s in range(m)]
+        tokens = torch.tensor([t for s in range(m) for t in joins.get(s, ())], dtype=torch.long)
+        eng.moe.reset()
+        logits, _ = eng._forward(tokens, self.cache, seqlens)
         self.steps += 1
-        return out
+        self._upkeep(account=False)
+        return {s: logits[s] for s in joins}
 
-    def _fixed_shape(self, decodes: dict[int, int]) -> dict[int, torch.Tensor]:
+    @torch.inference_mode()
+    def launch(self, decodes: dict[int, int]) -> None:
+        """One decode step for the slots in `decodes` (slot -> the token it feeds), with nothing in flight; collect
+        reads it."""
+        if self.pending:
+            raise RocketError(f"serve: a decode step launched with {len(self.pending)} in flight")
         eng, m, cache = self.engine, self.m, self.cache
+        eng.step = self.steps
+        live = sorted(decodes)
+        if self.path == "host":
+            seqlens = [1 if s in decodes else 0 for s in range(m)]
+            tokens = torch.tensor([decodes[s] for s in live], dtype=torch.long)
+            eng.moe.reset()
+            f0, t0 = eng.fabric.stats.seconds, time.perf_counter()
+            logits = eng.model.forward(tokens, cache, seqlens, eng.moe)
+            self.pending.append((self.steps, live, [], (logits[live], t0, eng.fabric.stats.seconds - f0)))
+            self.steps += 1
+            return
         if self.static is None:
             self.static = GraphStep(eng, cache, torch.zeros(m, dtype=torch.long), graph=self.path == "graph",
-                                    keep_logits=True, ahead=0)
+                                    keep_logits=True, ahead=1)
         st = self.static
-        live = sorted(decodes)
-        idle = [s for s in range(m) if s not in decodes]
         tokens = torch.zeros(m, dtype=torch.long)
         tokens[live] = torch.tensor([decodes[s] for s in live], dtype=torch.long)
-        pos = cache.lengths.clamp(max=self.capacity - 1)
-        kept = [(t, t[idle].clone()) for t in recurrent_state(cache)] if idle else []
         st.tokens.copy_(tokens)
-        st.pos.copy_(pos)
         st.moe.seq.fill_(eng.seq)  # the host path's prefills moved the doorbell sequence on
-        st.launch(self.steps, int(pos[live].max()))
-        _, _, logits, _ = st.collect(self.steps)
-        for t, saved in kept:
-            t[idle] = saved
+        self._launch_fixed(live)
+
+    def can_follow(self) -> bool:
+        """Whether launch_next may run now: one fixed-shape step in flight, its span holds the next, the expert
+        cache's upkeep is not due, and no idle slot has recurrent state to put back between the two."""
+        if self.path == "host" or len(self.pending) != 1 or self.static is None:
+            return False
+        live = self.pending[0][1]
+        longest = int(self.cache.lengths.max())
+        if longest >= self.capacity or not self.static.follows(longest):
+            return False
+        xc = self.engine.expert_cache
+        if xc is not None and self.since + 1 >= MAINTAIN_EVERY:
+            return False
+        return len(live) == self.m or not recurrent_state(self.cache)
+
+    @torch.inference_mode()
+    def launch_next(self) -> None:
+        """The decode step after the one in flight, for the same slots, fed the tokens that step chose on the device
+        (its argmax: greedy). Only where can_follow()."""
+        if not self.can_follow():
+            raise RocketError("serve: launch_next without a step it may follow")
+        self.engine.step = self.steps
+        self._launch_fixed(self.pending[0][1])
+
+    def _launch_fixed(self, live: list[int]) -> None:
+        st, cache = self.static, self.cache
+        idle = [s for s in range(self.m) if s not in live]
+        pos = self.pos_bufs[self.launches % 2]
+        pos.copy_(cache.lengths.clamp(max=self.capacity - 1))  # idle slots stay at their next free position
+        st.pos.copy_(pos, non_blocking=True)
+        kept = [(t, t[idle].clone()) for t in recurrent_state(cache)] if idle and not self.pending else []
+        st.launch(self.launches, int(pos[live].max()) if live else 0)
         cache.lengths[live] += 1
-        return {s: logits[s] for s in live}
+        self.pending.append((self.launches, live, kept, None))
+        self.launches += 1
+        self.steps += 1
+        self.since += 1
+
+    @torch.inference_mode()
+    def collect(self, logits: bool = False) -> tuple[list[int], list[int], dict[int, torch.Tensor], float, float]:
+        """Wait for the oldest decode step in flight -> (its slots, the token each chose on the device (greedy),
+        with `logits` each slot's next-token logits [V] (else {}), seconds, fabric seconds)."""
+        step, live, kept, host = self.pending.pop(0)
+        if host is not None:  # the host path ran it at launch (the argmax's read waits for the device)
+            rows, t0, fab = host
+            chosen = rows.argmax(dim=-1).tolist()
+            self._upkeep()
+            out = {s: rows[i] for i, s in enumerate(live)} if logits else {}
+            return live, chosen, out, time.perf_counter() - t0, fab
+        f0 = self.engine.fabric.stats.seconds
+        chosen, _, rows, seconds = self.static.collect(step)
+        for t, saved in kept:
+            idle = [s for s in range(self.m) if s not in live]
+            t[idle] = saved
+        out = {s: rows[s] for s in live} if logits else {}
+        if not self.pending:
+            self._upkeep()
+        return live, [chosen[s] for s in live], out, seconds, self.engine.fabric.stats.seconds - f0
+
+    def _upkeep(self, account: bool = True) -> None:
+        """The expert cache's upkeep (moe/cache.py), as decode runs it: after every host-path forward; on the
+        fixed-shape path every MAINTAIN_EVERY decode steps, with none in flight. Every rank runs the same forwards
+        in the same order, so every rank keeps the same residency."""
+        xc = self.engine.expert_cache
+        if xc is None:
+            return
+        if self.path == "host" or not account:
+            xc.maintain(1, account=account)
+            self.since = 0
+        elif self.since >= MAINTAIN_EVERY:
+            xc.maintain(self.since)
+            self.since = 0
 
 
 def recurrent_state(cache) -> list[torch.Tensor]:
@@ -177,6 +264,8 @@ class Scheduler:
         try:
             while not self.stopping.is_set():
                 self._iterate()
+            while self.slots.pending:  # a step launched ahead of the last read: its tokens go nowhere
+                self.slots.collect()
             bcast(self.comm, {"shutdown": True}, self.timeout, "shutdown")
         except Exception as e:
             self.error = str(e) or type(e).__name__
@@ -200,6 +289,12 @@ class Scheduler:
         for s, req in enumerate(self.active):  # a client that went away frees its slot before the next step
             if req is not None and req.cancelled:
                 self.active[s] = None
+        if self.slots.pending:  # a decode step in flight: launch the next one behind it where it may, then read it
+            if self._follow_on():
+                bcast(self.comm, {"next": True}, self.timeout, "step plan")
+                self.slots.launch_next()
+            self._collect()
+            return
         joins = {}
         for s in range(self.slots.m):
             while self.active[s] is None and self.waiting:
@@ -215,21 +310,51 @@ class Scheduler:
                 acknowledge(self.comm, self.timeout, "the idle heartbeat")
             return
         bcast(self.comm, {"joins": joins, "decodes": decodes}, self.timeout, "step plan")
-        fab = self.slots.engine.fabric.stats
-        f0, t0 = fab.seconds, time.perf_counter()
-        logits = self.slots.forward(joins, decodes)
-        dt = time.perf_counter() - t0
-        if decodes and not joins:  # the gauges follow decode steps; a step with a prefill is counted apart
-            self.recent.append((dt, fab.seconds - f0))
+        if joins:  # the prompts' forward: its logits give each joining request its first token, now
+            logits = self.slots.prefill(joins)
+            now = time.perf_counter()
+            fed = sorted(logits)
+            reqs = [self.active[s] for s in fed]
+            chosen = choose(torch.stack([logits[s] for s in fed]), [r.sampling for r in reqs],
+                            [len(r.generated) for r in reqs])
+            for s, r, tok in zip(fed, reqs, chosen):
+                self._advance(s, r, tok, now)
+            self.emitted.append((now, len(fed)))
+        if decodes:  # read back on the next call, after the next step is launched where it may be
+            self.slots.launch(decodes)
+
+    def _follow_on(self) -> bool:
+        """Whether the next decode step may be launched before the one in flight is read: the same slots go on (none
+        joins, none left, none ends at its length limit with the step in flight), every one greedy (the device's
+        argmax feeds it), and the slots allow it (Slots.can_follow). A slot that ends at the step in flight on an
+        end-of-text id or stop string gets one step more, whose token is dropped."""
+        live = self.slots.pending[0][1]
+        busy = [s for s, r in enumerate(self.active) if r is not None]
+        if busy != live or (self.waiting and len(busy) < self.slots.m):
+            return False
+        for s in live:
+            r = self.active[s]
+            if not r.sampling.greedy or len(r.generated) + 1 >= r.max_tokens:
+                return False
+        return self.slots.can_follow()
+
+    def _collect(self) -> None:
+        """Read the oldest decode step in flight and advance its requests (those still there)."""
+        live = self.slots.pending[0][1]
+        reqs = [self.active[s] for s in live]
+        sampled = any(r is not None and not r.sampling.greedy for r in reqs)
+        live, chosen, logits, seconds, fab = self.slots.collect(logits=sampled)
+        self.recent.append((seconds, fab))
         self.steps_total += 1
         now = time.perf_counter()
-        fed = sorted(logits)
-        reqs = [self.active[s] for s in fed]
-        chosen = choose(torch.stack([logits[s] for s in fed]), [r.sampling for r in reqs],
-                        [len(r.generated) for r in reqs])
-        for s, r, tok in zip(fed, reqs, chosen):
+        fed = [(s, r, t) for s, r, t in zip(live, reqs, chosen) if r is not None and self.active[s] is r]
+        if sampled:
+            picked = choose(torch.stack([logits[s] for s, _, _ in fed]), [r.sampling for _, r, _ in fed],
+                            [len(r.generated) for _, r, _ in fed]) if fed else []
+            fed = [(s, r, t) for (s, r, _), t in zip(fed, picked)]
+        for s, r, tok in fed:
             self._advance(s, r, tok, now)
-        self.emitted.append((now, len(logits)))
+        self.emitted.append((now, len(fed)))
 
     def _advance(self, s: int, req: Request, tok: int, now: float) -> None:
         req.generated.append(tok)
@@ -262,12 +387,22 @@ class Scheduler:
 
 
 def follow(comm, slots: Slots, timeout: float) -> None:
-    """Every rank but 0: run the steps rank 0 plans until it says stop (each wait bounded by `timeout`)."""
+    """Every rank but 0: run the steps rank 0 plans until it says stop (each wait bounded by `timeout`), in rank 0's
+    order: a step behind the one in flight ("next") is launched before that one is read; any other word reads the
+    step in flight first."""
     while True:
         msg = bcast(comm, None, timeout, "next step plan")
+        if msg.get("next"):
+            slots.launch_next()
+            slots.collect()
+            continue
+        if slots.pending:
+            slots.collect()
         if msg.get("shutdown"):
             return
         if msg.get("beat"):
             acknowledge(comm, timeout, "the idle heartbeat")
             continue
-        slots.forward(msg["joins"], msg["decodes"])
+        slots.prefill(msg["joins"])
+        if msg["decodes"]:
+            slots.launch(msg["decodes"])

@@ -90,12 +90,14 @@ def main() -> int:
         if not ok:
             print(f"recording the trace failed: {out}")
             return 1
-        print(f"recorded {trace}: {a.record_streams} held-out prompts x {a.record_tokens} tokens on one rank", flush=True)
+        print(f"recorded {trace}: {a.record_streams} held-out prompts x {a.record_tokens} tokens on one rank",
+              flush=True)
     ranks = [int(x) for x in a.ranks.split(",")]
     sweep = [int(x) for x in a.sweep.split(",")]
     for n in ranks:
         plans = {"contiguous": None}
-        for name, extra in (("balanced", []), (f"balanced+{a.replicas}rep", ["--replicas", str(a.replicas), "--exact"])):
+        forced = ["--replicas", str(a.replicas), "--exact"]
+        for name, extra in (("balanced", []), (f"balanced+{a.replicas}rep", forced)):
             if name != "balanced" and a.replicas <= 0:
                 continue
             path = os.path.join(work, f"{name}_{n}.json")

@@ -177,14 +177,14 @@ def place(args) -> int:
     steps, streams = t["rows"].shape[0], int(t["streams"])
     print(f"{args.telemetry}: {describe(m)}, top-{m['top_k']}; {steps} decode steps of M={streams} recorded on "
           f"{int(t.get('ranks', 0))} rank(s), {t.get('device', '?')}, {t.get('path', '?')} path")
-    print(f"cost model: an expert with rows costs one read of its weights ({big / 2**20:.2f} MiB), a row {share:.4g} of "
-          f"that ({how}); " + (f"the recorded expert times fit {fit[1]}" if fit else
+    print(f"cost model: an expert with rows costs one read of its weights ({big / 2**20:.2f} MiB), a row "
+          f"{share:.4g} of that ({how}); " + (f"the recorded expert times fit {fit[1]}" if fit else
                                "the recorded expert times fit no such model (not timed, or too noisy)"))
     _recorded(t)
     mode = (f"exactly {n} x {args.slots} expert slots" if args.slots is not None else
             f"{'exactly' if args.exact else 'up to'} {args.replicas} replica(s) per layer")
-    print(f"\nplacement for {n} rank(s), {mode}; busiest rank / mean, before ({'--placement' if args.placement else 'contiguous'}) "
-          f"-> after")
+    was = "--placement" if args.placement else "contiguous"
+    print(f"\nplacement for {n} rank(s), {mode}; busiest rank / mean, before ({was}) -> after")
     print(f"{'layer':>5} {'rows':>13} {'cost':>13} {'cost per step':>15} {'replicas':>8} {'experts/rank':>12}")
     out, tot = {}, {k: np.zeros(2) for k in ("rows", "cost", "step", "mean_rows", "mean_cost")}
     moved = 0

@@ -93,6 +93,10 @@ def test_deterministic_and_idempotent(layer, replicas):
     a = balance(mu, act, n, replicas, BYTES, None)
     assert balance(mu.copy(), act.copy(), n, replicas, BYTES, None) == a
     assert balance(mu, act, n, replicas, BYTES, None, current=a) == a
+    # a running placement with more copies than allowed now is not kept
+    more = balance(mu, act, n, replicas + 2, BYTES, None, exact=True)
+    b = balance(mu, act, n, replicas, BYTES, None, current=more)
+    assert sum(len(o) - 1 for o in owner_lists(b)) <= replicas
 
 
 @SETTINGS

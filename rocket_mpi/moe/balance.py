@@ -159,8 +159,8 @@ def _feasible(demands: list[int], free: list[int]) -> bool:
 class _Packing:
     """Owners and per-rank loads of one layer's placement under construction."""
 
-    def __init__(self, n_exp: int, n_ranks: int, slots: int, exact: bool, cost_of, rows_of):
-        self.n_exp, self.n, self.slots, self.exact = n_exp, n_ranks, slots, exact
+    def __init__(self, n_exp: int, n_ranks: int, slots: int, fixed: bool, cost_of, rows_of):
+        self.n_exp, self.n, self.slots, self.fixed = n_exp, n_ranks, slots, fixed   # fixed: exactly `slots` each
         self.cost_of, self.rows_of = cost_of, rows_of
         self.owners: list[list[int]] = [[] for _ in range(n_exp)]
         self.load = [0.0] * n_ranks
@@ -188,8 +188,8 @@ class _Packing:
         return [o[0] if len(o) == 1 else list(o) for o in self.owners]
 
 
-def _pack(n_exp, n_ranks, slots, exact, counts, cost_of, rows_of) -> _Packing:
-    p = _Packing(n_exp, n_ranks, slots, exact, cost_of, rows_of)
+def _pack(n_exp, n_ranks, slots, fixed, counts, cost_of, rows_of) -> _Packing:
+    p = _Packing(n_exp, n_ranks, slots, fixed, cost_of, rows_of)
     multi = sorted((e for e in range(n_exp) if counts[e] > 1), key=lambda e: (-counts[e], -cost_of(e, counts[e])[0], e))
     pending = [counts[e] for e in multi]
     for k, e in enumerate(multi):
@@ -256,7 +256,7 @@ def _refine(p: _Packing, by_rows: bool = False) -> _Packing:
                 if r2 == r:
                     continue
                 gap = val[r] - val[r2]
-                if not p.exact and p.count[r2] < p.slots and v_x < gap and fits(r, r2, cost(x)):
+                if not p.fixed and p.count[r2] < p.slots and v_x < gap and fits(r, r2, cost(x)):
                     cand = (max(val[r] - v_x, val[r2] + v_x), x, r2, -1)
                     if best is None or cand < best:
                         best = cand
@@ -280,18 +280,21 @@ def _refine(p: _Packing, by_rows: bool = False) -> _Packing:
     return p
 
 
-def _from_current(current, n_exp, n_ranks, slots, exact, cost_of, rows_of) -> _Packing | None:
-    """The running placement as a packing, or None where it does not fit these inputs."""
+def _from_current(current, n_exp, n_ranks, slots, fixed, copies, cost_of, rows_of) -> _Packing | None:
+    """The running placement as a packing, or None where it does not fit these inputs: its owners, its counts per
+    rank (slots: at most, fixed: exactly) and its extra copies (copies: (at most, at least))."""
     if current is None or len(current) != n_exp:
         return None
-    p = _Packing(n_exp, n_ranks, slots, exact, cost_of, rows_of)
+    p = _Packing(n_exp, n_ranks, slots, fixed, cost_of, rows_of)
     for e, o in enumerate(current):
         ranks = [o] if isinstance(o, (int, np.integer)) else list(o)
         ranks = sorted(int(r) for r in ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < n_ranks for r in ranks):
             return None
         p.place(e, ranks)
-    if any(c > slots for c in p.count) or (exact and any(c != slots for c in p.count)):
+    extra = sum(p.count) - n_exp
+    if any(c > slots for c in p.count) or (fixed and any(c != slots for c in p.count)) or \
+            not copies[1] <= extra <= copies[0]:
         return None
     return p
 
@@ -341,7 +344,8 @@ def balance(load_rows: np.ndarray, active: np.ndarray, n_ranks: int, replicas: i
         if best is None or p.busiest() < best.busiest():
             best = p
     slots = slots_per_rank if fixed else max(-(-(n_exp + extra) // n_ranks), best.slots)
-    run = _from_current(current, n_exp, n_ranks, slots, fixed, cost_of, rows_of)
+    copies = (len(order), len(order) if fixed or exact else 0)
+    run = _from_current(current, n_exp, n_ranks, slots, fixed, copies, cost_of, rows_of)
     if run is not None:   # as it runs, else refined from there, where within KEEP of the fresh placement
         bound = best.busiest() * (1.0 + KEEP)
         if run.busiest() > bound:

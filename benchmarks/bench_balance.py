@@ -9,7 +9,8 @@
 2. Plans with `place` for each N: balanced (no replicas) and, with --replicas R > 0, balanced + exactly R extra copies
    per layer (place would add replicas only where they lower its modelled cost; forcing them measures what they cost).
 3. Decodes each placement under mpiexec -n N with the same prompts (--sweep, --repeats times, placements interleaved)
-   and prints per N, M and placement: each rank's rows per step, expert ms and wait ms (time in the exchange: copies,
+   and prints per N, M and placement: each rank's rows per step, expert ms (wall; CPU ranks also the process's CPU
+   time in its experts, which ranks sharing cores do not inflate) and wait ms (time in the exchange: copies,
    doorbells, waiting for the peers; the host path times them, the fixed-shape path does not), the step time and its
    ratio to contiguous, the busiest rank's rows over the mean, and the wait asymmetry (the most waiting rank over the
    least). Each figure is the decode report's mean over its timed steps, the median over the repeats.
@@ -23,6 +24,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -32,6 +34,7 @@ sys.path.insert(0, ROOT)
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: E402
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic  # noqa: E402
 from rocket_mpi.cli import launch  # noqa: E402
+from rocket_mpi.moe.balance import balance, step_stats  # noqa: E402
 
 TIMEOUT = 1800.0
 
@@ -109,9 +112,31 @@ def main() -> int:
             plans[name] = path
             print(f"\nplace --ranks {n} {' '.join(extra)}:")
             print("\n".join(ln for ln in out.splitlines() if ln.strip().startswith(("all", "modelled", "from the"))))
+        time_balance(trace, n, a.replicas)
         for path_name in a.paths.split(","):
             measure(a, n, sweep, plans, common, path_name, work)
     return 0
+
+
+def time_balance(trace: str, n: int, replicas: int) -> None:
+    """What planning costs each rank in a live rebalance: balance() per MoE layer of the trace, fresh and from the
+    placement it gave (nothing to move), median of 5, on this machine's CPU."""
+    z = np.load(trace)
+    rows, bpe = z["rows"], int(z["expert_bytes"])
+    fresh, again = [], []
+    for i in range(rows.shape[1]):
+        mu, act = step_stats(rows[:, i])
+        for _ in range(5):
+            t0 = time.perf_counter()
+            cur = balance(mu, act, n, replicas, bpe, None)
+            t1 = time.perf_counter()
+            balance(mu, act, n, replicas, bpe, None, current=cur)
+            fresh.append(t1 - t0)
+            again.append(time.perf_counter() - t1)
+    print(f"balance() for {rows.shape[2]} experts on {n} ranks, up to {replicas} replicas: "
+          f"{1e3 * statistics.median(fresh):.1f} ms per MoE layer fresh, {1e3 * statistics.median(again):.1f} ms from "
+          f"the running placement ({rows.shape[1]} MoE layers: {1e3 * statistics.median(fresh) * rows.shape[1]:.0f} ms "
+          f"per rebalance)")
 
 
 def measure(a, n: int, sweep: list[int], plans: dict, common: list[str], path_name: str, work: str) -> None:
@@ -133,8 +158,8 @@ def measure(a, n: int, sweep: list[int], plans: dict, common: list[str], path_na
                 res[name].append(json.load(f)["runs"])
     print(f"\nN={n}, decode path {path_name}: per rank (rank 0/1/...) rows per step, expert ms, wait ms; step ms "
           f"(mean over the ranks); busiest rank's rows / mean; wait asymmetry (most / least waiting rank)")
-    print(f"{'M':>3} {'placement':<18} {'rows/step':>20} {'expert ms':>20} {'wait ms':>20} {'step ms':>8} "
-          f"{'x contig':>8} {'rows max/mean':>13} {'wait max/min':>12}")
+    print(f"{'M':>3} {'placement':<18} {'rows/step':>20} {'expert ms':>20} {'expert CPU ms':>20} {'wait ms':>20} "
+          f"{'step ms':>8} {'x contig':>8} {'rows max/mean':>13} {'wait max/min':>12}")
     for i, m in enumerate(sweep):
         base = None
         for name in plans:
@@ -151,12 +176,14 @@ def measure(a, n: int, sweep: list[int], plans: dict, common: list[str], path_na
 
             rows = [med("rows_per_step", r) for r in range(n)]
             exp = [med("expert_ms", r) for r in range(n)]
+            cpu = [med("expert_cpu_ms", r) for r in range(n)]
             wait = [med("wait_ms", r) for r in range(n)]
             step = statistics.median(statistics.fmean(s["ms_per_step"] for s in p) for p in per)
             base = step if name == "contiguous" else base
             rows_ratio = max(rows) / statistics.fmean(rows) if statistics.fmean(rows) else 1.0
             asym = (f"{max(wait) / min(wait):.2f}" if None not in wait and min(wait) > 0 else "-")
-            print(f"{m:>3} {name:<18} {fmt(rows, '.1f'):>20} {fmt(exp, '.2f'):>20} {fmt(wait, '.2f'):>20} "
+            print(f"{m:>3} {name:<18} {fmt(rows, '.1f'):>20} {fmt(exp, '.2f'):>20} {fmt(cpu, '.2f'):>20} "
+                  f"{fmt(wait, '.2f'):>20} "
                   f"{step:>8.2f} {step / base if base else float('nan'):>8.3f} {rows_ratio:>13.3f} {asym:>12}")
     sys.stdout.flush()
 

@@ -37,7 +37,7 @@ def test_telemetry_fields(recorded):
     # every rank's rows add up to the routing's: 4 streams x top-4 x 2 MoE layers per step
     assert (z["rows_owned"].sum(axis=1) == z["rows"].sum(axis=(1, 2))).all()
     assert (z["rows"].sum(axis=(1, 2)) == 4 * 4 * 2).all()
-    for k in ("step_s", "expert_s", "wait_s"):
+    for k in ("step_s", "expert_s", "wait_s", "expert_cpu_s"):
         assert z[k].shape == (steps, 2) and np.isfinite(z[k]).all() and (z[k] > 0).all(), k
     assert (z["expert_s"] + z["wait_s"] <= z["step_s"]).all()
     assert json.loads(str(z["placement"]))["1"] == [0] * 8 + [1] * 8

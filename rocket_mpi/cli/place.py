@@ -99,9 +99,11 @@ def check_model(t: dict, path: str, checkpoint: str):
 
 
 def fit_row_cost(t: dict) -> tuple[float, str] | None:
-    """Least squares over the recorded (step, rank) pairs: expert seconds = a x expert reads + b x rows + c. -> (b / a,
-    how the fit went), or None where the trace has no expert times or they do not fit (a <= 0)."""
-    exp_s = t["expert_s"]
+    """Least squares over the recorded (step, rank) pairs: expert seconds = a x expert reads + b x rows + c (CPU time
+    on CPU ranks: the wall time of ranks sharing cores grows with the others' work). -> (b / a, how the fit went), or
+    None where the trace has no expert times or they do not fit (a <= 0)."""
+    cpu = t.get("expert_cpu_s")
+    exp_s = cpu if cpu is not None and cpu.size and np.isfinite(cpu).all() else t["expert_s"]
     if exp_s.size == 0 or not np.isfinite(exp_s).all():
         return None
     n = exp_s.shape[1]
@@ -233,8 +235,11 @@ def _recorded(t: dict) -> None:
     if exp_s.size == 0 or not np.isfinite(exp_s).all():
         return
     rows = t["rows_owned"].mean(axis=0)
-    per = ", ".join(f"rank {r}: {rows[r]:.0f} rows, expert {1e3 * exp_s[:, r].mean():.2f} ms, wait "
-                    f"{1e3 * wait_s[:, r].mean():.2f} ms" for r in range(exp_s.shape[1]))
+    cpu = t.get("expert_cpu_s")
+    cpu = cpu if cpu is not None and cpu.size and np.isfinite(cpu).all() else None
+    per = ", ".join(f"rank {r}: {rows[r]:.0f} rows, expert {1e3 * exp_s[:, r].mean():.2f} ms"
+                    + (f" ({1e3 * cpu[:, r].mean():.2f} ms CPU)" if cpu is not None else "")
+                    + f", wait {1e3 * wait_s[:, r].mean():.2f} ms" for r in range(exp_s.shape[1]))
     print(f"recorded per step: {per}")
 
 

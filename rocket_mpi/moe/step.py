@@ -46,20 +46,24 @@ class HostMoE:
         self.marks = []  # per MoE layer: (before the experts, after them, after the exchange), timings() reads them
 
     def _mark(self):
-        """A point in the step: the host clock, or on a GPU an event on the stream (the experts run asynchronously)."""
+        """A point in the step: on a CPU (wall clock, this process's CPU time); on a GPU an event on the stream (the
+        experts run asynchronously)."""
         if self.engine.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return time.perf_counter(), time.process_time()
 
-    def timings(self) -> tuple[float, float]:
-        """(seconds in this rank's experts, seconds in the exchange: copies, doorbells and waiting for the peers) over
-        the step's MoE layers; after the step (on a GPU its events have completed once the tokens were read)."""
+    def timings(self) -> tuple[float, float, float]:
+        """(seconds in this rank's experts, seconds in the exchange: copies, doorbells and waiting for the peers, CPU
+        seconds this process spent in its experts: NaN on a GPU) over the step's MoE layers; read after the step (on a
+        GPU its events have completed once the tokens were read). On a CPU shared by more ranks than cores the wall
+        time of the experts grows with the others' work, their CPU time does not."""
         if self.engine.device.type == "cuda":
             return (sum(a.elapsed_time(b) for a, b, _ in self.marks) / 1e3,
-                    sum(b.elapsed_time(c) for _, b, c in self.marks) / 1e3)
-        return sum(b - a for a, b, _ in self.marks), sum(c - b for _, b, c in self.marks)
+                    sum(b.elapsed_time(c) for _, b, c in self.marks) / 1e3, float("nan"))
+        return (sum(b[0] - a[0] for a, b, _ in self.marks), sum(c[0] - b[0] for _, b, c in self.marks),
+                sum(b[1] - a[1] for a, b, _ in self.marks))
 
     def __call__(self, layer: int, x: torch.Tensor, L, shared=None, residual: torch.Tensor | None = None,
                  next_norm=None) -> torch.Tensor:

@@ -251,10 +251,10 @@ def model_identity(cfg, checkpoint: str) -> dict:
 
 
 def step_telemetry(result) -> np.ndarray:
-    """A rank's decode steps of one run as [steps, 4]: step seconds, seconds in its experts and in the exchange (NaN
-    where not timed: the fixed-shape step), rows it computed."""
-    return np.array([(s.seconds, s.expert_seconds, s.wait_seconds, s.rows_owned) for s in result.steps[1:]],
-                    dtype=np.float64).reshape(-1, 4)
+    """A rank's decode steps of one run as [steps, 5]: step seconds, seconds in its experts and in the exchange (NaN
+    where not timed: the fixed-shape step), rows it computed, CPU seconds in its experts (CPU ranks)."""
+    return np.array([(s.seconds, s.expert_seconds, s.wait_seconds, s.rows_owned, s.expert_cpu_seconds)
+                     for s in result.steps[1:]], dtype=np.float64).reshape(-1, 5)
 
 
 def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement, steps: list[np.ndarray], model: dict,
@@ -266,7 +266,7 @@ def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement, step
     n_moe, n_exp = len(layers), cfg.n_routed_experts
     trace = np.zeros((0, n_moe, n_exp), dtype=np.int32) if trace is None else trace
     n = min([trace.shape[0]] + [s.shape[0] for s in steps])   # a run that ended early: the steps both have
-    per_step = np.stack([s[:n] for s in steps], axis=1) if steps else np.zeros((n, 0, 4))  # [steps, ranks, 4]
+    per_step = np.stack([s[:n] for s in steps], axis=1) if steps else np.zeros((n, 0, 5))  # [steps, ranks, 5]
     placed = placement.to_json()
     owners = np.array([[o if isinstance(o, int) else min(o) for o in placed[str(la)]] for la in layers],
                       dtype=np.int64).reshape(n_moe, n_exp)
@@ -274,7 +274,8 @@ def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement, step
                         rows=trace[:n], layers=np.array(layers, dtype=np.int64), owners=owners,
                         placement=np.array(json.dumps(placed)), ranks=np.array(len(steps)),
                         step_s=per_step[:, :, 0], expert_s=per_step[:, :, 1], wait_s=per_step[:, :, 2],
-                        rows_owned=per_step[:, :, 3].astype(np.int64), expert_bytes=np.array(expert_bytes),
+                        rows_owned=per_step[:, :, 3].astype(np.int64), expert_cpu_s=per_step[:, :, 4],
+                        expert_bytes=np.array(expert_bytes),
                         streams=np.array(per_rank[0]["M"] if per_rank else 0), path=np.array(path_taken),
                         device=np.array(device), model=np.array(json.dumps(model)),
                         per_rank=np.array(json.dumps(per_rank)))

@@ -67,6 +67,7 @@ class StepLog:
     weight_bytes: int = 0    # weights this rank read: the replicated stack + the experts it ran
     expert_seconds: float = float("nan")  # in this rank's experts (host path; HostMoE.timings)
     wait_seconds: float = float("nan")    # in the exchange: copies, doorbells, waiting for the peers (host path)
+    expert_cpu_seconds: float = float("nan")  # this process's CPU time in its experts (CPU ranks, host path)
 
 
 @dataclass
@@ -99,6 +100,7 @@ class RunResult:
                 "rows_total_per_step": sum(s.rows_total for s in t) / n,
                 "weight_bytes_per_step": sum(s.weight_bytes for s in t) / n, "path": self.path,
                 "expert_ms": _ms(s.expert_seconds for s in t), "wait_ms": _ms(s.wait_seconds for s in t),
+                "expert_cpu_ms": _ms(s.expert_cpu_seconds for s in t),
                 "prefill_s": self.steps[0].seconds if self.steps else 0.0,
                 "decode_steps": len(self.steps[1:]), "decode_s": sum(s.seconds for s in self.steps[1:])}
 

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from conftest import rocket_mpi
+from helpers import gpu
 from rocket_mpi.checkpoint.make import make_checkpoint
 from rocket_mpi.cli import main
 from rocket_mpi.moe.balance import owner_lists
+from rocket_mpi.runtime.engine import Engine
 
 TOKENS = 8
 
@@ -116,3 +118,18 @@ def test_bad_input_is_one_line(recorded, tmp_path, capsys):
     assert "--out" in one_line_error(capsys, ["place", "--telemetry", trace, "--ranks", "2", "--out",
                                               str(tmp_path / "nowhere" / "p.json")])
     assert "--ranks" in one_line_error(capsys, ["place", "--telemetry", trace], code=2)
+
+
+@gpu
+def test_gpu_host_path_times_experts_and_exchange(recorded):
+    """On a GPU the host path times its experts and the exchange with events on the stream: both measured, both
+    inside the step; the fixed-shape step times neither."""
+    ckpt = recorded[0]
+    eng = Engine(ckpt, device="cuda")
+    eng.set_decode_path("host", "local")
+    s = eng.generate([[1, 2, 3]] * 4, 6).summary(0)
+    assert s["expert_ms"] > 0 and s["wait_ms"] >= 0 and s["expert_ms"] + s["wait_ms"] < s["ms_per_step"], s
+    assert s["expert_cpu_ms"] is None
+    eng.set_decode_path("graph", "local")
+    s = eng.generate([[1, 2, 3]] * 4, 6).summary(0)
+    assert s["expert_ms"] is None and s["wait_ms"] is None, s

@@ -267,7 +267,8 @@ def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement, step
     trace = np.zeros((0, n_moe, n_exp), dtype=np.int32) if trace is None else trace
     n = min([trace.shape[0]] + [s.shape[0] for s in steps])   # a run that ended early: the steps both have
     per_step = np.stack([s[:n] for s in steps], axis=1) if steps else np.zeros((n, 0, 5))  # [steps, ranks, 5]
-    placed = placement.to_json()
+    raw = placement.to_json()
+    placed = {str(la): raw.get(str(la), raw.get("default")) for la in layers}   # every MoE layer spelt out
     owners = np.array([[o if isinstance(o, int) else min(o) for o in placed[str(la)]] for la in layers],
                       dtype=np.int64).reshape(n_moe, n_exp)
     np.savez_compressed(path, format=np.array(TELEMETRY_FORMAT), version=np.array(TELEMETRY_VERSION),

@@ -38,9 +38,9 @@ def test_static_fire_passes(ranks, fabric, placement, quant, tiny_ckpt, tiny_nvf
 def assert_really_split(stdout: str, ranks: int) -> None:
     """The split's per-rank table at M=8: a row per rank, each rank owned rows."""
     rows = [ln.split() for ln in stdout.splitlines()]
-    rows = [c for c in rows if len(c) == 10 and c[0].isdigit() and c[1] == "8"]
+    rows = [c for c in rows if len(c) == 11 and c[0].isdigit() and c[1] == "8"]
     assert sorted(int(c[0]) for c in rows) == list(range(ranks)), stdout
-    assert all(float(c[6]) > 0 for c in rows), stdout
+    assert all(float(c[7]) > 0 for c in rows), stdout
 
 
 @pytest.mark.parametrize("ranks,fabric,placement,ckpt_name", [(2, "shm", "contiguous", "tiny_ckpt"),

@@ -1,4 +1,4 @@
-"""python -m rocket_mpi {decode, static-fire, serve, make-checkpoint, fabric-bench}: the command-line contract.
+"""python -m rocket_mpi {decode, static-fire, serve, make-checkpoint, fabric-bench, plan, place}: the command line.
 
 The flags are parsed here, once, into typed settings (settings.py: RunSettings, FabricSettings, and the
 environment's Settings); every layer below takes what it needs of them explicitly.
@@ -12,6 +12,7 @@ import time
 from rocket_mpi import __version__
 from rocket_mpi.checkpoint.make import all_presets, make_checkpoint
 from rocket_mpi.cli import fabric_bench
+from rocket_mpi.cli import place as place_cmd
 from rocket_mpi.cli import plan as plan_cmd
 from rocket_mpi.cli.flags import (add_run_flags, add_serve_flags, int_list, nonneg_float, pos_int, run_settings,
                                   serve_run_settings, serve_settings)
@@ -46,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sweep", type=int_list, help="several M in one run, e.g. 1,8 (overrides --streams)")
     d.add_argument("--out", help="JSON with the generated tokens (rank 0 writes it)")
     d.add_argument("--telemetry", metavar="FILE",
-                   help="record the routing (rows per MoE layer and expert, every decode step of the last run) and the "
-                        "expert cache's accounting per rank to FILE (.npz; benchmarks/bench_cache.py replays it)")
+                   help="record the last run's routing (rows per decode step, MoE layer and expert), per rank and step "
+                        "the expert and exchange times, the model's identity and the expert cache's accounting to FILE "
+                        "(.npz; the place command plans from it, benchmarks/bench_cache.py replays it)")
     d.add_argument("--quiet", action="store_true", help="no report, progress bars or info lines (warnings and errors "
                                                         "still print)")
 
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fabric_bench.add_parser(sub, _Help)
     plan_cmd.add_parser(sub, _Help)
+    place_cmd.add_parser(sub, _Help)
     return ap
 
 
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return _guard(lambda: _make(args))
     if args.cmd == "plan":
         return _guard(lambda: plan_cmd.plan(args))
+    if args.cmd == "place":
+        return _guard(lambda: place_cmd.place(args))
     if args.cmd == "static-fire":
         return _guard(lambda: static_fire(args, settings))
     if args.cmd == "fabric-bench":

@@ -43,6 +43,27 @@ class HostMoE:
     def reset(self) -> None:
         """Zero the per-step accounting (the engine reads it after each step)."""
         self.crc, self.rows_owned, self.rows_total, self.expert_bytes = 0, 0, 0, 0
+        self.marks = []  # per MoE layer: (before the experts, after them, after the exchange), timings() reads them
+
+    def _mark(self):
+        """A point in the step: on a CPU (wall clock, this process's CPU time); on a GPU an event on the stream (the
+        experts run asynchronously)."""
+        if self.engine.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter(), time.process_time()
+
+    def timings(self) -> tuple[float, float, float]:
+        """(seconds in this rank's experts, seconds in the exchange: copies, doorbells and waiting for the peers, CPU
+        seconds this process spent in its experts: NaN on a GPU) over the step's MoE layers; read after the step (on a
+        GPU its events have completed once the tokens were read). On a CPU shared by more ranks than cores the wall
+        time of the experts grows with the others' work, their CPU time does not."""
+        if self.engine.device.type == "cuda":
+            return (sum(a.elapsed_time(b) for a, b, _ in self.marks) / 1e3,
+                    sum(b.elapsed_time(c) for _, b, c in self.marks) / 1e3, float("nan"))
+        return (sum(b[0] - a[0] for a, b, _ in self.marks), sum(c[0] - b[0] for _, b, c in self.marks),
+                sum(b[1] - a[1] for a, b, _ in self.marks))
 
     def __call__(self, layer: int, x: torch.Tensor, L, shared=None, residual: torch.Tensor | None = None,
                  next_norm=None) -> torch.Tensor:
@@ -60,12 +81,15 @@ class HostMoE:
             plan.tokens, plan.by_token, plan.coef = (plan.tokens.to(x.device), plan.by_token.to(x.device),
                                                      plan.coef.to(x.device))
         lo, hi = plan.block(e.rank)
+        t0 = self._mark()
         block = store.compute(x, plan.tokens, plan.segments[e.rank], lo)
+        t1 = self._mark()
         e.seq += 1
         fault = e.settings.fault
         if fault and fault.rank == e.rank and fault.step == e.step:
             block = inject(fault.kind, e.rank, e.step, block)
         rows = e.fabric.exchange(e.seq, plan.offsets, block, layer, e.step).to(x.device)
+        self.marks.append((t0, t1, self._mark()))
         self.crc = ops.row_checksum(rows, self.crc)
         self.rows_owned += hi - lo
         self.rows_total += plan.rows

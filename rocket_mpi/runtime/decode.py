@@ -99,8 +99,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
         fabric_name = choose(fab.name, comm, args.device, settings.hostname)
     _collective(comm, args.startup_timeout, "fabric checks", lambda: fabric_precheck(fabric_name, args.device))
     cfg = reader.config
-    facts = {"version": __version__, "model_type": cfg.model_type,
-             "config": hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16],
+    facts = {"version": __version__, "model_type": cfg.model_type, "config": config_digest(cfg),
              "checkpoint fingerprint": _collective(comm, args.startup_timeout, "fingerprint", reader.fingerprint),
              "streams": sweep, "tokens": args.tokens, "threads": args.threads, "device": args.device,
              "fabric": fabric_name, "placement": placement.digest(), "decode path": want_path or args.decode_path,
@@ -145,9 +144,10 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
 
 def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
-    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else None
-    if rank == 0 and out_dir and not os.path.isdir(out_dir):  # before the run, not after it
-        raise RocketError(f"--out {args.out}: the folder {out_dir} does not exist")
+    for flag, path in (("--out", args.out), ("--telemetry", args.telemetry)):
+        out_dir = os.path.dirname(os.path.abspath(path)) if path else None
+        if rank == 0 and out_dir and not os.path.isdir(out_dir):  # before the run, not after it
+            raise RocketError(f"{flag} {path}: the folder {out_dir} does not exist")
     sweep = list(args.streams)
     b = boot(args, settings, comm, sweep)
     engine, reader, fabric_name, path, runs = b.engine, b.reader, b.fabric_name, b.path, b.runs
@@ -159,7 +159,8 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "h2d_gbps": measure_h2d_bandwidth(device),
             "expert_cache_plan": engine.cache_plan.as_dict(), "resident_gib": engine.resident_bytes() / 2**30,
             "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts(),
-            "stack_bytes": engine.stack_read_bytes()}
+            "stack_bytes": engine.stack_read_bytes(),
+            "expert_read_bytes": max((s.read_bytes_per_expert for s in engine.experts.values()), default=0)}
     base = Sampling(args.temperature, args.top_p, args.top_k, args.seed).check()
     stop, detok = b.stop, b.detok
     results = []
@@ -173,12 +174,15 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     summaries = [dict(r.summary(rank), expert_cache=r.expert_cache) for r in results]
     trace = engine.expert_cache.trace_array() if args.telemetry and engine.expert_cache else None
     crcs = [[f"{s.row_crc:08x}" for s in r.steps] for r in results]
+    steps = step_telemetry(results[-1]) if args.telemetry and results else None
     with watchdog(comm, args.startup_timeout, "gathering results"):
-        gathered = comm.gather((load, summaries, crcs), root=0) if comm else [(load, summaries, crcs)]
+        gathered = comm.gather((load, summaries, crcs, steps), root=0) if comm else [(load, summaries, crcs, steps)]
     if rank != 0:
         return 0
     if args.telemetry:
-        write_telemetry(args.telemetry, trace, cfg, [g[1][-1] for g in gathered], engine.placement)
+        write_telemetry(args.telemetry, trace, cfg, [g[1][-1] for g in gathered], engine.placement,
+                        [g[3] for g in gathered], model_identity(cfg, args.checkpoint),
+                        max(g[0]["expert_read_bytes"] for g in gathered), results[-1].path, args.device)
     tok = load_tokenizer(args.checkpoint)
     out_runs = []
     for i, r in enumerate(results):
@@ -231,12 +235,50 @@ def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:
             "split_ceiling": one / busiest if busiest else 0.0}
 
 
-def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement) -> None:
-    """--telemetry: the last run's routing ([steps, MoE layers, experts] rows, the same on every rank: rank 0's), the
-    placement's owners and each rank's expert-cache accounting, as one .npz."""
+TELEMETRY_FORMAT = "rocket_mpi telemetry"
+TELEMETRY_VERSION = 2
+
+
+def config_digest(cfg) -> str:
+    """A hash of the model's config: the handshake's, and the telemetry's model identity."""
+    return hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_identity(cfg, checkpoint: str) -> dict:
+    """What a telemetry file was recorded from: `place` refuses to plan another model from it."""
+    return {"model_type": cfg.model_type, "config": config_digest(cfg), "n_experts": cfg.n_routed_experts,
+            "top_k": cfg.num_experts_per_tok, "moe_layers": list(cfg.moe_layers), "checkpoint": checkpoint}
+
+
+def step_telemetry(result) -> np.ndarray:
+    """A rank's decode steps of one run as [steps, 5]: step seconds, seconds in its experts and in the exchange (NaN
+    where not timed: the fixed-shape step), rows it computed, CPU seconds in its experts (CPU ranks)."""
+    return np.array([(s.seconds, s.expert_seconds, s.wait_seconds, s.rows_owned, s.expert_cpu_seconds)
+                     for s in result.steps[1:]], dtype=np.float64).reshape(-1, 5)
+
+
+def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement, steps: list[np.ndarray], model: dict,
+                    expert_bytes: int, path_taken: str, device: str) -> None:
+    """--telemetry: the last run of the sweep as one .npz (fields in docs/DESIGN.md, Telemetry): its routing (rows per
+    decode step, MoE layer and expert: the same on every rank, rank 0's), the placement it ran with, per rank and step
+    the step, expert and exchange times and rows, each rank's expert-cache accounting, and the model's identity."""
     layers = list(cfg.moe_layers)
-    owners = np.stack([placement.owners[la].numpy() for la in layers]) if layers else np.zeros((0, 0))
-    np.savez_compressed(path, rows=trace, layers=np.array(layers), owners=owners,
+    n_moe, n_exp = len(layers), cfg.n_routed_experts
+    trace = np.zeros((0, n_moe, n_exp), dtype=np.int32) if trace is None else trace
+    n = min([trace.shape[0]] + [s.shape[0] for s in steps])   # a run that ended early: the steps both have
+    per_step = np.stack([s[:n] for s in steps], axis=1) if steps else np.zeros((n, 0, 5))  # [steps, ranks, 5]
+    raw = placement.to_json()
+    placed = {str(la): raw.get(str(la), raw.get("default")) for la in layers}   # every MoE layer spelt out
+    owners = np.array([[o if isinstance(o, int) else min(o) for o in placed[str(la)]] for la in layers],
+                      dtype=np.int64).reshape(n_moe, n_exp)
+    np.savez_compressed(path, format=np.array(TELEMETRY_FORMAT), version=np.array(TELEMETRY_VERSION),
+                        rows=trace[:n], layers=np.array(layers, dtype=np.int64), owners=owners,
+                        placement=np.array(json.dumps(placed)), ranks=np.array(len(steps)),
+                        step_s=per_step[:, :, 0], expert_s=per_step[:, :, 1], wait_s=per_step[:, :, 2],
+                        rows_owned=per_step[:, :, 3].astype(np.int64), expert_cpu_s=per_step[:, :, 4],
+                        expert_bytes=np.array(expert_bytes),
+                        streams=np.array(per_rank[0]["M"] if per_rank else 0), path=np.array(path_taken),
+                        device=np.array(device), model=np.array(json.dumps(model)),
                         per_rank=np.array(json.dumps(per_rank)))
 
 

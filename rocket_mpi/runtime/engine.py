@@ -65,6 +65,9 @@ class StepLog:
     bytes_sent: int
     row_crc: int
     weight_bytes: int = 0    # weights this rank read: the replicated stack + the experts it ran
+    expert_seconds: float = float("nan")  # in this rank's experts (host path; HostMoE.timings)
+    wait_seconds: float = float("nan")    # in the exchange: copies, doorbells, waiting for the peers (host path)
+    expert_cpu_seconds: float = float("nan")  # this process's CPU time in its experts (CPU ranks, host path)
 
 
 @dataclass
@@ -96,8 +99,16 @@ class RunResult:
                 "rows_per_step": sum(s.rows_owned for s in t) / n,
                 "rows_total_per_step": sum(s.rows_total for s in t) / n,
                 "weight_bytes_per_step": sum(s.weight_bytes for s in t) / n, "path": self.path,
+                "expert_ms": _ms(s.expert_seconds for s in t), "wait_ms": _ms(s.wait_seconds for s in t),
+                "expert_cpu_ms": _ms(s.expert_cpu_seconds for s in t),
                 "prefill_s": self.steps[0].seconds if self.steps else 0.0,
                 "decode_steps": len(self.steps[1:]), "decode_s": sum(s.seconds for s in self.steps[1:])}
+
+
+def _ms(seconds) -> float | None:
+    """Mean milliseconds, None where not measured (the fixed-shape step times no part of itself)."""
+    v = [1e3 * x for x in seconds if x == x]
+    return sum(v) / len(v) if v else None
 
 
 def _libc():
@@ -362,7 +373,8 @@ class Engine:
                 dt = time.perf_counter() - t0
                 mo = self.moe
                 log = StepLog(dt, self.fabric.stats.seconds - f0, mo.rows_owned, mo.rows_total,
-                              self.fabric.stats.bytes_sent - b0, int(mo.crc), mo.expert_bytes + self.stack_read_bytes())
+                              self.fabric.stats.bytes_sent - b0, int(mo.crc), mo.expert_bytes + self.stack_read_bytes(),
+                              *mo.timings())
                 if xc is not None:  # the prefill's firings score the experts; the accounting counts decode steps
                     xc.maintain(1, account=step > 0)
             for s, t in enumerate(chosen):

@@ -290,9 +290,13 @@ class Glm4MoeModel:
                     outs.append(self.decode_attention(q[off:off + 1], kc, vc, at[1:], p0 + 1, at[:1]))
                     off += n
                     continue
+                # on a GPU the stream's keys and values in a tensor of their own: cuBLAS sees heads p0 + n positions
+                # apart (the stream's own length), not the cache's capacity (set by the longest stream of the run)
+                ksrc, vsrc = ((kc[s:s + 1, :, :p0 + n].contiguous(), vc[s:s + 1, :, :p0 + n].contiguous()) if fused
+                              else (kc[s:s + 1], vc[s:s + 1]))
                 for r0, r1 in prefill_blocks(n, q.shape[1] * (p0 + n)):  # rows r0..r1 - 1 see keys < p0 + r1
                     qs = q[off + r0:off + r1].transpose(0, 1)[None]       # [1, heads, rows, d]
-                    ks, vs = kc[s:s + 1, :, :p0 + r1], vc[s:s + 1, :, :p0 + r1]
+                    ks, vs = ksrc[:, :, :p0 + r1], vsrc[:, :, :p0 + r1]
                     keys = torch.arange(p0 + r1, device=h.device)
                     seen = torch.arange(p0 + r0, p0 + r1, device=h.device)
                     hide = keys[None, :] > seen[:, None]      # built where it is used: no host copy per block

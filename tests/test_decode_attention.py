@@ -1,7 +1,9 @@
 """GLM-4.x decode attention in fixed chunks of positions (ops.decode_attention, csrc/decode_attention.cu).
 
 CPU tests (always run): the torch reference, decode_attention_ref, against plain softmax attention in float64 (one
-chunk and several), its edges (no position, a span shorter than the cache, rows of other cache rows).
+chunk and several), its edges (no position, a span shorter than the cache, rows of other cache rows); a lane-level
+emulation of the kernel's index arithmetic (its loads, the mma and ldmatrix fragments of common.cuh and the PTX
+ISA, the warps' and chunks' partials) in float64, against the same attention.
 GPU tests (skip, saying why, without a GPU or the extension):
   - the kernel against the reference within a bf16 rounding, for head dims 16-128, 1-20 query heads per kv head
     (two head tiles past 16), one chunk and several;
@@ -11,6 +13,7 @@ GPU tests (skip, saying why, without a GPU or the extension):
   - captured in a CUDA graph with the positions on the device, replays as it runs eagerly;
   - bad shapes are one error naming the op.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +68,126 @@ def test_reference_edges():
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[2], torch.zeros_like(out[2]))
     want = ops.decode_attention_ref(q[:1], kc[4:5], vc[4:5], torch.tensor([19]), 0.25)
     assert torch.equal(out[:1], want)
+
+
+# ---- the kernel's index arithmetic, lane by lane (csrc/decode_attention.cu; float64, no rounding)
+WARPS, SEG, HEADS = 8, 32, 16
+
+
+def _mma(c, a, b0, b1):
+    """c[lane] (4) += A B, A (16x16) and B (16x8) put together from the lanes' registers (pairs of values) as
+    common.cuh's mma_bf16_16816 lays them out."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for reg, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            A[row, col:col + 2] = a[lane][reg]
+        B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g] = b0[lane], b1[lane]
+    C = A @ B
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        c[lane] += (C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1])
+
+
+def _ldmatrix_x4_trans(rows):
+    """ldmatrix .x4 .trans: rows[lane] the 8 values at lane's row address (matrix lane // 8); lane (g, t) receives
+    elements [2t][g] and [2t + 1][g] of each matrix."""
+    mats = [np.array(rows[8 * i:8 * i + 8]) for i in range(4)]
+    return [[(m[2 * (lane & 3), lane >> 2], m[2 * (lane & 3) + 1, lane >> 2]) for m in mats] for lane in range(32)]
+
+
+def _emulated_chunk(q, K, V, n, c, h0, scale):
+    """One block of the chunk kernel: (max, sum, o) per head of the tile, from its lanes' registers."""
+    d, grp = q.shape[1], q.shape[0]
+    sl = 32 if d >= 32 else 16
+    words = sl // 8
+    gt = min(HEADS, grp - h0)
+    c0 = c * CHUNK
+    cnt = min(CHUNK, n - c0)
+    zero = np.zeros(d)
+
+    def run(vec, off):
+        return [tuple(vec[off + 2 * k:off + 2 * k + 2]) for k in range(words)]
+
+    red_m, red_l, red_o = np.full((WARPS, 16), -np.inf), np.zeros((WARPS, 16)), np.zeros((WARPS, 16, d))
+    part = []
+    for w in range(WARPS):
+        vw = max(0, min(SEG, cnt - w * SEG))
+        base = c0 + w * SEG
+        s = np.zeros((SEG // 8, 32, 4))
+        if vw:
+            qa = [[run(q[h0 + (ln >> 2)] if (ln >> 2) < gt else zero, u * sl + (ln & 3) * (sl // 4))
+                   for u in range(d // sl)] for ln in range(32)]
+            qb = [[run(q[h0 + (ln >> 2) + 8] if (ln >> 2) + 8 < gt else zero, u * sl + (ln & 3) * (sl // 4))
+                   for u in range(d // sl)] for ln in range(32)]
+            for nt in range(SEG // 8):
+                kw = [[run(K[base + 8 * nt + (ln >> 2)] if 8 * nt + (ln >> 2) < vw else zero,
+                           u * sl + (ln & 3) * (sl // 4)) for u in range(d // sl)] for ln in range(32)]
+                for u in range(d // sl):
+                    for i in range(words // 2):
+                        a = [(qa[ln][u][2 * i], qb[ln][u][2 * i], qa[ln][u][2 * i + 1], qb[ln][u][2 * i + 1])
+                             for ln in range(32)]
+                        _mma(s[nt], a, [kw[ln][u][2 * i] for ln in range(32)],
+                             [kw[ln][u][2 * i + 1] for ln in range(32)])
+        for ln in range(32):
+            g, t = ln >> 2, ln & 3
+            for nt in range(SEG // 8):
+                for e in range(2):
+                    ok = 8 * nt + 2 * t + e < vw
+                    for col in (e, 2 + e):
+                        s[nt, ln, col] = s[nt, ln, col] * scale if ok else -np.inf
+            red_m[w, g] = max(red_m[w, g], s[:, ln, :2].max())
+            red_m[w, g + 8] = max(red_m[w, g + 8], s[:, ln, 2:].max())
+        part.append((s, vw, base))
+    mx = red_m.max(axis=0)
+    g = np.arange(32) >> 2
+    row_max = np.stack([mx[g], mx[g], mx[g + 8], mx[g + 8]], axis=-1)   # [lane, register]: heads g, g, g + 8, g + 8
+    vs = np.zeros((CHUNK, d))
+    for w, (s, vw, base) in enumerate(part):
+        vs[w * SEG:w * SEG + vw] = V[base:base + vw]
+        p = np.where(np.isinf(s), 0.0, np.exp(s - row_max))
+        for ln in range(32):
+            red_l[w, ln >> 2] += p[:, ln, :2].sum()
+            red_l[w, (ln >> 2) + 8] += p[:, ln, 2:].sum()
+        if not vw:
+            continue
+        o = np.zeros((d // 8, 32, 4))
+        for ks in range(SEG // 16):
+            a = [(tuple(p[2 * ks, ln, :2]), tuple(p[2 * ks, ln, 2:]), tuple(p[2 * ks + 1, ln, :2]),
+                  tuple(p[2 * ks + 1, ln, 2:])) for ln in range(32)]
+            for dp in range(d // 16):
+                rows = [vs[w * SEG + 16 * ks + (ln & 7) + 8 * ((ln >> 3) & 1), 8 * (ln >> 4) + 16 * dp:][:8]
+                        for ln in range(32)]
+                b = _ldmatrix_x4_trans(rows)
+                _mma(o[2 * dp], a, [x[0] for x in b], [x[1] for x in b])
+                _mma(o[2 * dp + 1], a, [x[2] for x in b], [x[3] for x in b])
+        for ln in range(32):
+            g, t = ln >> 2, ln & 3
+            for dt in range(d // 8):
+                red_o[w, g, 8 * dt + 2 * t:8 * dt + 2 * t + 2] = o[dt, ln, :2]
+                red_o[w, g + 8, 8 * dt + 2 * t:8 * dt + 2 * t + 2] = o[dt, ln, 2:]
+    nw = -(-cnt // SEG)
+    return mx[:gt], red_l[:nw].sum(axis=0)[:gt], red_o[:nw].sum(axis=0)[:gt]
+
+
+@pytest.mark.parametrize("d,grp,n", [(16, 2, 7), (32, 12, 40), (32, 20, 300), (128, 12, 33)])
+def test_lane_emulation_is_attention(d, grp, n):
+    """The kernel's arithmetic, lane by lane, without its roundings: float64 softmax attention to 1e-12 (keys and
+    values past n are NaN: never read), over the chunks and head tiles the launch has."""
+    rng = np.random.default_rng(n)
+    q, K, V = rng.standard_normal((grp, d)), rng.standard_normal((n + 40, d)), rng.standard_normal((n + 40, d))
+    K[n:], V[n:] = np.nan, np.nan
+    scale = d ** -0.5
+    for h0 in range(0, grp, HEADS):
+        parts = [_emulated_chunk(q, K, V, n, c, h0, scale) for c in range(-(-n // CHUNK))]
+        top = np.max([m for m, _, _ in parts], axis=0)
+        total = sum(lc * np.exp(m - top) for m, lc, _ in parts)
+        out = sum(oc * np.exp(m - top)[:, None] for m, _, oc in parts) / total[:, None]
+        qt = q[h0:h0 + HEADS]
+        sc = qt @ K[:n].T * scale
+        p = np.exp(sc - sc.max(axis=1, keepdims=True))
+        want = (p / p.sum(axis=1, keepdims=True)) @ V[:n]
+        assert np.abs(out - want).max() < 1e-12, (d, grp, n, h0)
 
 
 # ---- GPU

@@ -12,8 +12,13 @@ Each variant is NAME[:KEY=VALUE[,KEY=VALUE...]], set in code for its runs (and u
     mlp_pdl       swiglu_dense's pdl (the dense MLPs and shared experts in the kernel's BF16 tiles)
     linear_split  ops.linear's split (0: by shape, or 1, 2, 4, 8 K slices)
     mlp_split     swiglu_dense's split
+    old_attention =1: GLM-4.x decode attention as before ops.decode_attention (two matmuls over the span around
+                  ops.decode_softmax; not batch-invariant: cuBLAS picks its sums by the span and the streams)
+    old_head      =1: GLM-4.x lm_head in cuBLAS (F.linear) instead of its packed copy
+    old_stack     =1: GLM-4.x steps of more than 16 rows through cuBLAS instead of the packed linears
 
-A bare NAME runs the defaults (e.g. `main`). The launch arguments (the *_pdl and *_split keys) are forced on the
+A bare NAME runs the defaults (e.g. `main`); `old:old_attention=1,old_head=1,old_stack=1` is the GLM-4.x step before
+it was batch-invariant. The launch arguments (the *_pdl and *_split keys) are forced on the
 extension's entry points while a variant runs, since the engine passes none. Per round and M, every variant decodes
 the same prompts on the graphed path (a fresh capture), in an order rotated from round to round; the timed steps are
 the replays after the capture (host-timed steps, as `rocket_mpi decode` times them). Separate processes differ from
@@ -26,10 +31,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import statistics
+import types
 from contextlib import contextmanager
 
+import torch
+import torch.nn.functional as F
+
 from rocket_mpi import ops
+from rocket_mpi.model import glm4_moe
 from rocket_mpi.checkpoint.synthetic import SyntheticReader
 from rocket_mpi.runtime.decode import measure_copy_bandwidth, pick_device
 from rocket_mpi.runtime.engine import Engine
@@ -39,7 +50,9 @@ PDL = (-1, 0, 3)
 SPLIT = (0, 1, 2, 4, 8)
 # key -> (allowed values or None for any positive / non-negative int, minimum)
 KNOBS = {"steps_ahead": (None, 0), "graph_spans": (None, 1), "experts_pdl": (PDL, None), "mlp_pdl": (PDL, None),
-         "linear_split": (SPLIT, None), "mlp_split": (SPLIT, None)}
+         "linear_split": (SPLIT, None), "mlp_split": (SPLIT, None), "old_attention": ((0, 1), None),
+         "old_head": ((0, 1), None), "old_stack": ((0, 1), None)}
+GLM4_ONLY = ("old_attention", "old_head", "old_stack")
 # the extension's entry points each launch-argument key is forced on: (function, its keyword)
 FORCED = {"experts_pdl": (("nvfp4_experts", "pdl"), ("nvfp4_experts_into", "pdl")),
           "mlp_pdl": (("swiglu_dense", "pdl"),),
@@ -66,6 +79,32 @@ def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
     return name, knobs
 
 
+def matmul_attention(model, q, kc, vc, pos, span, rows):
+    """Glm4MoeModel.decode_attention as it was before ops.decode_attention: q [M, hq, d] against the span's keys in a
+    batched matmul (bf16 scores), ops.decode_softmax (scale, keys past pos hidden, fp32 softmax, bf16), then the
+    probabilities times the values in a second matmul -> [M, hq * d]."""
+    keys, vals = (kc[rows], vc[rows]) if rows is not None else (kc, vc)
+    keys, vals = keys[:, :, :span], vals[:, :, :span]
+    m, hq, d = q.shape
+    hkv = keys.shape[1]
+    scores = torch.matmul(q.reshape(m, hkv, hq // hkv, d), keys.transpose(-1, -2)).view(m, hq, 1, -1)
+    probs = ops.decode_softmax(scores, pos, model.scale)
+    return torch.matmul(probs.view(m, hkv, hq // hkv, -1), vals).reshape(m, -1)
+
+
+def cublas_above_16(fn, packed: str):
+    """layers.stack_linears / stack_mlp as glm4_moe took them before: a step of more than 16 rows (not a prefill's
+    row groups) on the dense weights (cuBLAS), its packed copy (the argument `packed`) left out."""
+    sig = inspect.signature(fn)
+
+    def call(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        if bound.arguments.get("rows") is None and bound.arguments["x"].shape[0] > ops.STACK_KERNEL_MAX_ROWS:
+            bound.arguments[packed] = None
+        return fn(*bound.args, **bound.kwargs)
+    return call
+
+
 def forcing(fn, kw: dict[str, int]):
     """fn with the keywords `kw` on every call, whatever the caller passes for them."""
     def call(*args, **kwargs):
@@ -84,6 +123,20 @@ def applied(eng: Engine, knobs: dict[str, int]):
         if "graph_spans" in knobs:  # read when the step is built (GraphStep), so a fresh run takes it
             undo.append((setattr, eng, "settings", eng.settings))
             eng.settings = dataclasses.replace(eng.settings, graph_span_min=knobs["graph_spans"])
+        if any(knobs.get(k) for k in GLM4_ONLY):
+            model = eng.model
+            if not isinstance(model, glm4_moe.Glm4MoeModel):
+                raise SystemExit(f"{', '.join(GLM4_ONLY)}: GLM-4.x (glm4_moe) only, not {eng.cfg.model_type}")
+            if knobs.get("old_attention"):
+                undo.append((delattr, model, "decode_attention"))
+                model.decode_attention = types.MethodType(matmul_attention, model)
+            if knobs.get("old_head"):
+                undo.append((delattr, model, "head"))
+                model.head = lambda h: F.linear(h, model.lm_head)
+            if knobs.get("old_stack"):
+                for name, packed in (("stack_linears", "packs"), ("stack_mlp", "packed")):
+                    undo.append((setattr, glm4_moe, name, getattr(glm4_moe, name)))
+                    setattr(glm4_moe, name, cublas_above_16(getattr(glm4_moe, name), packed))
         per_fn: dict[str, dict[str, int]] = {}
         for key, targets in FORCED.items():
             if key in knobs:

@@ -6,11 +6,11 @@
 `benchmarks/ab_decode.py` times the steady replays of short runs; this times what a user's long run costs end to end:
 every decode step, the steps that run eagerly and capture a graph where the step's span grows (graph.span_for),
 and the decode seconds in all. Variants are NAME[:KEY=VALUE,...] as in ab_decode (steps_ahead, graph_spans,
-experts_pdl, mlp_pdl, linear_split, mlp_split; a bare NAME: the defaults), run round after round in a rotated order
-(a long run heats the GPU: the variant run second would pay for it). Prints per M and variant: the decode seconds of
-each round (steps 1..n-1), the median ms per step over the same windows of steps for every variant (1-255, 256-511,
-...: the positions grow with the step), the spans taken, and the ms of the steps that ran eagerly or captured (the
-first two of each span, summed, mean over rounds).
+experts_pdl, mlp_pdl, linear_split, mlp_split, old_attention, old_head, old_stack; a bare NAME: the defaults), run
+round after round in a rotated order (a long run heats the GPU: the variant run second would pay for it). Prints per
+M and variant: the decode seconds of each round (steps 1..n-1), the median ms per step over the same windows of
+steps for every variant (1-255, 256-511, ...: the positions grow with the step), the spans taken, and the ms of the
+steps that ran eagerly or captured (the first two of each span, summed, mean over rounds).
 """
 from __future__ import annotations
 

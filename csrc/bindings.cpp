@@ -893,6 +893,63 @@ torch::Tensor decode_softmax(const torch::Tensor& scores, const torch::Tensor& p
   return probs;
 }
 
+// GLM-4.x decode attention, batch-invariant (decode_attention.cu): q [rows, hq, d] bf16 over the caches
+// [streams, hkv, cap, d] bf16 at positions 0..pos[r] (at most span) of cache row index[r] (row r where index is None)
+// -> [rows, hq, d] bf16; the combine's scratch allocated here where the span takes two chunks or more.
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                               const torch::Tensor& pos, const std::optional<torch::Tensor>& index, double scale,
+                               int64_t span) {
+  const c10::Device dev = q.device();
+  expect(q, "q", torch::kBFloat16, 3, dev, 16);
+  expect(kc, "kc", torch::kBFloat16, 4, dev, 16);
+  expect(vc, "vc", torch::kBFloat16, 4, dev, 16);
+  expect(pos, "pos", torch::kLong, 1, dev, 8);
+  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t streams = kc.size(0), hkv = kc.size(1), cap = kc.size(2);
+  ROCKET_CHECK(kc.size(3) == d && vc.sizes() == kc.sizes() && pos.numel() == rows,
+               "decode_attention: q " << q.sizes() << ", caches " << kc.sizes() << " and " << vc.sizes() << ", pos "
+               << pos.sizes());
+  ROCKET_CHECK(hq < INT_MAX && cap < INT_MAX && rocket::decode_attention_takes(int(hq), int(hkv), int(d)),
+               "decode_attention: " << hq << " query heads over " << hkv << " kv heads, head dim " << d
+               << " (kv heads divide the query heads; head dim 16, 32, 64 or 128)");
+  ROCKET_CHECK(span >= 1 && span <= cap && rows <= 65535, "decode_attention: span " << span << " of " << cap
+               << " cache positions, " << rows << " rows (at most 65535)");
+  if (index) {
+    expect(*index, "index", torch::kLong, 1, dev, 8);
+    ROCKET_CHECK(index->numel() == rows, "decode_attention: index " << index->sizes() << " for " << rows << " rows");
+  } else {
+    ROCKET_CHECK(rows <= streams, "decode_attention: " << rows << " rows over caches of " << streams << " streams");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  const int chunks = rocket::decode_attention_chunks(static_cast<int>(span));
+  auto out = torch::empty({rows, hq, d}, q.options());
+  torch::Tensor part_o, part_ml;
+  if (chunks >= 2) {
+    part_o = torch::empty({rows, hq, chunks, d}, q.options().dtype(torch::kFloat));
+    part_ml = torch::empty({rows, hq, chunks, 2}, q.options().dtype(torch::kFloat));
+  }
+  rocket::DecodeAttention a{};
+  a.q = q.data_ptr();
+  a.kc = kc.data_ptr();
+  a.vc = vc.data_ptr();
+  a.pos = pos.data_ptr<int64_t>();
+  a.index = index ? index->data_ptr<int64_t>() : nullptr;
+  a.cache_rows = streams;
+  a.rows = static_cast<int>(rows);
+  a.hq = static_cast<int>(hq);
+  a.hkv = static_cast<int>(hkv);
+  a.cap = static_cast<int>(cap);
+  a.d = static_cast<int>(d);
+  a.span = static_cast<int>(span);
+  a.chunks = chunks;
+  a.scale = static_cast<float>(scale);
+  a.part_o = chunks >= 2 ? part_o.data_ptr<float>() : nullptr;
+  a.part_ml = chunks >= 2 ? part_ml.data_ptr<float>() : nullptr;
+  a.out = out.data_ptr();
+  rocket::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -957,4 +1014,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residuals") = std::vector<torch::Tensor>{}, py::arg("norm_w") = py::none(), py::arg("eps") = 0.0);
   m.def("router_logits", &router_logits, "router logits as partial sums over slices of hidden [S, T, E], fp32");
   m.def("moe_route", &moe_route, "sigmoid router: group-limited top-k and normalised weights, one warp per token");
+  m.def("decode_attention", &decode_attention, "GLM-4.x decode attention of one query per stream over its cache rows "
+        "0..pos, in fixed chunks of positions: batch-invariant", py::arg("q"), py::arg("kc"), py::arg("vc"),
+        py::arg("pos"), py::arg("index"), py::arg("scale"), py::arg("span"));
 }

@@ -264,6 +264,29 @@ void launch_decode_softmax(const void* scores, const int64_t* pos, int streams, 
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,
                       int cap, int d, cudaStream_t stream);
 
+// ---- GLM-4.x decode attention, batch-invariant (decode_attention.cu; the reference: rocket_mpi/ops/attention.py) ----
+// Row r's query heads [hq, d] over its cache row's positions 0..pos[r] (at most span), split into chunks of
+// kDecodeAttentionChunk positions from position 0: every sum's order is set by the row's own length.
+constexpr int kDecodeAttentionChunk = 256;
+struct DecodeAttention {
+  const void* q;                     // [rows, hq, d] bf16
+  const void* kc;                    // [cache_rows, hkv, cap, d] bf16: one layer's keys
+  const void* vc;                    // [cache_rows, hkv, cap, d] bf16: its values
+  const int64_t* pos;                // [rows]: the last position row r sees
+  const int64_t* index;              // [rows]: row r's cache row; null: row r is cache row r
+  int64_t cache_rows;
+  int rows, hq, hkv, cap, d;
+  int span;                          // positions the launch may read, 1..cap (a row sees at most these)
+  int chunks;                        // decode_attention_chunks(span): the grid's chunks, the scratch's
+  float scale;
+  float* part_o;                     // [rows, hq, chunks, d] fp32 scratch, where chunks >= 2
+  float* part_ml;                    // [rows, hq, chunks, 2] fp32 scratch (max, sum), where chunks >= 2
+  void* out;                         // [rows, hq, d] bf16
+};
+int decode_attention_chunks(int span);
+bool decode_attention_takes(int hq, int hkv, int d);  // the head dims and groupings the kernel has
+void launch_decode_attention(const DecodeAttention& a, cudaStream_t stream);
+
 // ---- GLM-5.3-Flash hyper-connections (hc.cu; rocket_mpi/model/glm5_next_hc.py is the reference) ----
 constexpr int kHcMaxStreams = 4;     // hc_mult
 struct HcPre {

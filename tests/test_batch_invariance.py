@@ -13,15 +13,19 @@ heads seldom score a pool exactly 0; the two-head variant (several pools, two of
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from helpers import gpu
+from rocket_mpi import ops
 from rocket_mpi.checkpoint import make, make_glm5
 from rocket_mpi.checkpoint.synthetic import SyntheticReader
 from rocket_mpi.ops import select, topk_first
 from rocket_mpi.runtime.engine import Engine
 from rocket_mpi.runtime.prompts import default_prompts
+from rocket_mpi.runtime.sampling import Sampling, Stop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +76,6 @@ def test_every_stream_alone_equals_batched_and_ended_streams_change_nothing(monk
     in the batch, and the same when other streams of the batch end early (an end-of-text id: they leave the
     forwards, and the decode steps run over fewer rows). Beyond the top-k ties this checks the CPU GEMMs' row
     and column classes (model/layers.py linear_rows, matmul_fp32) and the decode step of a subset of streams."""
-    from rocket_mpi.runtime.sampling import Stop
     preset, cfg, *_ = CASES[case]
     e = _engine(monkeypatch, preset, cfg)
     p = default_prompts(6, e.cfg.vocab_size)
@@ -90,6 +93,42 @@ def test_every_stream_alone_equals_batched_and_ended_streams_change_nothing(monk
         assert not differ, f"{case}: stream {s} alone vs batched differs at steps {differ}"
         differ = [t for t in range(len(stopped.tokens[s])) if not torch.equal(alone[t], ended[t][s])]
         assert not differ, f"{case}: stream {s} alone vs beside streams that ended differs at steps {differ}"
+
+
+def glm4_prompts(m: int, vocab: int) -> list[list[int]]:
+    """default_prompts(m) but for stream 1 of 300 tokens (its decode attention over two chunks of positions),
+    stream 3 of one token (its prefill is a decode step's attention) and stream 5 of 40 (its prefill rows in
+    GEMMs of their own beside the short prompts' packed rows, on a GPU)."""
+    p = default_prompts(m, vocab)
+    p[1], p[3], p[5] = (p[1] * 40)[:300], p[3][:1], (p[5] * 7)[:40]
+    return p
+
+
+def test_glm4_moe_gpu_branches_on_the_cpu(monkeypatch, one_thread):
+    """glm4_moe's forward as it runs on a GPU (norms in the per-row kernel, decode steps and one-token prompts in
+    ops.decode_attention over the streams that go on), on the CPU with the torch references in the kernels'
+    place: each stream alone gets its batched logits, bitwise, beside streams that end early too (the decode
+    attention then reads a subset of the cache's rows)."""
+    e = _engine(monkeypatch, "tiny", None)
+    monkeypatch.setattr(ops, "on_gpu", lambda device: True)       # after the engine: its MoE stays on the CPU's
+    monkeypatch.setattr(ops, "rms_norm", ops.rms_norm_ref)
+    calls = []
+    monkeypatch.setattr(ops, "decode_attention", lambda *a, **k: calls.append(a[0].shape[0]) or
+                        ops.decode_attention_ref(*a, **k))
+    p = glm4_prompts(6, e.cfg.vocab_size)
+    n = 6
+    batch, ended = [], []
+    free = e.generate(p, n, on_step=lambda step, lg: batch.append(lg.clone()))
+    assert len(calls) == e.cfg.num_hidden_layers * n, calls                 # one prefill (the 1-token prompt), 5 steps
+    stopped = e.generate(p, n, on_step=lambda step, lg: ended.append(lg.clone()), stop=Stop(eos=(free.tokens[0][1],)))
+    assert len(stopped.tokens[0]) < n and any(len(t) == n for t in stopped.tokens)
+    for s in range(len(p)):
+        alone = []
+        e.generate([p[s]], n, on_step=lambda step, lg: alone.append(lg[0].clone()))
+        differ = [t for t in range(n) if not torch.equal(alone[t], batch[t][s])]
+        assert not differ, f"stream {s} alone vs batched differs at steps {differ}"
+        differ = [t for t in range(len(stopped.tokens[s])) if not torch.equal(alone[t], ended[t][s])]
+        assert not differ, f"stream {s} alone vs beside streams that ended differs at steps {differ}"
 
 
 @pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[0] != "tiny" and v[0] != "default"])
@@ -164,7 +203,6 @@ def test_gpu_every_stream_alone_equals_batched(preset, path):
     """On a GPU, host path and graphed step: each of 6 streams (one 12x longer) alone gets the tokens it gets in
     the batch, greedy and sampled (the graphed step attends over a span set by the longest stream: this is where a
     span-dependent sum would show)."""
-    from rocket_mpi.runtime.sampling import Sampling
     ckpt = f"preset:{preset}:nvfp4"
     e = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
     assert e.set_decode_path(path, "local") == path
@@ -177,3 +215,31 @@ def test_gpu_every_stream_alone_equals_batched(preset, path):
     for s in range(6):
         assert e.generate([p[s]], n).tokens[0] == greedy.tokens[s], f"{preset} {path}: stream {s} greedy"
         assert e.generate([p[s]], n, sampling=[sp[s]]).tokens[0] == sampled.tokens[s], f"{preset} {path}: stream {s}"
+
+
+@gpu
+@pytest.mark.parametrize("preset", ["default", "tiny"])
+@pytest.mark.parametrize("path", ["host", "graph"])
+def test_gpu_glm4_moe_logits_alone_equal_batched(preset, path):
+    """glm4_moe on a GPU: a stream's logits alone equal its logits in a batch of 18 streams, bitwise at every step,
+    greedy and sampled, on the host path and the graphed step, whose spans start at 16 (so a run crosses several).
+    18 streams is past ops.STACK_KERNEL_MAX_ROWS (every decode row through the packed linears); the batch holds a
+    300-token prompt (two chunks of decode attention), a one-token one and a 40-token one (glm4_prompts)."""
+    ckpt = f"preset:{preset}:nvfp4"
+    e = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
+    e.settings = dataclasses.replace(e.settings, graph_span_min=16)
+    assert e.set_decode_path(path, "local") == path
+    p = glm4_prompts(18, e.cfg.vocab_size)
+    n = 10
+    for sampling in (None, [Sampling(temperature=0.9, top_p=0.95, seed=40 + s) for s in range(len(p))]):
+        batch = []
+        res = e.generate(p, n, on_step=lambda step, lg: batch.append(lg.clone()), sampling=sampling)
+        assert res.path == path and not res.note, res.note
+        for s in (0, 1, 3, 5, 17):
+            alone = []
+            one = e.generate([p[s]], n, on_step=lambda step, lg: alone.append(lg[0].clone()),
+                             sampling=None if sampling is None else [sampling[s]])
+            differ = [t for t in range(n) if not torch.equal(alone[t], batch[t][s])]
+            what = "greedy" if sampling is None else "sampled"
+            assert not differ, f"{preset} {path} {what}: stream {s} alone vs in 18: logits differ at steps {differ}"
+            assert one.tokens[0] == res.tokens[s], f"{preset} {path} {what}: stream {s}"

@@ -183,17 +183,36 @@ def _count_calls(monkeypatch) -> dict:
 
 
 def test_stack_rows_pick_the_path(tiny_ckpt, one_thread, monkeypatch):
-    """Steps of at most STACK_KERNEL_MAX_ROWS rows take the packed copies (every layer's q/k/v and o, its dense
-    MLP or shared expert), larger steps the dense weights: counted calls, 3 layers."""
+    """A stream of at most STACK_KERNEL_MAX_ROWS rows in a forward takes the packed copies (every layer's q/k/v and
+    o, its dense MLP or shared expert), a longer one the dense weights; lm_head always its packed copy. Counted
+    calls and their rows, 3 layers: one stream of 16 and of 17 rows; a decode step of 20 streams (every row packed,
+    one launch each); a prefill of 20, 3 and 2 rows (the 5 short rows in one launch each), whose logits match the
+    unpacked model's (the rows put back in order)."""
     model = Glm4MoeModel.load(CheckpointReader(tiny_ckpt))
+    ref = Glm4MoeModel.load(CheckpointReader(tiny_ckpt))
     model.pack_stack()
-    calls = _count_calls(monkeypatch)
+    rows_seen = {"linear": [], "swiglu_dense": []}
+    for name, seen in rows_seen.items():
+        def counted(x, *a, _fn=getattr(ops, name), _seen=seen, **k):
+            _seen.append(x.shape[0])
+            return _fn(x, *a, **k)
+        monkeypatch.setattr(ops, name, counted)
     moe = lambda i, h, L: torch.zeros_like(h)  # noqa: E731
-    rows = ops.STACK_KERNEL_MAX_ROWS
-    for n, used in ((rows, True), (rows + 1, False)):
-        calls.update(linear=0, swiglu_dense=0)
+    limit = ops.STACK_KERNEL_MAX_ROWS
+    for n, used in ((limit, True), (limit + 1, False)):
         model.forward(torch.arange(n) + 1, model.new_cache(1, n + 1), [n], moe)
-        assert calls == ({"linear": 6, "swiglu_dense": 3} if used else {"linear": 0, "swiglu_dense": 0}), (n, calls)
+        want = {"linear": [n] * 6 + [1], "swiglu_dense": [n] * 3} if used else {"linear": [1], "swiglu_dense": []}
+        assert rows_seen == want, (n, rows_seen)
+        rows_seen["linear"].clear(), rows_seen["swiglu_dense"].clear()
+    model.forward(torch.arange(20) + 1, model.new_cache(20, 4), [1] * 20, moe)
+    assert rows_seen == {"linear": [20] * 7, "swiglu_dense": [20] * 3}, rows_seen
+    rows_seen["linear"].clear(), rows_seen["swiglu_dense"].clear()
+    lens = [20, 3, 2]
+    tokens = torch.randint(1, model.cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(5))
+    got = model.forward(tokens, model.new_cache(3, 32), lens, moe)
+    assert rows_seen == {"linear": [5] * 6 + [3], "swiglu_dense": [5] * 3}, rows_seen
+    want = ref.forward(tokens, ref.new_cache(3, 32), lens, moe)
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max()), "a row's output went to another row"
 
 
 # ---- GPU (skipped, with the reason printed, where there is no CUDA device or no extension)
@@ -316,7 +335,7 @@ def test_gpu_packed_stack_logits_close(tiny_ckpt, monkeypatch):
     out = _logits(model, [3, 17, 255, 4], "cuda")
     err = float((out - ref).abs().max() / ref.abs().max())
     assert err < 0.02, f"packed stack logits rel err {err:.2e} against cuBLAS"
-    assert calls["linear"] == 3 * 2 * 3 and calls["swiglu_dense"] == 3 * 3, calls
+    assert calls["linear"] == 3 * (2 * 3 + 1) and calls["swiglu_dense"] == 3 * 3, calls  # + lm_head per forward
 
 
 @gpu

@@ -17,9 +17,9 @@ from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, mlp_forward, move_stack,
-                                     norm_of, pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled,
-                                     unique_nbytes)
+from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, move_stack, norm_of, pack_linears,
+                                     pack_mlps, prefill_blocks, stack_kernel_enabled, stack_linears, stack_mlp,
+                                     stack_rows, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -60,6 +60,7 @@ class Glm4MoeModel:
         self.lm_head = lm_head      # [V, H]
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, DT)
         self.scale = cfg.head_dim ** -0.5
+        self.head_packed = None     # pack_stack: lm_head in BF16 tiles (head)
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -109,16 +110,20 @@ class Glm4MoeModel:
         return self
 
     def pack_stack(self) -> None:
-        """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs also in BF16 tiles (ops/stack.py), which
-        steps of at most ops.STACK_KERNEL_MAX_ROWS rows take; the dense weights stay for larger steps and
-        prefill, where cuBLAS is faster. On the CPU the packed forms run torch's
-        own ops on the unpacked weights, so the logits are the same bits (the tests' check of this glue)."""
+        """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs, and lm_head, also in BF16 tiles (ops/stack.py),
+        which every decode step takes, and a prefill's streams of at most ops.STACK_KERNEL_MAX_ROWS rows
+        (layers.stack_rows): the kernel computes each row on its own, so a stream's bits do not depend on its batch;
+        the dense weights stay for longer prompts, where cuBLAS is faster. The head's copy adds its bytes to the
+        device (vocab x hidden x 2; air8: 1.2 GB). On the CPU the packed forms run torch's own ops on the unpacked
+        weights, so the logits are the same bits (the tests' check of this glue)."""
         for L in self.layers:
             a = L.attn
             if a.qkv is None:
                 a.qkv = ops.pack_linear([a.q, a.k, a.v], [a.q_bias, a.k_bias, a.v_bias])
                 a.o_packed = ops.pack_linear([a.o])
             pack_mlps(L)
+        if self.head_packed is None:
+            self.head_packed = pack_linears([self.lm_head])
 
     def nbytes(self) -> int:
         ts = [self.embed, self.norm, self.lm_head]
@@ -139,6 +144,7 @@ class Glm4MoeModel:
         cfg = self.cfg
         starts = cache.lengths.tolist()
         dev = self.embed.device
+        gpu = ops.on_gpu(dev)  # the norms and the decode attention in kernels whose sums are fixed per row
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seqlens)]).to(dev)
         cos, sin = self.rope.cos_sin(positions)
         x = self.embed[tokens.to(dev)]                                # [T, H]
@@ -147,13 +153,14 @@ class Glm4MoeModel:
         if live and all(seqlens[s] == 1 for s in live):  # one new token per stream that goes on: where it goes and
             span = max(starts[s] for s in live) + 1       # what it sees, once, from the host list (no device sync)
             pos = torch.tensor([starts[s] for s in live], device=dev)
-            hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # [M,1,1,span]
+            hide = None if gpu else (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]
             decode = (torch.tensor(live, device=dev), pos, span, hide)
-        x, _ = self._layers(x, cos, sin, cache, starts, seqlens, decode, moe)
+        rows = stack_rows(seqlens, dev)  # which rows take the packed linears (a stream's own count decides)
+        x, _ = self._layers(x, cos, sin, cache, starts, seqlens, decode, moe, fused=gpu, rows=rows)
         cache.lengths += torch.tensor(seqlens)
         last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
-        h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        h = norm_of(gpu)(x[last], self.norm, cfg.rms_norm_eps)
+        return self.head(h).float()
 
     def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, moe,
                        span: int | None = None) -> torch.Tensor:
@@ -163,9 +170,10 @@ class Glm4MoeModel:
         tokens [M] and pos [M] (each stream's position = what its cache holds) live on the device. Attends
         over the cache's first `span` positions (None: its whole capacity; every pos < span, graph.span_for) under
         a length mask. The caller advances pos and cache.lengths.
-        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the softmax between the attention's
-        two matmuls run as kernels (ops.rms_norm / rope_kv_ / decode_softmax), the residual adds in the packed
-        linears' epilogues: fewer launches in the graph, the same math (the sums in the kernels' own order). The
+        On a GPU with the extension, RMSNorm, RoPE with the cache write, and the attention run as kernels
+        (ops.rms_norm / rope_kv_ / decode_attention), the residual adds in the packed linears' epilogues: fewer
+        launches in the graph, the same math (the sums in the kernels' own order; the attention's fixed by each
+        stream's own length, so the span does not change a stream's bits). The
         step's glue is fused there too: the embedding with the first RMSNorm, RoPE reading the table at pos in
         rope_kv_, each MoE scatter with the next RMSNorm (the same bits as the separate ops)."""
         cfg = self.cfg
@@ -183,7 +191,7 @@ class Glm4MoeModel:
         else:
             x = self.embed[tokens]
         span = cache.capacity if span is None else span
-        if fused:  # rope_kv_ writes the caches at pos, decode_softmax hides the keys past it
+        if fused:  # rope_kv_ writes the caches at pos, decode_attention reads each stream's keys up to it
             decode = ("table" if glue else None, pos, span, None)
         else:
             hide = (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]  # once per step
@@ -192,69 +200,83 @@ class Glm4MoeModel:
         if h is None:
             norm = norm_of(fused)
             h = norm(x, self.norm, cfg.rms_norm_eps)
+        return self.head(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head over the final normed rows -> bf16 logits: its packed copy where pack_stack made one (each row on
+        its own, at any row count: cuBLAS picks its kernel, and with it a row's sums, by how many rows there are),
+        else F.linear."""
+        if self.head_packed is not None:
+            return ops.linear(h, self.head_packed)[0]
         return F.linear(h, self.lm_head)
 
+    def decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor, span: int,
+                         rows: torch.Tensor | None) -> torch.Tensor:
+        """A decode step's attention on a GPU (ops.decode_attention): q [M, hq, d] of the streams at pos [M] (cache
+        rows `rows`, None: 0..M-1) over their positions 0..pos -> [M, hq * d]; each stream's sums in an order fixed
+        by its own length, whatever the batch and the span."""
+        return ops.decode_attention(q, kc, vc, pos, self.scale, span, rows).reshape(q.shape[0], -1)
+
     def _layers(self, x, cos, sin, cache, starts, seqlens, decode, moe, fused: bool = False,
-                static: bool = False, h: torch.Tensor | None = None, glue: bool = False):
+                static: bool = False, h: torch.Tensor | None = None, glue: bool = False, rows=None):
         """The layers over x -> (x, h): h = the final RMSNorm of x where the last MoE scatter made it (glue),
-        else None. h in: the first layer's input norm of x, made by the caller."""
+        else None. h in: the first layer's input norm of x, made by the caller. fused: the norms in ops.rms_norm
+        and the decode attention in ops.decode_attention (a GPU with the extension); rows: layers.stack_rows."""
         cfg = self.cfg
         norm = norm_of(fused)
         n = len(self.layers)
         for i, L in enumerate(self.layers):
             if h is None:
                 h = norm(x, L.input_norm, cfg.rms_norm_eps)
-            x = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, decode, fused, x)  # x + attention
+            x = self._attention(i, L.attn, h, cos, sin, cache, starts, seqlens, decode, fused, static, x,
+                                rows)                                                           # x + attention
             h = norm(x, L.post_norm, cfg.rms_norm_eps)
             if L.mlp is not None:
-                x, h = mlp_forward(h, L.mlp, L.mlp_packed, residual=(x,)), None              # x + mlp
+                x, h = stack_mlp(h, L.mlp, L.mlp_packed, residual=(x,), rows=rows), None     # x + mlp
             elif static:  # the fixed-shape step's MoE (moe/step.py DeviceMoE): the shared expert beside the routing
                 hs = h  # the shared expert's input (the lambda runs inside moe, after h is rebound below)
-                shared = lambda: mlp_forward(hs, L.shared, L.shared_packed)  # noqa: E731
+                shared = lambda: stack_mlp(hs, L.shared, L.shared_packed)  # noqa: E731
                 if glue:  # the scatter also makes the next input norm (the final norm after the last layer)
                     nxt = self.layers[i + 1].input_norm if i + 1 < n else self.norm
                     x, h = moe(i, h, L, shared=shared, residual=x, next_norm=(nxt, cfg.rms_norm_eps))
                 else:
                     x, h = moe(i, h, L, shared=shared, residual=x), None
             else:
-                routed = moe(i, h, L)
-                x, h = mlp_forward(h, L.shared, L.shared_packed, residual=(routed, x)), None  # x + (routed + shared)
+                routed = moe(i, h, L)                                                # x + (routed + shared)
+                x, h = stack_mlp(h, L.shared, L.shared_packed, residual=(routed, x), rows=rows), None
         return x, h
 
     def _attention(self, i, a: Attention, h, cos, sin, cache: KVCache, starts, seqlens, decode,
-                   fused: bool, x: torch.Tensor) -> torch.Tensor:
+                   fused: bool, static: bool, x: torch.Tensor, rows=None) -> torch.Tensor:
         """x + the attention block of layer i over h = its normed x (the add in the o projection's epilogue where
-        the packed stack runs)."""
+        the packed stack runs). fused: a GPU with the extension, where a decode step attends in
+        ops.decode_attention (graphed or not) and so does a prompt of one token (a decode step's arithmetic, as it
+        gets alone); rows: layers.stack_rows."""
         cfg = self.cfg
         t, d = h.shape[0], cfg.head_dim
-        packed = a.qkv is not None and t <= ops.STACK_KERNEL_MAX_ROWS
-        if packed:
-            q, k, v = (y.view(t, -1, d) for y in ops.linear(h, a.qkv))
-        else:
-            q = F.linear(h, a.q, a.q_bias).view(t, -1, d)
-            k = F.linear(h, a.k, a.k_bias).view(t, -1, d)
-            v = F.linear(h, a.v, a.v_bias).view(t, -1, d)
+        q, k, v = (y.view(t, -1, d) for y in stack_linears(h, [a.q, a.k, a.v], [a.q_bias, a.k_bias, a.v_bias],
+                                                           a.qkv, rows=rows))
         norm = norm_of(fused)
         if a.q_norm is not None:
             q = norm(q, a.q_norm, cfg.rms_norm_eps)
             k = norm(k, a.k_norm, cfg.rms_norm_eps)
         kc, vc = cache.k[i], cache.v[i]
-        if fused:  # the fixed-shape decode step on a GPU: RoPE and the cache write in one kernel, the softmax in one
+        if fused and static:  # the fixed-shape decode step on a GPU: RoPE and the cache write in one kernel
             tab, pos, span, _ = decode  # tab: cos / sin are the Rope.table halves, read at pos
             ops.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos, table=tab is not None)
-            out = _attend(q[:, :, None, :], kc[:, :, :span], vc[:, :, :span], None, self.scale, pos)
-            out = out.reshape(t, -1)
+            out = self.decode_attention(q, kc, vc, pos, span, idx if some else None)
         elif decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
             idx, pos, span, hide = decode
             kc[idx, :, pos] = k
             vc[idx, :, pos] = v
-            if idx.numel() < kc.shape[0]:  # some streams ended (or sit idle): their rows are not read
-                keys, vals = kc[idx, :, :span], vc[idx, :, :span]
+            some = idx.numel() < kc.shape[0]  # some streams ended (or sit idle): their rows are not read
+            if fused:
+                out = self.decode_attention(q, kc, vc, pos, span, idx if some else None)
             else:
-                keys, vals = kc[:, :, :span], vc[:, :, :span]
-            out = _attend(q[:, :, None, :], keys, vals, hide, self.scale).reshape(t, -1)
+                keys, vals = (kc[idx, :, :span], vc[idx, :, :span]) if some else (kc[:, :, :span], vc[:, :, :span])
+                out = _attend(q[:, :, None, :], keys, vals, hide, self.scale).reshape(t, -1)
         else:
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
             outs, off = [], 0
@@ -263,35 +285,40 @@ class Glm4MoeModel:
                     continue
                 kc[s, :, p0:p0 + n] = k[off:off + n].transpose(0, 1)
                 vc[s, :, p0:p0 + n] = v[off:off + n].transpose(0, 1)
+                if fused and n == 1:
+                    at = torch.tensor([s, p0], device=h.device)
+                    outs.append(self.decode_attention(q[off:off + 1], kc, vc, at[1:], p0 + 1, at[:1]))
+                    off += n
+                    continue
+                # on a GPU the stream's keys and values in a tensor of their own: cuBLAS sees heads p0 + n positions
+                # apart (the stream's own length), not the cache's capacity (set by the longest stream of the run)
+                ksrc, vsrc = ((kc[s:s + 1, :, :p0 + n].contiguous(), vc[s:s + 1, :, :p0 + n].contiguous()) if fused
+                              else (kc[s:s + 1], vc[s:s + 1]))
                 for r0, r1 in prefill_blocks(n, q.shape[1] * (p0 + n)):  # rows r0..r1 - 1 see keys < p0 + r1
                     qs = q[off + r0:off + r1].transpose(0, 1)[None]       # [1, heads, rows, d]
-                    ks, vs = kc[s:s + 1, :, :p0 + r1], vc[s:s + 1, :, :p0 + r1]
-                    keys, rows = torch.arange(p0 + r1, device=h.device), torch.arange(p0 + r0, p0 + r1, device=h.device)
-                    hide = keys[None, :] > rows[:, None]      # built where it is used: no host copy per block
+                    ks, vs = ksrc[:, :, :p0 + r1], vsrc[:, :, :p0 + r1]
+                    keys = torch.arange(p0 + r1, device=h.device)
+                    seen = torch.arange(p0 + r0, p0 + r1, device=h.device)
+                    hide = keys[None, :] > seen[:, None]      # built where it is used: no host copy per block
                     o = _attend(qs, ks, vs, hide, self.scale)
                     outs.append(o[0].transpose(0, 1).reshape(r1 - r0, -1))
                 off += n
             out = torch.cat(outs)
-        if packed:
-            return ops.linear(out, a.o_packed, residual=(x,))[0]
-        return x + F.linear(out, a.o)
+        return stack_linears(out, [a.o], packs=a.o_packed, residual=(x,), rows=rows)[0]
 
 
-def _attend(q, k, v, hide, scale, pos=None):
+def _attend(q, k, v, hide, scale):
     """Eager GQA attention, transformers' eager order: bf16 scores, fp32 softmax, bf16 weights @ v.
     q [B, Hq, Tq, D], k/v [B, Hkv, S, D], hide bool broadcastable to [B, Hq, Tq, S], True where a key is not
     seen (the decode step builds it once, not an inverted mask per layer: one kernel fewer per layer). Plain
-    matmuls: deterministic on every backend (SDPA's fused kernels are slow under deterministic settings).
-    With `pos` instead of `hide` (one query per stream, on a GPU): the scale, the mask (keys past pos[b]) and the
-    softmax with its cast in one kernel (ops.decode_softmax) instead of four."""
+    matmuls: deterministic on every backend (SDPA's fused kernels are slow under deterministic settings). A GPU's
+    decode steps take ops.decode_attention instead (Glm4MoeModel.decode_attention); its prefill takes this per
+    stream, each GEMM's shapes set by the stream's own rows and positions."""
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, (hq // hkv) * tq, d)                       # heads of one kv group share k/v
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hq, tq, -1)
-    if pos is not None:
-        probs = ops.decode_softmax(scores, pos, scale)
-    else:
-        scores = (scores * scale).masked_fill(hide, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    scores = (scores * scale).masked_fill(hide, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs.view(b, hkv, (hq // hkv) * tq, -1), v)
     return out.view(b, hq, tq, d)

@@ -122,6 +122,82 @@ def mlp_forward(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=
     return ops.add_residuals(swiglu_mlp(x, *mlp, limit), residual)
 
 
+@dataclasses.dataclass
+class RowGroups:
+    """The rows of a forward where some stream has more than ops.STACK_KERNEL_MAX_ROWS of them (stack_rows): `short`
+    the rows of the other streams, in order (device indices); `pieces` per stream with rows, in row order, (start,
+    end, long): a long stream's rows [start, end) of the forward, a short one's [start, end) of the short rows."""
+    short: torch.Tensor
+    pieces: list[tuple[int, int, bool]]
+
+
+def stack_rows(seqlens: list[int], device) -> RowGroups | None:
+    """How a forward of seqlens[s] rows per stream takes the replicated stack's linears where they have packed copies
+    (pack_stack), so that a row's bits depend on its own stream alone (batch invariance): a stream of at most
+    ops.STACK_KERNEL_MAX_ROWS rows (every decode step, short prompts) takes the packed copies, every such row in one
+    launch (the kernel computes each row on its own, whatever the launch holds); a longer one (a prompt's chunk,
+    cut at its own offsets: engine.prefill_chunks) the dense weights (cuBLAS, faster there) in a GEMM of its own
+    rows, the GEMM it gets alone. None where every stream takes the packed copies."""
+    limit = ops.STACK_KERNEL_MAX_ROWS
+    if all(n <= limit for n in seqlens):
+        return None
+    short, pieces, start = [], [], 0
+    for n in seqlens:
+        if n > limit:
+            pieces.append((start, start + n, True))
+        elif n:
+            pieces.append((len(short), len(short) + n, False))
+            short += range(start, start + n)
+        start += n
+    return RowGroups(torch.tensor(short, dtype=torch.long, device=device), pieces)
+
+
+def _by_rows(x: torch.Tensor, rows: RowGroups | None, packed, dense, residual) -> list[torch.Tensor]:
+    """packed(x, residual) over every row where rows is None; else the short rows through packed in one call and each
+    long stream's through dense, then every output part put back in row order. A long stream's rows are copied to
+    a fresh tensor first: cuBLAS picks its kernels by the operands' alignment too, and a fresh tensor's is the one
+    the stream has alone."""
+    if rows is None:
+        return packed(x, tuple(residual))
+    res = tuple(residual)
+    short = packed(x[rows.short], tuple(r[rows.short] for r in res)) if rows.short.numel() else None
+    parts: list[list[torch.Tensor]] = []
+    for start, end, long in rows.pieces:
+        outs = dense(x[start:end].clone(), tuple(r[start:end] for r in res)) if long else [o[start:end] for o in short]
+        parts = [[o] for o in outs] if not parts else [p + [o] for p, o in zip(parts, outs)]
+    return [p[0] if len(p) == 1 else torch.cat(p) for p in parts]
+
+
+def stack_linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, packs=None, residual=(),
+                  rows: RowGroups | None = None) -> list[torch.Tensor]:
+    """x through linears of one input -> one tensor per weight; `residual` (one weight only): + each in order (the
+    stack's x + o). With packed copies (pack_linear's list) the rows go as stack_rows says (`rows`; None: every row
+    through the packed copies, whatever their count); without, F.linear over every row."""
+    biases = biases or [None] * len(weights)
+
+    def dense(xs, res):
+        outs = [F.linear(xs, w, b) for w, b in zip(weights, biases)]
+        if res:
+            outs[0] = ops.add_residuals(outs[0], res)
+        return outs
+
+    if packs is None:
+        return dense(x, tuple(residual))
+    return _by_rows(x, rows, lambda xs, res: ops.linear(xs, packs, res), dense, residual)
+
+
+def stack_mlp(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=None, residual=(),
+              rows: RowGroups | None = None) -> torch.Tensor:
+    """A dense or shared-expert SwiGLU MLP, then + each of `residual` in order, its rows as stack_linears' (its packed
+    copy: pack_mlps)."""
+    def dense(xs, res):
+        return [ops.add_residuals(swiglu_mlp(xs, *mlp), res)]
+
+    if packed is None:
+        return dense(x, tuple(residual))[0]
+    return _by_rows(x, rows, lambda xs, res: [ops.swiglu_dense(xs, packed, res)], dense, residual)[0]
+
+
 def pack_linears(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
     """A packed copy (ops.pack_linear: one launch where the parts fuse) of linears that share their input, or
     None where a shape is not whole tiles of 16 (the tiny test presets' narrow heads): those keep F.linear."""
@@ -259,8 +335,9 @@ PACKED_FIELDS = ("packed", "mlp_packed", "shared_packed", "o_packed", "qkv")  # 
 
 
 def packed_copies(model) -> list[tuple[object, str]]:
-    """(owner, field) of every packed stack copy a model holds (pack_stack), in its layers' dataclasses."""
-    out = []
+    """(owner, field) of every packed stack copy a model holds (pack_stack): its lm_head's (glm4_moe's head_packed)
+    and those in its layers' dataclasses."""
+    out = [(model, "head_packed")] if getattr(model, "head_packed", None) is not None else []
     for L in model.layers:
         for obj in (L, getattr(L, "attn", None), getattr(L, "kda", None), getattr(L, "mla", None)):
             for f in PACKED_FIELDS:

@@ -35,6 +35,9 @@ class HostMoE:
     def __init__(self, engine):
         self.engine = engine
         self.scatter_kernel = ops.on_gpu(engine.device)  # decided once, not per layer
+        # on a GPU the router kernels, whose sums per token are fixed (route_ref's fp32 GEMM takes cuBLAS's order for
+        # the step's row count: a token's weights would depend on the other tokens of the forward)
+        self.router_kernels = self.scatter_kernel and not kplan.model_limit(engine.cfg, 1)
         xc = engine.expert_cache  # the expert cache counts every expert's rows (moe/cache.py)
         self.fires = xc.counter("host", "cpu") if xc is not None else None
         self.index = {layer: i for i, layer in enumerate(engine.cfg.moe_layers)}
@@ -70,7 +73,8 @@ class HostMoE:
         if next_norm is not None:
             raise RocketError("HostMoE: next_norm is the fixed-shape step's (DeviceMoE)")
         e = self.engine
-        weights, experts = ops.route_ref(x, L.router_w, L.router_b, e.cfg)
+        route = ops.route if self.router_kernels else ops.route_ref
+        weights, experts = route(x, L.router_w, L.router_b, e.cfg)
         store = e.experts[layer]
         # the plan is host bookkeeping over T x k integers: one small device-to-host copy per layer
         experts_h = experts.cpu()

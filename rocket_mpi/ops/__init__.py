@@ -8,6 +8,7 @@
     select.py    topk_first: the DSA indexers' top-k, exact ties to the lower index (independent of the row's length)
     scatter.py   moe_scatter_add: a token's rows summed in expert order, once rounded; the rows' checksum
     norm.py      rms_norm and the decode step's glue (embedding + norm, RoPE, KV append, softmax, argmax)
+    attention.py decode_attention: GLM-4.x decode attention in fixed chunks of positions (batch-invariant)
     glm5.py      GLM-5.3-Flash's hyper-connection and KDA kernels
     pack.py      packing NVFP4 / BF16 weights into the kernels' tiles; nvfp4.py the checkpoint format's math
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from rocket_mpi.ops import _ext
+from rocket_mpi.ops.attention import ATTN_CHUNK, decode_attention, decode_attention_ref  # noqa: F401
 from rocket_mpi.ops.experts import (MAX_GROUPS, launch_plan, nvfp4_experts, nvfp4_experts_planned,  # noqa: F401
                                     nvfp4_experts_ref, nvfp4_experts_stages)
 from rocket_mpi.ops.glm5 import hc_post, hc_pre, kda_decode  # noqa: F401

@@ -134,7 +134,7 @@ def _bench(args, settings: Settings, comm) -> int:
     rails = None
     if args.rails:
         rails = int(args.rails) if name == "shm" else args.rails.split(",")
-    max_rows = 4 * max(args.sizes) // ROW  # pingpong needs 2 messages per slot, a stream a ring of >= 4
+    max_rows = 2 * max(args.sizes) // ROW  # pingpong: both blocks in one row set; a stream: a ring of >= 4
     with watchdog(comm, max(args.fabric_timeout, 60.0), f"setting up fabric {name}"):
         fab = make_fabric(name, comm, max_rows, HIDDEN, args.fabric_timeout, rails, args.rail_split_min_bytes,
                           args.gid_index, device, settings.hostname)
@@ -252,7 +252,7 @@ class Bench:
     def mpi_rings(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
         if nbytes not in self._mpi_rings:
             stride = -(-nbytes // 64) * 64
-            depth = max(2, min(MAX_DEPTH, self.fab.max_rows * ROW // stride))  # as the doorbell fabrics
+            depth = max(2, min(MAX_DEPTH, 2 * self.fab.max_rows * ROW // stride))  # as the doorbell fabrics
             self._mpi_rings = {nbytes: (np.zeros(depth * stride, np.uint8), np.zeros(depth * stride, np.uint8))}
         return self._mpi_rings[nbytes]
 

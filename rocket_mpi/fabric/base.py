@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rocket_mpi.errors import FabricError, FabricTimeout
+from rocket_mpi.ops import _ext
 from rocket_mpi.ops.plan import META_SEQ
 
 
@@ -209,7 +210,10 @@ class DoorbellFabric(Fabric):
         self.poll_spins = poll_spins
         self.row_bytes = hidden * 2
         self.slot_bytes = max_rows * self.row_bytes
+        self.region_bytes = 2 * self.slot_bytes
         self._rows_out: torch.Tensor | None = None  # the gathered row set of the host path (allocated on first use)
+        self._slots = None    # the graphed step's exchange in use (fabric/slots.py), its proxy running
+        self._mapped = None   # (address, device address) of our staging registered with CUDA
 
     def _pieces(self, nbytes: int, rails: int | None = None) -> list[tuple[int, int]]:
         return split_rails(nbytes, rails or self.rails, self.split_min)
@@ -255,6 +259,42 @@ class DoorbellFabric(Fabric):
                 while seq_ahead(self._doorbell(peer, rail), seq) < 0:
                     if wait.idle():
                         raise self.timeout_error(peer, layer, step, seq)
+
+    # -- the graphed step (fabric/slots.py DoorbellSlots) --------------------------------------
+    # A backend sets header (byte offset of region 0 in its staging) and ready_offset (the two ready records).
+    def staging(self) -> tuple[int, int]:
+        """(address, bytes) of this rank's staging: doorbell words at 0, ready records, regions from `header`."""
+        raise NotImplementedError
+
+    def proxy_targets(self) -> tuple[list, list] | None:
+        """Where the proxy puts and rings natively (per rank: our region and our rail-0 doorbell word there, mapped
+        in this process; None for us), or None: the proxy calls send() instead (verbs)."""
+        return None
+
+    def device_staging(self, device: torch.device) -> int:
+        """Our staging's address for the device's kernels: registered with CUDA (mapped, portable) once."""
+        if device.type != "cuda":
+            return self.staging()[0]
+        if self._mapped is None:
+            addr, nbytes = self.staging()
+            self._mapped = (addr, int(_ext.require().host_map(addr, nbytes)))
+        return self._mapped[1]
+
+    def attach_slots(self, slots) -> None:
+        """The graphed step's exchange now in use; a former one (an earlier run's) stops."""
+        if self._slots is not None and self._slots is not slots:
+            self._slots.close()
+        self._slots = slots
+
+    def close_slots(self) -> None:
+        """Stop the proxy and drop the CUDA registration: before the staging goes (a backend's close)."""
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
+        if self._mapped is not None:
+            torch.cuda.synchronize()
+            _ext.require().host_unmap(self._mapped[0])
+            self._mapped = None
 
     # -- streaming, for fabric-bench's oneway and duplex columns -----------------------------
     def stream(self, peer: int, nbytes: int, count: int, send: bool, recv: bool, seq0: int,

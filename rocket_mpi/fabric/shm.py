@@ -23,6 +23,7 @@ import torch
 
 from rocket_mpi.errors import AgreedError, FabricError
 from rocket_mpi.fabric.base import PAGE, READY_BYTES, DoorbellFabric
+from rocket_mpi.fabric.slots import DoorbellSlots
 
 
 class ShmSetupError(FabricError, AgreedError):
@@ -45,8 +46,7 @@ class ShmFabric(DoorbellFabric):
             # Without TSO a Python-level store has no release fence; refuse rather than risk torn rows.
             raise FabricError(f"rank {comm.rank}: fabric shm needs x86-64 store ordering; use --fabric mpi here")
         self.header = header_bytes(self.size, rails)
-        self.bells_bytes = -(-self.size * rails * 8 // 64) * 64
-        self.region_bytes = 2 * self.slot_bytes
+        self.ready_offset = -(-self.size * rails * 8 // 64) * 64
         self.nbytes = -(-(self.header + self.size * self.region_bytes) // PAGE) * PAGE
         self.maps: list[mmap.mmap | None] = [None] * self.size
         self._bells, self._regions, self._bytes = [], [], []
@@ -111,11 +111,26 @@ class ShmFabric(DoorbellFabric):
     def _doorbell(self, peer, rail):
         return int(self._bells[self.rank][peer, rail])
 
+    def staging(self):
+        return self.address(self.rank), self.nbytes
+
+    def proxy_targets(self):
+        dst = [None if p == self.rank else self.address(p, self.header + self.rank * self.region_bytes)
+               for p in range(self.size)]
+        bell = [None if p == self.rank else self.address(p, 8 * self.rank * self.rails) for p in range(self.size)]
+        return dst, bell
+
+    def slot_exchange(self, cap, device):
+        if device.type == "cpu" or self.size == 1:
+            return super().slot_exchange(cap, device)
+        return DoorbellSlots(self, cap, device)
+
     def address(self, rank: int, offset: int = 0) -> int:
         """The address of byte `offset` of rank `rank`'s segment in this process (the proxy's puts and rings)."""
         return np.frombuffer(self.maps[rank], dtype=np.uint8, count=1, offset=offset).ctypes.data
 
     def close(self):
+        self.close_slots()
         self._bells, self._regions, self._bytes = [], [], []
         for m in self.maps:
             if m is not None:

@@ -37,6 +37,7 @@ import torch
 
 from rocket_mpi.errors import AgreedError, FabricError
 from rocket_mpi.fabric.base import PAGE, READY_BYTES, DoorbellFabric
+from rocket_mpi.fabric.slots import DoorbellSlots
 
 SQ_DEPTH = 256          # send WRs per QP; a message costs 2 per rail (payload + doorbell)
 INLINE_BYTES = 64       # asked of the QP; the doorbell needs 8
@@ -339,14 +340,22 @@ class VerbsFabric(DoorbellFabric):
         """One page-aligned, zeroed allocation (header, then the regions); ibv_reg_mr pins it. Numpy owns it, so it
         outlives the MRs."""
         nbells = self.size * self.rails
-        self.header = -(-(2 * nbells * 8 + READY_BYTES) // PAGE) * PAGE
-        self.region_bytes = 2 * self.slot_bytes
+        self.ready_offset = 2 * nbells * 8
+        self.header = -(-(self.ready_offset + READY_BYTES) // PAGE) * PAGE
         self._mem = _aligned(-(-(self.header + self.size * self.region_bytes) // PAGE) * PAGE)
         self.base = self._mem.ctypes.data
         words = self._mem[:2 * nbells * 8].view(np.uint64).reshape(2, self.size, self.rails)
         self._bells_in, self._bells_out = words[0], words[1]
         flat = torch.from_numpy(self._mem[self.header:self.header + self.size * self.region_bytes]).view(torch.bfloat16)
         self._regions = flat.view(self.size, 2, self.max_rows, self.hidden)
+
+    def staging(self):
+        return self.base, self._mem.nbytes
+
+    def slot_exchange(self, cap, device):
+        if device.type == "cpu" or self.size == 1:
+            return super().slot_exchange(cap, device)
+        return DoorbellSlots(self, cap, device)
 
     def region_addr(self, sender: int) -> int:
         return self.base + self.header + sender * self.region_bytes
@@ -563,6 +572,7 @@ class VerbsFabric(DoorbellFabric):
     def close(self) -> None:
         """Release every verbs object, newest first (QPs, CQs, MRs, PDs, contexts), even after a failed set-up.
         Raises one FabricError naming what could not be released, after trying all of them."""
+        self.close_slots()
         errors = []
         while self._closers:
             obj = self._closers.pop()

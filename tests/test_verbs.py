@@ -519,3 +519,28 @@ def test_verbs_on_hardware():
 def test_acquire_fence_runs():
     verbs._acquire_fence()  # the data path calls it only off x86; it must not block or leave the lock held
     assert not verbs._FENCE_LOCK.locked()
+
+
+@pytest.mark.parametrize("device,hosts,rdma,want", [
+    ("cuda", ["a", "a"], [None, None], ("cuda-ipc", "GPU ranks on one host")),
+    ("cuda", ["a", "b"], [None, None], ("verbs", "GPU ranks on 2 hosts, every rank has an ACTIVE RDMA port")),
+    ("cuda", ["a", "b", "b"], [None, "no RDMA device", None],
+     ("nccl", "GPU ranks on 2 hosts; rank 1: no RDMA device")),
+    ("cpu", ["a", "a"], [None, None], ("shm", "CPU ranks on one host")),
+    ("cpu", ["a", "b"], [None, None], ("verbs", "CPU ranks on 2 hosts, every rank has an ACTIVE RDMA port")),
+    ("cpu", ["a", "b"], ["pyverbs is not installed", None], ("mpi", "CPU ranks on 2 hosts; rank 0: pyverbs is not "
+                                                                   "installed")),
+])
+def test_auto_fabric_and_its_reason(monkeypatch, device, hosts, rdma, want):
+    """--fabric auto: verbs across hosts where every rank has an ACTIVE RDMA port (GPU ranks too), else nccl / mpi;
+    every rank gets the same choice and the same reason (rank 0 logs it)."""
+    import rocket_mpi.fabric as fabric
+    n = len(hosts)
+    world = ThreadWorld(n)
+    status = {}
+    monkeypatch.setattr(fabric, "verbs_status", lambda: status[threading.get_ident()])
+
+    def rank_fn(r):
+        status[threading.get_ident()] = rdma[r]
+        return fabric.choose_why("auto", world.comm(r), device, hosts[r])
+    assert run_ranks(n, rank_fn) == [want] * n

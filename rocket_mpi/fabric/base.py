@@ -87,10 +87,13 @@ class SlotExchange:
         bytes_sent(rows_mine)      bytes this rank sent for one layer
         err                        device words a timeout inside a captured exchange is recorded in (or None);
                                    check(words, step) raises it after the step, naming peer, layer and step
+        host_gil                   True where a thread of this process needs the GIL while the step runs (the
+                                   verbs proxy's posts): the host's wait for the step must give it up
     """
     mode = "host"
     n_sets = 1
     err = None
+    host_gil = False
 
     def __init__(self, fabric: "Fabric", cap: int):
         self.fabric, self.cap = fabric, cap

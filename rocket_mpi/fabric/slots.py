@@ -54,6 +54,8 @@ class DoorbellSlots(SlotExchange):
         self.err = torch.zeros(4, dtype=torch.long, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)  # the stage kernel's last-block count
         self.kernels = kernels if kernels is not None else _ext.require()
+        self.proxy = None
+        fab.attach_slots(self)  # a former run's exchange stops its proxy first
         self.staging = fab.device_staging(device)  # our staging's base address as the kernels see it
         base, _ = fab.staging()
         ready = (ctypes.c_uint64 * 16).from_address(base + fab.ready_offset)
@@ -70,7 +72,6 @@ class DoorbellSlots(SlotExchange):
             self.proxy = Proxy(lib, post=lambda seq, rows: fab.send(seq, rows * fab.row_bytes, every_rail=True),
                                **common)
         self.host_gil = targets is None  # the callback needs this process's GIL while the step runs
-        fab.attach_slots(self)
 
     def exchange(self, meta, layer, step):
         f = self.fabric
@@ -88,4 +89,5 @@ class DoorbellSlots(SlotExchange):
             raise self.fabric.timeout_error(int(words[1]), int(words[3]), step, int(words[2]))
 
     def close(self) -> None:
-        self.proxy.stop()
+        if self.proxy is not None:
+            self.proxy.stop()

@@ -166,6 +166,27 @@ def test_a_new_exchange_takes_over_and_skips_old_records(lib):
         close_all(fabs)
 
 
+def test_the_host_path_waits_for_the_proxy(lib):
+    """Rank 0's proxy is slow (its puts and rings wait 0.3 s): when rank 0 moves on to a host-path exchange, it first
+    lets the proxy send the graphed exchange before, so rank 1 never sees seq 2 rung before the rows of seq 1, and
+    a doorbell word never steps back."""
+    world = ThreadWorld(2)
+    fabs = run_ranks(2, lambda r: ShmFabric(world.comm(r), 24, H, 10.0, rails=1))
+    try:
+        send = fabs[0].send
+
+        def slow(seq, nbytes, every_rail=False):
+            if every_rail:  # the proxy's call (the host path rings only the rails it used)
+                time.sleep(0.3)
+            send(seq, nbytes, every_rail)
+        fabs[0].send = slow
+        fabs[0].proxy_targets = lambda: None  # rank 0's proxy posts through send, as verbs does
+        xs = [DoorbellSlots(f, 8, torch.device("cpu"), lib=lib, kernels=FakeGpu()) for f in fabs]
+        run_exchanges(xs, [(1, [3, 4]), (2, None), (3, [5, 6]), (4, None)])
+    finally:
+        close_all(fabs)
+
+
 def test_dead_peer_times_out_naming_it(lib):
     """Rank 1 never stages seq 2: rank 0's wait records (1, peer 1, seq 2, layer 5) and the host raises it after the
     step as one line naming rank, peer, layer and step."""

@@ -222,6 +222,8 @@ class DoorbellFabric(Fabric):
         return split_rails(nbytes, rails or self.rails, self.split_min)
 
     def _exchange(self, seq, offsets, block, layer, step):
+        if self._slots is not None:  # the graphed step's proxy first sends what it has (fabric/slots.py)
+            self._slots.drain()
         slot = seq & 1
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
         mine = self._region(self.rank)[slot]
@@ -280,20 +282,34 @@ class DoorbellFabric(Fabric):
             return self.staging()[0]
         if self._mapped is None:
             addr, nbytes = self.staging()
-            self._mapped = (addr, int(_ext.require().host_map(addr, nbytes)))
+            try:
+                self._mapped = (addr, int(_ext.require().host_map(addr, nbytes)))
+            except RuntimeError as e:
+                raise FabricError(f"rank {self.rank}: fabric {self.name}: registering its {nbytes}-byte staging with "
+                                  f"CUDA failed: {e}") from None
         return self._mapped[1]
 
     def attach_slots(self, slots) -> None:
-        """The graphed step's exchange now in use; a former one (an earlier run's) stops."""
+        """The graphed step's exchange now in use; a former one (an earlier run's) sends what it has, then stops."""
         if self._slots is not None and self._slots is not slots:
-            self._slots.close()
+            old, self._slots = self._slots, None
+            try:
+                old.drain()
+            finally:
+                old.close()
         self._slots = slots
 
     def close_slots(self) -> None:
-        """Stop the proxy and drop the CUDA registration: before the staging goes (a backend's close)."""
+        """Let the proxy send what it has, stop it, drop the CUDA registration: before the staging goes (a
+        backend's close). A proxy that cannot drain is stopped anyway: the job is ending."""
         if self._slots is not None:
-            self._slots.close()
-            self._slots = None
+            slots, self._slots = self._slots, None
+            try:
+                slots.drain()
+            except FabricError:
+                pass
+            finally:
+                slots.close()
         if self._mapped is not None:
             torch.cuda.synchronize()
             _ext.require().host_unmap(self._mapped[0])
@@ -316,6 +332,8 @@ class DoorbellFabric(Fabric):
         """
         if not (send or recv):
             return seq0
+        if self._slots is not None:
+            self._slots.drain()
         stride, depth = self.stream_depth(nbytes, max_depth)
         window = depth if not recv else depth // 2
         src = self.stream_ring(peer, send=True)

@@ -21,11 +21,12 @@ stand-in for the two kernels (tests/test_proxy.py).
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
 from rocket_mpi.errors import FabricError
-from rocket_mpi.fabric.base import SEQ_MASK, SlotExchange
+from rocket_mpi.fabric.base import SEQ_MASK, SlotExchange, seq_ahead
 from rocket_mpi.fabric.proxy import Proxy, library
 from rocket_mpi.ops import _ext
 
@@ -58,8 +59,8 @@ class DoorbellSlots(SlotExchange):
         fab.attach_slots(self)  # a former run's exchange stops its proxy first
         self.staging = fab.device_staging(device)  # our staging's base address as the kernels see it
         base, _ = fab.staging()
-        ready = (ctypes.c_uint64 * 16).from_address(base + fab.ready_offset)
-        last = serial_max(ready[0], ready[8])  # records a former exchange left: done
+        self.ready = (ctypes.c_uint64 * 16).from_address(base + fab.ready_offset)
+        last = serial_max(self.ready[0], self.ready[8])  # records a former exchange left: done (drained)
         who = f"rank {fab.rank}: fabric {fab.name}: "
         common = dict(ready=base + fab.ready_offset, src=base + fab.header + fab.rank * fab.region_bytes,
                       rank=fab.rank, size=fab.size, rails=fab.rails, row_bytes=fab.row_bytes,
@@ -87,6 +88,27 @@ class DoorbellSlots(SlotExchange):
                               f"{step}: {why}")
         if words[0]:
             raise self.fabric.timeout_error(int(words[1]), int(words[3]), step, int(words[2]))
+
+    def drain(self) -> None:
+        """Wait until the proxy has put and rung every block our GPU staged. The host path's exchange (its puts and
+        rings come from this thread) and an exchange that takes over must not overtake it: a peer would see our next
+        seq before the rows of this one, and a doorbell word would step back. Called with no step in flight, so the
+        ready records are final; bounded by the fabric's timeout."""
+        if self.proxy is None or not self.proxy.running:
+            return
+        f = self.fabric
+        want = serial_max(self.ready[0], self.ready[8])
+        deadline = time.monotonic() + f.timeout
+        while True:
+            handled, _, why = self.proxy.status()
+            if why is not None:
+                raise FabricError(f"rank {f.rank}: fabric {f.name}: the proxy stopped: {why}")
+            if seq_ahead(handled, want) >= 0:
+                return
+            if time.monotonic() > deadline:
+                raise FabricError(f"rank {f.rank}: fabric {f.name}: the proxy has not sent seq {want} after "
+                                  f"{f.timeout:g} s (it is at {handled})")
+            time.sleep(0)
 
     def close(self) -> None:
         if self.proxy is not None:

@@ -14,8 +14,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HOW = ("to build it: install a CUDA torch and nvcc first, then pip install --no-build-isolation . "
        "(or -e . for a checkout)")
 SOURCES = ["csrc/bindings.cpp", "csrc/nvfp4_experts.cu", "csrc/scatter.cu", "csrc/moe_plan.cu", "csrc/ipc_bells.cu",
-           "csrc/decode_ops.cu", "csrc/router.cu", "csrc/hc.cu", "csrc/kda.cu"]
-SOURCES += ["csrc/decode_attention.cu"]
+           "csrc/decode_ops.cu", "csrc/router.cu", "csrc/hc.cu", "csrc/kda.cu", "csrc/proxy_bells.cu", "csrc/proxy.cpp",
+           "csrc/decode_attention.cu"]
 
 
 def note(msg: str) -> None:

@@ -604,6 +604,82 @@ void ipc_exchange_flags(const torch::Tensor& src, const torch::Tensor& meta, con
   rocket::launch_ipc_exchange_flags(a, w, static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream().stream());
 }
 
+// ---- doorbell fabrics' graphed exchange (csrc/proxy_bells.cu; the proxy thread: csrc/proxy.cpp) ----
+// out: this rank's block, a view of rows at rank * cap; staging: our staging's device address (host_map): doorbell
+// words in[ranks][rails] at 0, the ready records at ready_offset, region p at header + p * region_bytes.
+void bell_exchange(const torch::Tensor& out, const torch::Tensor& rows, const torch::Tensor& meta, int64_t staging,
+                   int64_t header, int64_t region_bytes, int64_t slot_bytes, int64_t ready_offset,
+                   const torch::Tensor& counter, const torch::Tensor& err, int64_t rank, int64_t rails,
+                   double timeout_s, int64_t layer, int64_t stage_blocks, int64_t gather_blocks) {
+  const c10::Device dev = rows.device();
+  expect(rows, "rows", torch::kBFloat16, 2, dev, 16);
+  ROCKET_CHECK(out.is_cuda() && out.device() == dev && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 &&
+               out.is_contiguous() && out.size(1) == rows.size(1), "out must be bf16 rows of rows' width on " << dev);
+  expect(meta, "meta", torch::kLong, 1, dev, 8);
+  expect(counter, "counter", torch::kInt, 1, dev, 4);
+  expect(err, "err", torch::kLong, 1, dev, 8);
+  const int64_t n = meta.numel() - rocket::kPlanMetaHead, cap = out.size(0), row_bytes = rows.size(1) * 2;
+  ROCKET_CHECK(n >= 2 && n <= rocket::kPlanMaxRanks && rank >= 0 && rank < n, "meta for " << n << " ranks, rank "
+               << rank);
+  ROCKET_CHECK(rows.size(0) == n * cap, "rows " << rows.sizes() << " for " << n << " ranks of " << cap << " rows");
+  ROCKET_CHECK(out.data_ptr() == static_cast<char*>(rows.data_ptr()) + rank * cap * row_bytes,
+               "out must be rank " << rank << "'s block of rows");
+  ROCKET_CHECK(counter.numel() == 1 && err.numel() >= 4, "counter needs 1 word, err 4");
+  ROCKET_CHECK(row_bytes % 16 == 0, "rows of " << row_bytes << " bytes: the kernels move 16-byte words");
+  ROCKET_CHECK(staging % 16 == 0 && header % 16 == 0 && region_bytes % 16 == 0 && slot_bytes % 16 == 0 &&
+               ready_offset % 8 == 0, "staging layout not aligned: base " << staging << ", header " << header
+               << ", region " << region_bytes << ", slot " << slot_bytes << ", ready " << ready_offset);
+  ROCKET_CHECK(slot_bytes >= cap * row_bytes && region_bytes >= 2 * slot_bytes && ready_offset + 128 <= header &&
+               8 * n * rails <= ready_offset, "staging layout: header " << header << ", ready " << ready_offset
+               << ", region " << region_bytes << ", slot " << slot_bytes << " for " << n << " ranks x " << rails
+               << " rails of " << cap << " rows");
+  ROCKET_CHECK(timeout_s > 0, "timeout " << timeout_s);
+  char* base = reinterpret_cast<char*>(staging);
+  rocket::BellStage s{};
+  s.src = reinterpret_cast<const uint4*>(out.data_ptr());
+  s.dst = reinterpret_cast<uint4*>(base + header + rank * region_bytes);
+  s.ready = reinterpret_cast<unsigned long long*>(base + ready_offset);
+  s.counter = reinterpret_cast<unsigned int*>(counter.data_ptr<int>());
+  s.meta = meta.data_ptr<int64_t>();
+  s.row_words = row_bytes / 16;
+  s.slot_words = slot_bytes / 16;
+  rocket::BellGather g{};
+  g.rows = reinterpret_cast<uint4*>(rows.data_ptr());
+  g.regions = reinterpret_cast<const uint4*>(base + header);
+  g.bells = reinterpret_cast<const unsigned long long*>(base);
+  g.meta = s.meta;
+  g.err = err.data_ptr<int64_t>();
+  g.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  g.row_words = s.row_words;
+  g.cap_words = cap * s.row_words;
+  g.slot_words = s.slot_words;
+  g.region_words = region_bytes / 16;
+  g.rank = static_cast<int>(rank);
+  g.n_ranks = static_cast<int>(n);
+  g.rails = static_cast<int>(rails);
+  g.layer = static_cast<int>(layer);
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_bell_exchange(s, g, static_cast<int>(stage_blocks), static_cast<int>(gather_blocks),
+                               c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// Host memory [ptr, ptr + nbytes) registered with CUDA (mapped, portable) -> its device address.
+int64_t host_map(int64_t ptr, int64_t nbytes) {
+  ROCKET_CHECK(ptr != 0 && nbytes > 0, "host_map of " << nbytes << " bytes at " << ptr);
+  void* host = reinterpret_cast<void*>(ptr);
+  ROCKET_CUDA_CHECK(cudaHostRegister(host, static_cast<size_t>(nbytes), cudaHostRegisterMapped |
+                                     cudaHostRegisterPortable));
+  void* dev = nullptr;
+  const cudaError_t e = cudaHostGetDevicePointer(&dev, host, 0);
+  if (e != cudaSuccess) {
+    cudaHostUnregister(host);
+    ROCKET_CUDA_CHECK(e);
+  }
+  return reinterpret_cast<int64_t>(dev);
+}
+
+void host_unmap(int64_t ptr) { ROCKET_CUDA_CHECK(cudaHostUnregister(reinterpret_cast<void*>(ptr))); }
+
 // x [..., n] -> rms_norm(x, w). With index [rows] int64 (the embedding gather of the decode step's tokens): returns
 // (x[index], rms_norm(x[index], w)) from one launch; an id outside x's rows reads as zeros.
 py::object rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps,
@@ -985,6 +1061,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("fires") = py::none());
   m.def("ipc_exchange_flags", &ipc_exchange_flags, "cuda-ipc: one kernel, a flag word per (sender, block) (the "
         "graphed step's exchange)");
+  m.def("bell_exchange", &bell_exchange, "shm/verbs graphed exchange: stage this rank's block and its ready record "
+        "for the proxy thread, then wait on the doorbell words (timeout into err) and gather the peers' blocks",
+        py::arg("out"), py::arg("rows"), py::arg("meta"), py::arg("staging"), py::arg("header"),
+        py::arg("region_bytes"), py::arg("slot_bytes"), py::arg("ready_offset"), py::arg("counter"), py::arg("err"),
+        py::arg("rank"), py::arg("rails"), py::arg("timeout_s"), py::arg("layer"), py::arg("stage_blocks"),
+        py::arg("gather_blocks"));
+  m.def("host_map", &host_map, "cudaHostRegister (mapped, portable) -> the device address", py::arg("ptr"),
+        py::arg("nbytes"));
+  m.def("host_unmap", &host_unmap, "cudaHostUnregister", py::arg("ptr"));
   m.def("rms_norm", &rms_norm, "fused RMSNorm (decode step); with index, (x[index], its norm) from one launch",
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("index") = py::none());
   m.def("hc_pre", &hc_pre, "GLM-5.3-Flash hyper-connection collapse: (post, comb, collapsed), two launches; with "

@@ -240,6 +240,29 @@ constexpr int kIpcMaxBlocks = 32;    // flag words per sender on each receiver (
 // words (w.bells = ours).
 void launch_ipc_exchange_flags(const IpcPush& a, const IpcWait& w, int blocks, cudaStream_t stream);
 
+// ---- doorbell fabrics' graphed exchange (proxy_bells.cu; the host proxy between its two kernels: proxy.cpp) ----
+struct BellStage {
+  const uint4* src;                  // this rank's block (the expert kernel's out), device memory
+  uint4* dst;                        // our region on our staging, slot 0 (host memory mapped for the device)
+  unsigned long long* ready;         // the two ready records [2][8]: {seq, rows, ...} (host memory)
+  unsigned int* counter;             // device word, zero between launches: the grid's last block writes the record
+  const int64_t* meta;               // the layer's plan meta (rows, seq)
+  int64_t row_words, slot_words;     // uint4 per row, per slot
+};
+struct BellGather {
+  uint4* rows;                       // device rows in slot space: rank r's block at r * cap
+  const uint4* regions;              // region 0 on our staging (region p at p * region_words), host memory
+  const unsigned long long* bells;   // our doorbell words in[peer][rails], host memory
+  const int64_t* meta;               // seq, rows per rank
+  int64_t* err;                      // [4] (1, peer, seq, layer) after a timeout
+  uint64_t timeout_ns;
+  int64_t row_words, cap_words, slot_words, region_words;
+  int rank, n_ranks, rails, layer;
+};
+// Stage then gather, on one stream: the proxy thread puts and rings in between (see proxy_bells.cu).
+void launch_bell_exchange(const BellStage& s, const BellGather& g, int stage_blocks, int gather_blocks,
+                          cudaStream_t stream);
+
 // ---- fused ops of the fixed-shape decode step (decode_ops.cu) ----
 // With index ([rows] int64) and x_out: row b is x[index[b]] (an id outside [0, x_rows): zeros), also copied to
 // x_out[b].

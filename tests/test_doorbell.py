@@ -13,7 +13,7 @@ import torch
 
 from rocket_mpi.errors import FabricError, FabricTimeout
 from rocket_mpi.fabric.base import SEQ_MASK, DoorbellFabric, seq_ahead, split_rails
-from thread_ranks import block_for, run_ranks
+from thread_ranks import ThreadWorld, block_for, run_ranks
 
 
 # -- split and sequence arithmetic -------------------------------------------------------------------------
@@ -45,7 +45,8 @@ class LoopWorld:
     def __init__(self, size, max_rows=64, hidden=64, rails=1, split_min=8192, timeout=10.0, last_seq=0):
         self.size, self.max_rows, self.hidden, self.rails = size, max_rows, hidden, rails
         self.split_min, self.timeout = split_min, timeout
-        self.rows = [torch.zeros(2, max_rows, hidden, dtype=torch.bfloat16) for _ in range(size)]
+        # rank r's staging: a region per sender, two slots each
+        self.rows = [torch.zeros(size, 2, max_rows, hidden, dtype=torch.bfloat16) for _ in range(size)]
         # every word as a long run leaves it: holding the last seq rung (0 on a fresh fabric)
         self.bells = [np.full((size, rails), last_seq & SEQ_MASK, np.uint64) for _ in range(size)]
         self.log: list[tuple] = []
@@ -63,13 +64,13 @@ class LoopFabric(DoorbellFabric):
                          poll_spins=20)
         self.w = world
 
-    def _local_rows(self, slot):
-        return self.w.rows[self.rank][slot]
+    def _region(self, sender):
+        return self.w.rows[self.rank][sender]
 
-    def _put(self, peer, rail, slot, byte_offset, src):
+    def _put(self, peer, rail, byte_offset, src):
         with self.w.lock:
-            self.w.log.append(("put", self.rank, peer, rail, slot, byte_offset, src.numel()))
-        self.w.rows[peer][slot].view(torch.uint8).reshape(-1)[byte_offset:byte_offset + src.numel()].copy_(src)
+            self.w.log.append(("put", self.rank, peer, rail, byte_offset, src.numel()))
+        self.w.rows[peer][self.rank].view(torch.uint8).reshape(-1)[byte_offset:byte_offset + src.numel()].copy_(src)
 
     def _ring(self, peer, rail, seq):
         assert 0 <= seq <= SEQ_MASK
@@ -92,10 +93,12 @@ def exchange_all(world, seqs, counts, layer=0):
             for n in c:
                 offs.append(offs[-1] + n)
             rows = fabs[r].exchange(seq, offs, block_for(r, c[r], world.hidden, seq), layer, seq)
-            assert rows.data_ptr() == world.rows[r][seq & 1].data_ptr()  # slot picked by seq parity
             for p in range(world.size):
                 want = block_for(p, c[p], world.hidden, seq)
                 assert torch.equal(rows[offs[p]:offs[p + 1]].view(torch.int16), want.view(torch.int16)), (r, p, seq)
+                # sender p's block sits at the start of its own region, in the slot of seq's parity
+                landed = world.rows[r][p][seq & 1][:c[p]]
+                assert torch.equal(landed.view(torch.int16), want.view(torch.int16)), (r, p, seq)
     run_ranks(world.size, rank_fn)
 
 
@@ -121,7 +124,7 @@ def test_exchange_splits_large_blocks_over_rails():
     puts0 = [e for e in w.log if e[0] == "put" and e[1] == 0]
     puts1 = [e for e in w.log if e[0] == "put" and e[1] == 1]
     assert {e[3] for e in puts0} == {0, 1} and {e[3] for e in puts1} == {0}
-    assert sum(e[6] for e in puts0) == 3 * 200 * 128
+    assert sum(e[5] for e in puts0) == 3 * 200 * 128
     # per peer and rail, the payload is put before that rail's doorbell rings
     for r in (0, 1):
         order = [(e[0], e[3]) for e in w.log if e[1] == r]
@@ -141,20 +144,22 @@ def test_exchange_with_empty_blocks_and_seq_wrap():
 
 
 def test_two_slots_protect_rows_still_in_use():
-    """A fast peer's next exchange lands in the other slot: the rows we hold stay intact until we move on."""
+    """A fast peer's next exchange lands in the other slot of its region: the rows of the seq we are still gathering
+    stay intact until we ring the next seq, and the fast peer waits for us before it could touch them again."""
     w = LoopWorld(2, max_rows=8, hidden=64)
     a, b = w.fabric(0), w.fabric(1)
     offs = [0, 3, 6]
     got = run_ranks(2, lambda r: (a, b)[r].exchange(1, offs, block_for(r, 3, 64, 1), 0, 0).clone())
-    rows_a = w.rows[0][1]  # what rank 0 is using for seq 1
-    held = rows_a.clone()
+    staged = w.rows[0][1][1]  # rank 1's rows of seq 1 on rank 0: its region, slot 1
+    held = staged.clone()
     t = threading.Thread(target=lambda: b.exchange(2, offs, block_for(1, 3, 64, 2), 0, 1), daemon=True)
     t.start()
     deadline = time.monotonic() + 10
     while int(w.bells[0][1, 0]) < 2:  # rank 1's seq-2 rows have landed at rank 0
         assert time.monotonic() < deadline, "rank 1 never rang seq 2"
         time.sleep(1e-4)
-    assert torch.equal(rows_a.view(torch.int16), held.view(torch.int16))
+    assert torch.equal(staged.view(torch.int16), held.view(torch.int16))
+    assert torch.equal(w.rows[0][1][0][:3].view(torch.int16), block_for(1, 3, 64, 2).view(torch.int16))
     assert t.is_alive()  # and rank 1 waits for us before it could touch slot 1 again
     rows = a.exchange(2, offs, block_for(0, 3, 64, 2), 0, 1)
     t.join(10)
@@ -208,5 +213,68 @@ def test_streams_deliver_and_flow_control(rails, one_rail, nbytes):
 
 def test_stream_needs_room_for_two_messages():
     w = LoopWorld(2, max_rows=8, hidden=64)
-    with pytest.raises(FabricError, match="needs row slots of at least 1152 bytes, these have 1024"):
-        w.fabric(0).stream(1, 512 + 1, 4, True, False, 0)
+    with pytest.raises(FabricError, match="needs row regions of at least 2176 bytes, these have 2048"):
+        w.fabric(0).stream(1, 1024 + 1, 4, True, False, 0)
+
+
+# -- shm: the real segments, ranks as threads ----------------------------------------------------------------
+def named_segments() -> set[str]:
+    """The named shared-memory files this process maps (a memfd shows as /memfd:NAME (deleted))."""
+    with open("/proc/self/maps") as f:
+        return {ln.split(maxsplit=5)[5].strip() for ln in f if "/dev/shm/" in ln}
+
+
+class SnoopComm:
+    """A thread rank's comm that lists our named segments at every collective of the set-up: what a kill -9 there
+    would leave behind."""
+
+    def __init__(self, comm, seen):
+        self.comm, self.seen = comm, seen
+        self.rank, self.size = comm.rank, comm.size
+
+    def allgather(self, obj):
+        self.seen.append(named_segments())
+        return self.comm.allgather(obj)
+
+
+def test_shm_exchange_leaves_nothing_named_at_any_point():
+    """Three shm ranks (threads): the rows arrive, and at no step of the set-up or the run does this process map a
+    named segment (/dev/shm): the segments are memfds opened through /proc, so a rank killed anywhere leaks nothing."""
+    from rocket_mpi.fabric.shm import ShmFabric
+    before = named_segments()  # others' in this process (an MPI library's), not ours
+    world, seen = ThreadWorld(3), []
+    fabs = run_ranks(3, lambda r: ShmFabric(SnoopComm(world.comm(r), seen), 40, 64, 10.0, rails=2,
+                                            rail_split_min_bytes=1024))
+    try:
+        with open("/proc/self/maps") as f:
+            assert sum("memfd:rocket_mpi-shm" in ln for ln in f) >= 9  # 3 ranks x 3 segments
+        for f in fabs:
+            f.poll_spins = 20
+        counts = {1: [30, 0, 5], 2: [1, 2, 3], 3: [0, 40, 0]}
+
+        def rank_fn(r):
+            for seq, c in counts.items():
+                offs = [0, c[0], c[0] + c[1], sum(c)]
+                rows = fabs[r].exchange(seq, offs, block_for(r, c[r], 64, seq), 0, seq)
+                for p in range(3):
+                    assert torch.equal(rows[offs[p]:offs[p + 1]].view(torch.int16),
+                                       block_for(p, c[p], 64, seq).view(torch.int16)), (r, p, seq)
+        run_ranks(3, rank_fn)
+        seen.append(named_segments())
+    finally:
+        for f in fabs:
+            f.close()
+    assert len(seen) >= 7 and not any(s - before for s in seen), seen
+
+
+def test_shm_ranks_that_disagree_fail_together():
+    from rocket_mpi.fabric.shm import ShmFabric, ShmSetupError
+    world, errs = ThreadWorld(2), []
+
+    def rank_fn(r):
+        try:
+            ShmFabric(world.comm(r), 16 if r == 0 else 32, 64, 1.0)
+        except ShmSetupError as e:
+            errs.append(str(e))
+    run_ranks(2, rank_fn)
+    assert len(errs) == 2 and errs[0] == errs[1] and "ranks disagree on ranks, rails or max_rows x hidden" in errs[0]

@@ -122,3 +122,10 @@ def test_job_and_script_are_thin():
     assert "fabric-bench --fabric auto" in job and "--fabric verbs --perftest" in job and "rdma_ready" in job
     script = os.path.join(root, "benchmarks", "perftest-compare.sh")
     assert os.access(script, os.X_OK) and "fabric-bench --fabric verbs --perftest" in open(script).read()
+
+
+def test_graph_and_versus_errors_are_one_line():
+    r = rocket_mpi(2, "fabric-bench", "--fabric", "shm", "--graph", *SMALL, timeout=120)
+    one_error_line(r, "--graph needs --device cuda and a GPU fabric (cuda-ipc, nccl, shm, verbs), not cpu/shm")
+    r = rocket_mpi(2, "fabric-bench", "--fabric", "shm", "--versus", "cuda-ipc", *SMALL, timeout=120)
+    one_error_line(r, "--versus cuda-ipc compares two fabrics' graphed exchanges: it needs --graph")

@@ -141,7 +141,7 @@ class FakeNet:
         class MR(Closable):
             def __init__(self, pd, length, access, address=None):
                 key = net.born(self)
-                assert address and address % 4096 == 0, "staging must be page aligned"
+                assert address and address % 8 == 0, "registrations start 8-byte aligned"
                 self.lkey, self.rkey, self.buf, self.length, self.access = key, key + 0x10000, address, length, access
                 net.mrs[self.lkey] = net.mrs[self.rkey] = (address, length, access)
 
@@ -322,10 +322,11 @@ def test_verbs_setup_cards_and_states(net):
                 assert rts.sq_psn == fabs[r].psn[rail][1 - r] and rtr.path_mtu == 3
                 assert rtr.ah_attr.gr.dgid.gid == fabs[1 - r].gid[rail] and rtr.ah_attr.gr.sgid_index == 3
                 card = fabs[r].remote[rail][1 - r]
-                assert card.addr == fabs[1 - r].rows_addr and card.bell_addr == fabs[1 - r].bells_addr
-        # only the staging is registered: rows (2 slots) and doorbells, per device
+                assert card.addr == fabs[1 - r].region_addr(r) and card.bell_addr == fabs[1 - r].bell_addr(r)
+        # only the staging is registered, per device: all of it for local access, and the peer's region (2 slots)
+        # and its doorbell words (2 rails) for remote writes
         lens = sorted(v[1] for k, v in net.mrs.items() if k < 0x10000)
-        assert lens == sorted([2 * 256 * 128] * 4 + [4096] * 4)
+        assert lens == sorted([f._mem.nbytes for f in fabs] * 2 + [2 * 256 * 128] * 4 + [16] * 4)
     finally:
         for f in fabs:
             f.close()
@@ -341,12 +342,14 @@ def test_verbs_exchange_writes_payload_then_inline_doorbell(net):
                 offs = [0, counts[0], counts[0] + counts[1]]
                 rows = fabs[r].exchange(seq, offs, block_for(r, counts[r], 64, seq), 0, seq)
                 for p in (0, 1):
-                    assert torch.equal(rows[offs[p]:offs[p + 1]].view(torch.int16),
-                                       block_for(p, counts[p], 64, seq).view(torch.int16)), (r, p, seq)
+                    want = block_for(p, counts[p], 64, seq).view(torch.int16)
+                    assert torch.equal(rows[offs[p]:offs[p + 1]].view(torch.int16), want), (r, p, seq)
+                    # the peer's block landed at the start of its region on us, in the slot of seq's parity
+                    landed = fabs[r]._regions[p][seq & 1][:counts[p]]
+                    assert torch.equal(landed.view(torch.int16), want), (r, p, seq)
                 out.append(rows.data_ptr())
             return out
-        ptrs = run_ranks(2, rank_fn)
-        assert ptrs[0][0] == ptrs[0][2] != ptrs[0][1]  # slots alternate with seq parity
+        run_ranks(2, rank_fn)
         assert all(w[-1] == 0 for w in net.wrs)
         bells = [w for w in net.wrs if w[2] & E.IBV_SEND_INLINE]
         assert bells and all(w[2] == E.IBV_SEND_SIGNALED | E.IBV_SEND_INLINE and w[3] == 8 for w in bells)
@@ -368,6 +371,35 @@ def test_verbs_exchange_writes_payload_then_inline_doorbell(net):
             for rail in (0, 1):
                 for p in f.peers:
                     assert f._freed[rail][p] == f._posted[rail][p]
+    finally:
+        for f in fabs:
+            f.close()
+    assert net.open_objects() == []
+
+
+def test_each_peer_key_covers_only_its_region_and_doorbell_words(net):
+    """Three ranks: the keys rank r hands peer p reach exactly p's region and p's doorbell words on r (local access
+    only for the rest of the staging), and a write with p's key anywhere else is refused by the NIC."""
+    fabs = verbs_pair(net, rails=["fake0", "fake1"], max_rows=32, size=3)
+    try:
+        for r, f in enumerate(fabs):
+            for p in f.peers:
+                for rail in (0, 1):
+                    card = fabs[p].remote[rail][r]  # what p holds for writing on r
+                    assert net.mrs[card.rkey][:2] == (f.region_addr(p), f.region_bytes)
+                    assert net.mrs[card.bell_rkey][:2] == (f.bell_addr(p), 8 * 2)
+                    assert net.mrs[card.rkey][2] & E.IBV_ACCESS_REMOTE_WRITE
+            for dev, mr in f.local_mr.items():
+                assert not mr.access & E.IBV_ACCESS_REMOTE_WRITE and (mr.buf, mr.length) == (f.base, f._mem.nbytes)
+        # rank 1 aims its region key at rank 2's region on rank 0, then its doorbell key at rank 2's words
+        card = fabs[1].remote[0][0]
+        for field, value in (("addr", fabs[0].region_addr(2)), ("bell_addr", fabs[0].bell_addr(2))):
+            fabs[1].remote[0][0] = QPCard(**{**card.to_dict(), field: value})
+            fabs[1]._build_doorbell_wrs()
+            with pytest.raises(FabricError, match=r"rank 1: verbs write to rank 0 on rail fake0:1 failed: remote "
+                                                  r"access error"):
+                fabs[1].send(7, 4 * 64, every_rail=True)
+        assert not fabs[0]._regions[2].any() and not fabs[0]._bells_in[2].any()
     finally:
         for f in fabs:
             f.close()
@@ -487,3 +519,28 @@ def test_verbs_on_hardware():
 def test_acquire_fence_runs():
     verbs._acquire_fence()  # the data path calls it only off x86; it must not block or leave the lock held
     assert not verbs._FENCE_LOCK.locked()
+
+
+@pytest.mark.parametrize("device,hosts,rdma,want", [
+    ("cuda", ["a", "a"], [None, None], ("cuda-ipc", "GPU ranks on one host")),
+    ("cuda", ["a", "b"], [None, None], ("verbs", "GPU ranks on 2 hosts, every rank has an ACTIVE RDMA port")),
+    ("cuda", ["a", "b", "b"], [None, "no RDMA device", None],
+     ("nccl", "GPU ranks on 2 hosts; rank 1: no RDMA device")),
+    ("cpu", ["a", "a"], [None, None], ("shm", "CPU ranks on one host")),
+    ("cpu", ["a", "b"], [None, None], ("verbs", "CPU ranks on 2 hosts, every rank has an ACTIVE RDMA port")),
+    ("cpu", ["a", "b"], ["pyverbs is not installed", None], ("mpi", "CPU ranks on 2 hosts; rank 0: pyverbs is not "
+                                                                   "installed")),
+])
+def test_auto_fabric_and_its_reason(monkeypatch, device, hosts, rdma, want):
+    """--fabric auto: verbs across hosts where every rank has an ACTIVE RDMA port (GPU ranks too), else nccl / mpi;
+    every rank gets the same choice and the same reason (rank 0 logs it)."""
+    import rocket_mpi.fabric as fabric
+    n = len(hosts)
+    world = ThreadWorld(n)
+    status = {}
+    monkeypatch.setattr(fabric, "verbs_status", lambda: status[threading.get_ident()])
+
+    def rank_fn(r):
+        status[threading.get_ident()] = rdma[r]
+        return fabric.choose_why("auto", world.comm(r), device, hosts[r])
+    assert run_ranks(n, rank_fn) == [want] * n

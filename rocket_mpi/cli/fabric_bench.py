@@ -2,6 +2,8 @@
 
     mpiexec -n 2 python -m rocket_mpi fabric-bench --fabric shm|mpi|verbs [--rails ...] [--sizes 2K..4M]
         [--iters N] [--reps R] [--rail-split-min-bytes BYTES] [--plot FILE.png] [--perftest]
+    mpiexec -n 2 python -m rocket_mpi fabric-bench --device cuda --graph --fabric shm|verbs|cuda-ipc|nccl
+        [--versus cuda-ipc|nccl]      (cli/graph_bench.py)
 
 Columns, medians over --reps repetitions, printed by rank 0:
   oneway GB/s   rank 0 streams --iters messages (default: 64 MiB worth, 100..5000) to rank 1; bytes over the
@@ -92,8 +94,10 @@ def add_parser(sub, formatter) -> None:
                    help="also run ib_write_bw / ib_write_lat on the same sizes and rails (verbs) and compare")
     p.add_argument("--perftest-iters", type=pos_int, default=1000, help="perftest's -n")
     p.add_argument("--graph", action="store_true",
-                   help="--device cuda, cuda-ipc or nccl: the exchange as the graphed decode step runs it, captured "
-                        "in a CUDA graph, beside a plain peer copy (cli/graph_bench.py)")
+                   help="--device cuda: the exchange as the graphed decode step runs it, captured in a CUDA graph, "
+                        "beside a plain peer copy (cli/graph_bench.py)")
+    p.add_argument("--versus", choices=("cuda-ipc", "nccl"),
+                   help="--graph: also time the same exchanges over this fabric in the same run, side by side")
 
 
 # -- entry -----------------------------------------------------------------------------------------------
@@ -125,8 +129,14 @@ def _bench(args, settings: Settings, comm) -> int:
         fabric_precheck(name, args.device)
         if args.rails and name not in ("shm", "verbs"):
             raise FabricError(f"--rails applies to --fabric shm or verbs, not {name}")
-        if args.graph and (args.device != "cuda" or name not in ("cuda-ipc", "nccl")):
-            raise FabricError(f"--graph needs --device cuda and --fabric cuda-ipc or nccl, not {args.device}/{name}")
+        if args.graph and (args.device != "cuda" or name not in ("cuda-ipc", "nccl", "shm", "verbs")):
+            raise FabricError(f"--graph needs --device cuda and a GPU fabric (cuda-ipc, nccl, shm, verbs), not "
+                              f"{args.device}/{name}")
+        if args.versus and (not args.graph or args.versus == name):
+            raise FabricError(f"--versus {args.versus} compares two fabrics' graphed exchanges: it needs --graph and "
+                              f"another --fabric")
+        if args.versus:
+            fabric_precheck(args.versus, args.device)
         if name == "shm" and args.rails and not args.rails.isdigit():
             raise FabricError(f"--rails {args.rails}: shm takes a count of virtual rails")
     collective(comm, args.fabric_timeout, "fabric checks", precheck)
@@ -134,15 +144,22 @@ def _bench(args, settings: Settings, comm) -> int:
     rails = None
     if args.rails:
         rails = int(args.rails) if name == "shm" else args.rails.split(",")
-    max_rows = 4 * max(args.sizes) // ROW  # pingpong needs 2 messages per slot, a stream a ring of >= 4
+    max_rows = 2 * max(args.sizes) // ROW  # pingpong: both blocks in one row set; a stream: a ring of >= 4
     with watchdog(comm, max(args.fabric_timeout, 60.0), f"setting up fabric {name}"):
         fab = make_fabric(name, comm, max_rows, HIDDEN, args.fabric_timeout, rails, args.rail_split_min_bytes,
                           args.gid_index, device, settings.hostname)
     if args.graph:
+        versus = None
         try:
-            results = graph_bench.run(fab, comm, args.sizes, args.iters, args.reps, device)
+            if args.versus:
+                with watchdog(comm, max(args.fabric_timeout, 60.0), f"setting up fabric {args.versus}"):
+                    versus = make_fabric(args.versus, comm, max_rows, HIDDEN, args.fabric_timeout, None,
+                                         args.rail_split_min_bytes, None, device, settings.hostname)
+            results = graph_bench.run(fab, comm, args.sizes, args.iters, args.reps, device, versus)
         finally:
             fab.close()
+            if versus is not None:
+                versus.close()
         if comm.rank == 0:
             print(graph_bench.format_table(results, describe(fab, args)), flush=True)
         return 0
@@ -252,7 +269,7 @@ class Bench:
     def mpi_rings(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
         if nbytes not in self._mpi_rings:
             stride = -(-nbytes // 64) * 64
-            depth = max(2, min(MAX_DEPTH, self.fab.max_rows * ROW // stride))  # as the doorbell fabrics
+            depth = max(2, min(MAX_DEPTH, 2 * self.fab.max_rows * ROW // stride))  # as the doorbell fabrics
             self._mpi_rings = {nbytes: (np.zeros(depth * stride, np.uint8), np.zeros(depth * stride, np.uint8))}
         return self._mpi_rings[nbytes]
 

@@ -101,7 +101,7 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "device", "host"),
                    help="GPU decode steps: graph = row plan on the device, the step one CUDA graph; device = the "
                         "same without the graph; host = row plan on the host each layer; auto = graph where it "
-                        "can run (a GPU with the extension, fabric local/cuda-ipc/nccl), else host")
+                        "can run (a GPU with the extension, any fabric but mpi), else host")
     p.add_argument("--prefill-chunk", type=pos_int, default=PREFILL_CHUNK,
                    help="prompt tokens per prefill forward, all streams together: longer prompts are prefilled in "
                         "chunks, which bounds the prefill's memory and the fabric's row buffers")

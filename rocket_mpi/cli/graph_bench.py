@@ -1,14 +1,18 @@
 """fabric-bench --graph: the GPU exchange as the graphed decode step runs it, captured in a CUDA graph.
 
-    mpirun -np 2 python -m rocket_mpi fabric-bench --device cuda --fabric cuda-ipc|nccl --graph [--sizes ...]
+    mpirun -np 2 python -m rocket_mpi fabric-bench --device cuda --fabric cuda-ipc|nccl|shm|verbs --graph
+        [--versus cuda-ipc|nccl] [--sizes ...]
 
 Per message size, medians over --reps replays of one graph holding --iters exchanges back to back:
   exchange us    one symmetric exchange (both ranks send the size, each waits for the other's rows):
                  cuda-ipc = ipc_exchange_flags, one kernel, a flag word per block (the decode step's exchange,
-                 fabric/cuda_ipc.py IpcSlots), one block per 4 KiB up to 32, nccl = all_gather_into_tensor;
+                 fabric/cuda_ipc.py IpcSlots), one block per 4 KiB up to 32, nccl = all_gather_into_tensor,
+                 shm / verbs = DoorbellSlots (fabric/slots.py: stage kernel, the proxy thread's puts and doorbells,
+                 wait-and-gather kernel);
   GB/s           size / exchange time: what one rank's rows move at;
+  versus us, x   with --versus: the same exchange over that fabric in the same run, and this one's time over it;
   peer copy GB/s a plain peer copy (cudaMemcpyAsync to the peer's mapped buffer) of the same size, timed
-                 with events, every rank copying at once; and the exchange's share of it;
+                 with events, every rank copying at once; and the exchange's share of it (cuda-ipc, either side);
 and above the table the bandwidth bar: a 256 MiB plain peer copy, one rank copying alone and every rank at once.
 Every size is checked first: the rows that arrive are the bytes the peer sent.
 """
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from rocket_mpi import ops
 from rocket_mpi.cli.report import human, num
 from rocket_mpi.errors import FabricError
+from rocket_mpi.fabric.base import DoorbellFabric
 from rocket_mpi.fabric.cuda_ipc import BELL_BYTES, FLAGS_OFFSET, IPC_MAX_BLOCKS
 
 ROW_HIDDEN = 32   # rows of 64 bytes, as fabric-bench
@@ -60,6 +65,17 @@ class GraphExchange:
             head = [0, 0, self.rows, 0, 0, 0] + [self.rows] * self.size
             self.metas = torch.tensor([head] * iters, dtype=torch.long, device=device)
             self.metas[:, 4] = torch.arange(start, start + iters, device=device)
+        elif isinstance(fab, DoorbellFabric):
+            if fab.row_bytes != ROW_BYTES:
+                raise FabricError(f"graph bench: {fab.name} rows of {fab.row_bytes} B, the bench's are {ROW_BYTES}")
+            self.slots = fab.slot_exchange(self.rows, device)  # a new proxy; the former size's stops
+            self.slots.out.copy_(self.src)  # the expert kernel's output, as the step leaves it
+            self.recv = self.slots.rows
+            rung = [fab._doorbell(p, r) for p in range(self.size) if p != self.rank for r in range(fab.rails)]
+            start = max(comm.allgather(max(rung) + 1))
+            head = [0, 0, self.rows, 0, 0, 0] + [self.rows] * self.size
+            self.metas = torch.tensor([head] * iters, dtype=torch.long, device=device)
+            self.metas[:, 4] = torch.arange(start, start + iters, device=device)
         else:
             self.recv = torch.empty(self.size * self.rows, ROW_HIDDEN, dtype=torch.bfloat16, device=device)
         self.graph = None
@@ -71,6 +87,10 @@ class GraphExchange:
                 C.ipc_exchange_flags(self.src, self.metas[i], self.dst, self.peer_flags, self.rows, 0, self.rank,
                                      self.blocks, self.fab.flags, self.err, self.fab.timeout, -1)
             self.metas[:, 4] += self.iters  # the next replay's seqs
+        elif isinstance(self.fab, DoorbellFabric):
+            for i in range(self.iters):
+                self.slots.exchange(self.metas[i], -1, 0)
+            self.metas[:, 4] += self.iters
         else:
             for _ in range(self.iters):
                 dist.all_gather_into_tensor(self.recv, self.src)
@@ -92,6 +112,8 @@ class GraphExchange:
             err = self.err.tolist()
             if err[0]:
                 raise self.fab.timeout_error(int(err[1]), -1, 0, int(err[2]))
+        elif isinstance(self.fab, DoorbellFabric):
+            self.slots.check(self.slots.err.tolist(), 0)
 
     def capture(self) -> str:
         torch.cuda.synchronize(self.device)
@@ -187,18 +209,22 @@ def _time_one(fab, comm, n: int, k: int, reps: int, device) -> tuple[float, str]
     return us, why
 
 
-def run(fab, comm, sizes: list[int], iters: int | None, reps: int, device) -> list[dict]:
+def run(fab, comm, sizes: list[int], iters: int | None, reps: int, device, versus=None) -> list[dict]:
+    """The table's rows; versus: a second fabric timed on the same sizes in the same run (its column and the ratio).
+    The peer-copy columns come from whichever of the two is cuda-ipc."""
     out = []
-    bar_alone, bar_all = peer_copy_bar(fab, comm, device)
+    ipc = fab if fab.name == "cuda-ipc" else versus if versus is not None and versus.name == "cuda-ipc" else None
+    bar_alone, bar_all = peer_copy_bar(ipc, comm, device) if ipc is not None else (math.nan, math.nan)
     for n in sizes:
         k = iters or max(10, min(200, (64 << 20) // max(n, 1)))
         us, why = _time_one(fab, comm, n, k, reps, device)
-        ipc = fab.name == "cuda-ipc"
-        copy = peer_copy_gbps(fab, comm, n, device)
-        out.append({"bytes": n, "exchange_us": us, "gbs": float("nan") if math.isnan(us) else n / (us * 1e-6) / 1e9,
-                    "copy_gbs": copy, "note": why,
-                    "blocks": push_blocks(n) if ipc else 0, "bar_alone": bar_alone,
-                    "bar_all": bar_all})
+        row = {"bytes": n, "exchange_us": us, "gbs": float("nan") if math.isnan(us) else n / (us * 1e-6) / 1e9,
+               "copy_gbs": peer_copy_gbps(ipc, comm, n, device) if ipc is not None else math.nan, "note": why,
+               "blocks": push_blocks(n) if fab.name == "cuda-ipc" else 0, "bar_alone": bar_alone, "bar_all": bar_all}
+        if versus is not None:
+            vus, vwhy = _time_one(versus, comm, n, k, reps, device)
+            row.update(versus=versus.name, versus_us=vus, note=why or vwhy)
+        out.append(row)
     return out
 
 
@@ -206,15 +232,21 @@ def format_table(results: list[dict], header: str) -> str:
     def pct(a, b):
         return "-" if math.isnan(a) or math.isnan(b) else f"{100 * a / b:.0f}"
 
-    lines = [f"fabric-bench --graph: {header}"]
+    versus = results[0].get("versus") if results else None
+    lines = [f"fabric-bench --graph: {header}" + (f", beside {versus} in the same run" if versus else "")]
     if results and not math.isnan(results[0].get("bar_alone", math.nan)):
         lines.append(f"bandwidth bar, a 256 MiB plain peer copy: {results[0]['bar_alone']:.0f} GB/s one rank copying, "
                      f"{results[0]['bar_all']:.0f} GB/s each with every rank copying")
-    lines.append(f"{'message':>9}  {'blocks':>6}  {'exchange us':>12}  {'GB/s':>8}  {'peer copy GB/s':>14}  "
+    extra = f"  {versus + ' us':>14}  {'x':>6}" if versus else ""
+    lines.append(f"{'message':>9}  {'blocks':>6}  {'exchange us':>12}  {'GB/s':>8}{extra}  {'peer copy GB/s':>14}  "
                  f"{'% of copy':>9}  {'% of bar':>8}")
     for r in results:
+        cells = ""
+        if versus:
+            ratio = r["exchange_us"] / r["versus_us"] if r["versus_us"] and not math.isnan(r["versus_us"]) else math.nan
+            cells = f"  {num(r['versus_us']):>14}  {num(ratio):>6}"
         lines.append(f"{human(r['bytes']):>9}  {r.get('blocks', 0) or '-':>6}  {num(r['exchange_us']):>12}  "
-                     f"{num(r['gbs']):>8}  {num(r['copy_gbs']):>14}  "
+                     f"{num(r['gbs']):>8}{cells}  {num(r['copy_gbs']):>14}  "
                      f"{pct(r['gbs'], r['copy_gbs']):>9}  {pct(r['gbs'], r.get('bar_alone', math.nan)):>8}"
                      + (f"  capture failed: {r['note']}" if r["note"] else ""))
     return "\n".join(lines)

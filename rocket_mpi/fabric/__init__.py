@@ -12,7 +12,8 @@ from rocket_mpi.fabric.shm import ShmFabric
 from rocket_mpi.fabric.verbs import VerbsFabric, port_states
 
 BACKENDS = ("auto", "local", "shm", "mpi", "verbs", "cuda-ipc", "nccl")
-GRAPHED_FABRICS = ("local", "cuda-ipc", "nccl")  # with a SlotExchange on a GPU: the fixed-shape step runs over them
+# with a SlotExchange on a GPU: the fixed-shape step runs over them (shm and verbs through a host proxy, fabric/slots.py)
+GRAPHED_FABRICS = ("local", "cuda-ipc", "nccl", "shm", "verbs")
 
 
 def verbs_status() -> str | None:
@@ -31,19 +32,30 @@ def verbs_status() -> str | None:
 
 
 def choose(name: str, comm, device: str, hostname: str | None = None) -> str:
-    """Resolve --fabric auto: verbs where an RDMA device is up across hosts, else shm/cuda-ipc on one
-    host, else mpi/nccl. hostname: this rank's host as the choice sees it (default: the real one; tests stand
-    one machine in for several with Settings.hostname)."""
+    """Resolve --fabric auto (choose_why without the reason)."""
+    return choose_why(name, comm, device, hostname)[0]
+
+
+def choose_why(name: str, comm, device: str, hostname: str | None = None) -> tuple[str, str]:
+    """(fabric, why): --fabric auto resolved, and what decided it (one line for the log). On one host: shm (CPU
+    ranks) or cuda-ipc (GPU ranks). Across hosts: verbs where every rank has an ACTIVE RDMA port that pyverbs opens
+    (decided together: a rank without RDMA must not leave the others on verbs), else mpi (CPU) or nccl (GPU).
+    hostname: this rank's host as the choice sees it (default: the real one; tests stand one machine in for several
+    with Settings.hostname)."""
     if comm is None or comm.size == 1:
-        return "local"
+        return "local", "one rank"
     hosts = set(comm.allgather(hostname or socket.gethostname()))
     if name != "auto":
-        return name
-    if device == "cuda":
-        return "cuda-ipc" if len(hosts) == 1 else "nccl"
-    if len(hosts) > 1:  # decided together: a rank without RDMA must not leave the others on verbs
-        return "verbs" if all(comm.allgather(verbs_status() is None)) else "mpi"
-    return "shm"
+        return name, "--fabric " + name
+    kind = "GPU" if device == "cuda" else "CPU"
+    if len(hosts) == 1:
+        return ("cuda-ipc" if device == "cuda" else "shm"), f"{kind} ranks on one host"
+    rdma = comm.allgather(verbs_status())
+    where = f"{kind} ranks on {len(hosts)} hosts"
+    if all(why is None for why in rdma):
+        return "verbs", f"{where}, every rank has an ACTIVE RDMA port"
+    rank = next(r for r, why in enumerate(rdma) if why is not None)
+    return ("nccl" if device == "cuda" else "mpi"), f"{where}; rank {rank}: {rdma[rank]}"
 
 
 def fabric_precheck(name: str, device: str = "cpu") -> None:

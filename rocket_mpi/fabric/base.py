@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rocket_mpi.errors import FabricError, FabricTimeout
+from rocket_mpi.ops import _ext
 from rocket_mpi.ops.plan import META_SEQ
 
 
@@ -86,10 +87,13 @@ class SlotExchange:
         bytes_sent(rows_mine)      bytes this rank sent for one layer
         err                        device words a timeout inside a captured exchange is recorded in (or None);
                                    check(words, step) raises it after the step, naming peer, layer and step
+        host_gil                   True where a thread of this process needs the GIL while the step runs (the
+                                   verbs proxy's posts): the host's wait for the step must give it up
     """
     mode = "host"
     n_sets = 1
     err = None
+    host_gil = False
 
     def __init__(self, fabric: "Fabric", cap: int):
         self.fabric, self.cap = fabric, cap
@@ -164,6 +168,8 @@ def split_rails(nbytes: int, rails: int, split_min: int, align: int = 64) -> lis
 
 
 SEQ_MASK = (1 << 64) - 1  # a doorbell word is 64 bits
+PAGE = 4096
+READY_BYTES = 128  # the graphed step's two ready records of 64 bytes in a doorbell fabric's header (fabric/slots.py)
 
 
 def seq_ahead(bell: int, seq: int) -> int:
@@ -177,17 +183,26 @@ def seq_ahead(bell: int, seq: int) -> int:
 
 
 class DoorbellFabric(Fabric):
-    """Shared logic of the one-sided backends (shm, verbs): double-buffered row slots selected by
-    seq parity, a rail split per payload, one doorbell word per (peer, rail) holding the last seq.
+    """Shared logic of the one-sided backends (shm, verbs): a receive region per sender, double-buffered row slots
+    selected by seq parity, a rail split per payload, one doorbell word per (peer, rail) holding the last seq.
+
+    Staging on every rank, one region per sender (ours holds our own block, the source of our puts):
+
+        region(p) = [slot 0: max_rows rows][slot 1: max_rows rows]      sender p's block at the start of slot seq & 1
+
+    A peer writes only its own region and its own doorbell words on us (verbs: its key covers exactly those,
+    fabric/verbs.py). A block's place in the canonical row set depends on routing, so the receiver gathers the
+    blocks into the row set (one local copy); the graphed step's exchange (DoorbellSlots) reads the regions in place.
 
     Why two slots are enough: a peer writes slot (seq+1)&1 only after it has our doorbell for seq,
     which we ring only after finishing with the rows of seq-1 (same parity as seq+1).
     Only the rails that carry a piece of a payload are rung (rail 0 alone for an empty or small one);
     the receiver knows every block's size from routing, so it waits on exactly those rails. A rail
     skipped for a while keeps an older seq, and the next seq rung on it is larger still.
-    Subclasses provide: _local_rows(slot) -> [max_rows, H] tensor this rank receives into,
-    _put(peer, rail, slot, byte_offset, src) one-sided payload write (src lies in this rank's own rows),
-    _ring(peer, rail, seq) with seq < 2**64, _doorbell(peer, rail) -> last seq that peer rang here on that rail.
+    Subclasses provide: _region(sender) -> [2, max_rows, H] tensor of this rank's staging where that sender's rows
+    land, _put(peer, rail, byte_offset, src) one-sided write of src (in our own region) into our region on `peer`
+    at byte_offset (slot * slot_bytes + offset in the block), _ring(peer, rail, seq) with seq < 2**64,
+    _doorbell(peer, rail) -> last seq that peer rang here on that rail.
     """
 
     def __init__(self, rank, size, max_rows, hidden, timeout, rails: int = 1, rail_split_min_bytes: int = 8192,
@@ -197,27 +212,48 @@ class DoorbellFabric(Fabric):
         self.split_min = rail_split_min_bytes
         self.poll_spins = poll_spins
         self.row_bytes = hidden * 2
+        self.slot_bytes = max_rows * self.row_bytes
+        self.region_bytes = 2 * self.slot_bytes
+        self._rows_out: torch.Tensor | None = None  # the gathered row set of the host path (allocated on first use)
+        self._slots = None    # the graphed step's exchange in use (fabric/slots.py), its proxy running
+        self._mapped = None   # (address, device address) of our staging registered with CUDA
 
     def _pieces(self, nbytes: int, rails: int | None = None) -> list[tuple[int, int]]:
         return split_rails(nbytes, rails or self.rails, self.split_min)
 
     def _exchange(self, seq, offsets, block, layer, step):
+        if self._slots is not None:  # the graphed step's proxy first sends what it has (fabric/slots.py)
+            self._slots.drain()
         slot = seq & 1
-        rows = self._local_rows(slot)
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
-        src = rows[lo:hi].view(torch.uint8).reshape(-1)
+        mine = self._region(self.rank)[slot]
         if hi > lo:
-            rows[lo:hi].copy_(block)
-        pieces = self._pieces((hi - lo) * self.row_bytes)
+            mine[:hi - lo].copy_(block)
+        self.send(seq, (hi - lo) * self.row_bytes)
+        self._wait_all(seq, offsets, layer, step)
+        if self._rows_out is None:
+            self._rows_out = torch.empty(self.max_rows, self.hidden, dtype=torch.bfloat16)
+        out = self._rows_out
+        for p in range(self.size):  # the blocks, in canonical order
+            a, b = offsets[p], offsets[p + 1]
+            if b > a:
+                out[a:b].copy_(self._region(p)[slot][:b - a])
+        return out[:offsets[-1]]
+
+    def send(self, seq: int, nbytes: int, every_rail: bool = False) -> None:
+        """Our block of seq (the first nbytes of our region's slot seq & 1) to every peer, then the doorbells: the
+        rails that carried a piece, or every rail (every_rail: the graphed step's receivers wait on all of them)."""
+        slot = seq & 1
+        src = self._region(self.rank)[slot].view(torch.uint8).reshape(-1)
+        pieces = self._pieces(nbytes)
+        ring = self.rails if every_rail else max(1, len(pieces))
         for k in range(1, self.size):  # start with the next rank so senders spread over receivers
             peer = (self.rank + k) % self.size
             for rail, (start, n) in enumerate(pieces):
-                self._put(peer, rail, slot, lo * self.row_bytes + start, src[start:start + n])
-            for rail in range(max(1, len(pieces))):
+                self._put(peer, rail, slot * self.slot_bytes + start, src[start:start + n])
+            for rail in range(ring):
                 self._ring(peer, rail, seq & SEQ_MASK)
         self._flush()
-        self._wait_all(seq, offsets, layer, step)
-        return rows[:offsets[-1]]
 
     def _wait_all(self, seq, offsets, layer, step):
         wait = _Patience(self)
@@ -229,6 +265,56 @@ class DoorbellFabric(Fabric):
                     if wait.idle():
                         raise self.timeout_error(peer, layer, step, seq)
 
+    # -- the graphed step (fabric/slots.py DoorbellSlots) --------------------------------------
+    # A backend sets header (byte offset of region 0 in its staging) and ready_offset (the two ready records).
+    def staging(self) -> tuple[int, int]:
+        """(address, bytes) of this rank's staging: doorbell words at 0, ready records, regions from `header`."""
+        raise NotImplementedError
+
+    def proxy_targets(self) -> tuple[list, list] | None:
+        """Where the proxy puts and rings natively (per rank: our region and our rail-0 doorbell word there, mapped
+        in this process; None for us), or None: the proxy calls send() instead (verbs)."""
+        return None
+
+    def device_staging(self, device: torch.device) -> int:
+        """Our staging's address for the device's kernels: registered with CUDA (mapped, portable) once."""
+        if device.type != "cuda":
+            return self.staging()[0]
+        if self._mapped is None:
+            addr, nbytes = self.staging()
+            try:
+                self._mapped = (addr, int(_ext.require().host_map(addr, nbytes)))
+            except RuntimeError as e:
+                raise FabricError(f"rank {self.rank}: fabric {self.name}: registering its {nbytes}-byte staging with "
+                                  f"CUDA failed: {e}") from None
+        return self._mapped[1]
+
+    def attach_slots(self, slots) -> None:
+        """The graphed step's exchange now in use; a former one (an earlier run's) sends what it has, then stops."""
+        if self._slots is not None and self._slots is not slots:
+            old, self._slots = self._slots, None
+            try:
+                old.drain()
+            finally:
+                old.close()
+        self._slots = slots
+
+    def close_slots(self) -> None:
+        """Let the proxy send what it has, stop it, drop the CUDA registration: before the staging goes (a
+        backend's close). A proxy that cannot drain is stopped anyway: the job is ending."""
+        if self._slots is not None:
+            slots, self._slots = self._slots, None
+            try:
+                slots.drain()
+            except FabricError:
+                pass
+            finally:
+                slots.close()
+        if self._mapped is not None:
+            torch.cuda.synchronize()
+            _ext.require().host_unmap(self._mapped[0])
+            self._mapped = None
+
     # -- streaming, for fabric-bench's oneway and duplex columns -----------------------------
     def stream(self, peer: int, nbytes: int, count: int, send: bool, recv: bool, seq0: int,
                rails: int | None = None, max_depth: int = 64) -> int:
@@ -236,9 +322,8 @@ class DoorbellFabric(Fabric):
         (duplex), through the same _put/_ring/_doorbell as exchange(). Both ranks pass the same
         nbytes, count, seq0 and rails (None: all); message i carries seq0+i+1. Returns the last seq.
 
-        Messages ride the row buffer as a ring of `depth` positions: the lower rank sends into slot 0,
-        the higher into slot 1, so a rank's source ring (its own copy of its direction's slot) is never
-        what the peer writes. The sender writes a position again only once the receiver has seen the
+        Messages ride the sender's region (both slots) as a ring of `depth` positions: the source ring is our own
+        region, which no peer writes. The sender writes a position again only once the receiver has seen the
         message that was there:
           oneway: the receiver rings back on rail 0 (the reverse direction is otherwise idle) how many
                   it has seen; at most `depth` messages are unacknowledged.
@@ -247,9 +332,10 @@ class DoorbellFabric(Fabric):
         """
         if not (send or recv):
             return seq0
+        if self._slots is not None:
+            self._slots.drain()
         stride, depth = self.stream_depth(nbytes, max_depth)
         window = depth if not recv else depth // 2
-        tx_slot = 0 if self.rank < peer else 1
         src = self.stream_ring(peer, send=True)
         pieces = self._pieces(nbytes, rails)
         used = max(1, len(pieces))
@@ -273,7 +359,7 @@ class DoorbellFabric(Fabric):
                 while sent < count and sent - credit < window:
                     pos = (sent % depth) * stride
                     for rail, (start, n) in enumerate(pieces):
-                        self._put(peer, rail, tx_slot, pos + start, src[pos + start:pos + start + n])
+                        self._put(peer, rail, pos + start, src[pos + start:pos + start + n])
                     sent += 1
                     for rail in range(used):
                         self._ring(peer, rail, (seq0 + sent) & SEQ_MASK)
@@ -290,17 +376,16 @@ class DoorbellFabric(Fabric):
     def stream_depth(self, nbytes: int, max_depth: int = 64) -> tuple[int, int]:
         """(stride, depth): a stream's messages sit `stride` bytes apart in a ring of `depth` positions."""
         stride = -(-nbytes // 64) * 64
-        slot_bytes = self.max_rows * self.row_bytes
-        depth = min(max_depth, slot_bytes // stride) if stride else 0
+        ring_bytes = 2 * self.slot_bytes
+        depth = min(max_depth, ring_bytes // stride) if stride else 0
         if depth < 2:
             raise FabricError(f"rank {self.rank}: fabric {self.name}: a stream of {nbytes}-byte messages needs row "
-                              f"slots of at least {2 * stride} bytes, these have {slot_bytes}")
+                              f"regions of at least {2 * stride} bytes, these have {ring_bytes}")
         return stride, depth
 
     def stream_ring(self, peer: int, send: bool) -> torch.Tensor:
-        """uint8 view of this rank's slot that a stream with `peer` sends from (send) or receives into."""
-        lower_sends = (self.rank < peer) == send
-        return self._local_rows(0 if lower_sends else 1).view(torch.uint8).reshape(-1)
+        """uint8 view of the region a stream with `peer` sends from (send: ours) or receives into (the peer's)."""
+        return self._region(self.rank if send else peer).view(torch.uint8).reshape(-1)
 
     def _flush(self):
         """After a batch of puts and rings: reap (or wait for) local completions where the transport has them."""
@@ -309,10 +394,10 @@ class DoorbellFabric(Fabric):
         """Called while polling: reap completions (verbs)."""
 
     # -- to be provided by a backend -------------------------------------------------
-    def _local_rows(self, slot: int) -> torch.Tensor:
+    def _region(self, sender: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def _put(self, peer: int, rail: int, slot: int, byte_offset: int, src: torch.Tensor) -> None:
+    def _put(self, peer: int, rail: int, byte_offset: int, src: torch.Tensor) -> None:
         raise NotImplementedError
 
     def _ring(self, peer: int, rail: int, seq: int) -> None:

@@ -1,13 +1,18 @@
 """verbs: ranks on hosts joined by RoCE or InfiniBand, over pyverbs RC queue pairs (the report's transport).
 
-One RC QP per (rail, peer). Each rank's staging is page-aligned host memory that ibv_reg_mr pins, registered
-once per rail device, and nothing else is registered:
+One RC QP per (rail, peer). Each rank's staging is one page-aligned allocation of host memory that ibv_reg_mr pins:
 
-    rows:  [slot 0: max_rows x hidden bf16][slot 1]                  REMOTE_WRITE, peers write rows here
-    bells: [in: size x rails uint64][out: size x rails uint64]       REMOTE_WRITE, peers write doorbells into `in`
+    [doorbells in: size x rails uint64][doorbells out: size x rails][ready records: 2 x 64 B] (pad to a page)
+    [region of rank 0][region of rank 1]...    region(p) = [slot 0: max_rows x hidden bf16][slot 1]
+
+registered per rail device as one local MR (LOCAL_WRITE: the source of our writes) and, per peer p, two MRs with
+REMOTE_WRITE: region(p) and in[p, :]. Peer p's card carries only those two keys, so a peer can write nothing but its
+own block (its region: a block's place in the canonical rows depends on routing, so each sender has a region
+of its own that any of its blocks fits, and the receiver gathers, fabric/base.py) and its own doorbell words.
+The ready records are the graphed step's (fabric/slots.py), written by our GPU, never by a peer.
 
 Per rail a sender posts one unsignaled RDMA write of its payload piece, then one signaled 8-byte inline RDMA
-write of seq into the peer's bells.in[sender, rail]. RC executes the writes of one QP in order at the responder,
+write of seq into in[sender, rail] on the peer. RC executes the writes of one QP in order at the responder,
 so a doorbell that reads seq means that rail's piece of seq is in memory; the receiver polls its own words and
 posts nothing. The MRs leave out IBV_ACCESS_RELAXED_ORDERING: relaxed PCIe ordering would let the doorbell's
 DMA overtake the payload's. Completions of the signaled writes only recycle send-queue slots (an unsignaled WR's
@@ -31,11 +36,11 @@ import numpy as np
 import torch
 
 from rocket_mpi.errors import AgreedError, FabricError
-from rocket_mpi.fabric.base import DoorbellFabric
+from rocket_mpi.fabric.base import PAGE, READY_BYTES, DoorbellFabric
+from rocket_mpi.fabric.slots import DoorbellSlots
 
 SQ_DEPTH = 256          # send WRs per QP; a message costs 2 per rail (payload + doorbell)
 INLINE_BYTES = 64       # asked of the QP; the doorbell needs 8
-PAGE = 4096
 # RC retry policy as ibv_rc_pingpong and rdma-core's tests: ~67 ms ACK timeout (4.096 us * 2**14), 7 retries.
 ACK_TIMEOUT, RETRY_CNT, RNR_RETRY, MIN_RNR_TIMER, HOP_LIMIT = 14, 7, 7, 12, 64
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
@@ -63,7 +68,7 @@ class VerbsSetupError(FabricError, AgreedError):
 # -- the card: what a peer needs to reach one of our QPs -----------------------------------------------
 _GID_RE = re.compile(r"^[0-9a-f]{4}(:[0-9a-f]{4}){7}$")
 _WIRE = struct.Struct("<4sHHIIB3xII16sQQQ")
-_MAGIC, _VERSION = b"RKQP", 1
+_MAGIC, _VERSION = b"RKQP", 2
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,10 @@ class QPCard:
     gid: str          # port GID, pyverbs form 'xxxx:xxxx:...' (8 groups)
     lid: int          # port LID (0 on RoCE)
     mtu: int          # our port's active MTU, ibv_mtu enum 1..5
-    rkey: int         # row staging: both slots
+    rkey: int         # the region the card's reader writes on us: both slots
     addr: int
     length: int
-    bell_rkey: int    # doorbell words: in[size x rails] uint64
+    bell_rkey: int    # its doorbell words on us: in[reader, :] (rails uint64)
     bell_addr: int
 
     def __post_init__(self):
@@ -239,7 +244,6 @@ class VerbsFabric(DoorbellFabric):
         super().__init__(comm.rank, comm.size, max_rows, hidden, timeout, 1, rail_split_min_bytes)
         self.api = None
         self.peers = [p for p in range(self.size) if p != self.rank]
-        self.slot_bytes = max_rows * hidden * 2
         self._closers: list = []       # every verbs object, in creation order; close() releases in reverse
         self.ports: list[Rail] = []
         self.gid_index: list[int] = []
@@ -333,28 +337,51 @@ class VerbsFabric(DoorbellFabric):
             self.gid.append(gid)
 
     def alloc_staging(self) -> None:
-        """Page-aligned, zeroed host memory; ibv_reg_mr pins it. Numpy owns it, so it outlives the MRs."""
+        """One page-aligned, zeroed allocation (header, then the regions); ibv_reg_mr pins it. Numpy owns it, so it
+        outlives the MRs."""
         nbells = self.size * self.rails
-        self._rows_mem = _aligned(max(2 * self.slot_bytes, PAGE))
-        self._bells_mem = _aligned(max(2 * nbells * 8, PAGE))
-        self.rows_addr, self.bells_addr = self._rows_mem.ctypes.data, self._bells_mem.ctypes.data
-        words = self._bells_mem[:2 * nbells * 8].view(np.uint64).reshape(2, self.size, self.rails)
+        self.ready_offset = 2 * nbells * 8
+        self.header = -(-(self.ready_offset + READY_BYTES) // PAGE) * PAGE
+        self._mem = _aligned(-(-(self.header + self.size * self.region_bytes) // PAGE) * PAGE)
+        self.base = self._mem.ctypes.data
+        words = self._mem[:2 * nbells * 8].view(np.uint64).reshape(2, self.size, self.rails)
         self._bells_in, self._bells_out = words[0], words[1]
-        flat = torch.from_numpy(self._rows_mem[:2 * self.slot_bytes]).view(torch.bfloat16)
-        self._rows = [flat[k * self.slot_bytes // 2:(k + 1) * self.slot_bytes // 2].view(self.max_rows, self.hidden)
-                      for k in (0, 1)]
+        flat = torch.from_numpy(self._mem[self.header:self.header + self.size * self.region_bytes]).view(torch.bfloat16)
+        self._regions = flat.view(self.size, 2, self.max_rows, self.hidden)
+
+    def staging(self):
+        return self.base, self._mem.nbytes
+
+    def slot_exchange(self, cap, device):
+        if device.type == "cpu" or self.size == 1:
+            return super().slot_exchange(cap, device)
+        return DoorbellSlots(self, cap, device)
+
+    def region_addr(self, sender: int) -> int:
+        return self.base + self.header + sender * self.region_bytes
+
+    def bell_addr(self, sender: int) -> int:
+        """in[sender, 0]: where `sender` rings us."""
+        return self.base + 8 * sender * self.rails
 
     def create_mrs(self) -> None:
+        """Per device: the local MR over the whole staging (sources of our writes), and per peer its region and its
+        doorbell words, remotely writable. No RELAXED_ORDERING: see the top of this file."""
         e = self.api.e
-        access = int(e.IBV_ACCESS_LOCAL_WRITE) | int(e.IBV_ACCESS_REMOTE_WRITE)  # no RELAXED_ORDERING: see top
-        self.rows_mr, self.bells_mr = {}, {}
+        local = int(e.IBV_ACCESS_LOCAL_WRITE)
+        remote = local | int(e.IBV_ACCESS_REMOTE_WRITE)
+        self.local_mr, self.region_mr, self.bell_mr = {}, {}, {}
         for dev, pd in self.pd.items():
-            self.rows_mr[dev] = self._own(self._step(f"{dev}: register {self._rows_mem.nbytes} B of row staging",
-                                                     lambda: self.api.MR(pd, self._rows_mem.nbytes, access,
-                                                                         address=self.rows_addr)))
-            self.bells_mr[dev] = self._own(self._step(f"{dev}: register the doorbells",
-                                                      lambda: self.api.MR(pd, self._bells_mem.nbytes, access,
-                                                                          address=self.bells_addr)))
+            self.local_mr[dev] = self._own(self._step(f"{dev}: register {self._mem.nbytes} B of staging",
+                                                      lambda: self.api.MR(pd, self._mem.nbytes, local,
+                                                                          address=self.base)))
+            for p in self.peers:
+                self.region_mr[dev, p] = self._own(self._step(
+                    f"{dev}: register rank {p}'s region", lambda: self.api.MR(pd, self.region_bytes, remote,
+                                                                              address=self.region_addr(p))))
+                self.bell_mr[dev, p] = self._own(self._step(
+                    f"{dev}: register rank {p}'s doorbell words", lambda: self.api.MR(pd, 8 * self.rails, remote,
+                                                                                      address=self.bell_addr(p))))
 
     def create_cqs(self) -> None:
         # Only signaled WRs complete; a QP has at most SQ_DEPTH outstanding, so this CQ cannot overflow.
@@ -393,8 +420,9 @@ class VerbsFabric(DoorbellFabric):
         for peer in self.peers:
             out[peer] = [QPCard(qpn=self.qp[rail][peer].qp_num, psn=self.psn[rail][peer], gid=self.gid[rail],
                                 lid=int(self.port_attr[rail].lid), mtu=int(self.port_attr[rail].active_mtu),
-                                rkey=self.rows_mr[r.device].rkey, addr=self.rows_addr, length=2 * self.slot_bytes,
-                                bell_rkey=self.bells_mr[r.device].rkey, bell_addr=self.bells_addr)
+                                rkey=self.region_mr[r.device, peer].rkey, addr=self.region_addr(peer),
+                                length=self.region_bytes, bell_rkey=self.bell_mr[r.device, peer].rkey,
+                                bell_addr=self.bell_addr(peer))
                          for rail, r in enumerate(self.ports)]
         return out
 
@@ -412,9 +440,9 @@ class VerbsFabric(DoorbellFabric):
                         card = QPCard.from_bytes(b)
                     except FabricError as e:
                         raise FabricError(f"rank {peer}'s card for rail {rail}: {e}") from None
-                    if card.length != 2 * self.slot_bytes:
-                        raise FabricError(f"rank {peer} stages {card.length} B of rows, rank {self.rank} "
-                                          f"{2 * self.slot_bytes} B: ranks disagree on max_rows x hidden")
+                    if card.length != self.region_bytes:
+                        raise FabricError(f"rank {peer} has regions of {card.length} B, rank {self.rank} "
+                                          f"{self.region_bytes} B: ranks disagree on max_rows x hidden")
                     remote[rail][peer] = card
         except FabricError as e:
             err = f"rank {self.rank}: {e}"
@@ -452,14 +480,14 @@ class VerbsFabric(DoorbellFabric):
         self._bell_wr = [{} for _ in self.ports]
         self._data_wr = [{} for _ in self.ports]
         for rail, r in enumerate(self.ports):
-            lkey = self.bells_mr[r.device].lkey
+            lkey = self.local_mr[r.device].lkey
             for peer in self.peers:
                 card = self.remote[rail][peer]
-                out = self.bells_addr + self._bells_out.itemsize * (self.size * self.rails + peer * self.rails + rail)
+                out = self.base + 8 * (self.size * self.rails + peer * self.rails + rail)
                 wr = api.SendWR(opcode=write, num_sge=1, sg=[api.SGE(out, 8, lkey)], send_flags=bell_flags)
-                wr.set_wr_rdma(card.bell_rkey, card.bell_addr + 8 * (self.rank * self.rails + rail))
+                wr.set_wr_rdma(card.bell_rkey, card.bell_addr + 8 * rail)
                 self._bell_wr[rail][peer] = wr
-                sge = api.SGE(self.rows_addr, 0, self.rows_mr[r.device].lkey)
+                sge = api.SGE(self.region_addr(self.rank), 0, lkey)
                 data = api.SendWR(opcode=write, num_sge=1, sg=[sge], send_flags=0)
                 data.sg_list = sge  # the WR now reads this SGE, so _put edits addr/length in place
                 _KEEP.append((data, sge))
@@ -472,22 +500,21 @@ class VerbsFabric(DoorbellFabric):
             raise VerbsSetupError(bad[0] if len(bad) == 1 else f"{bad[0]} (and {len(bad) - 1} more rank(s))")
 
     # -- data path -------------------------------------------------------------------------------------
-    def _local_rows(self, slot):
-        return self._rows[slot]
+    def _region(self, sender):
+        return self._regions[sender]
 
-    def _put(self, peer, rail, slot, byte_offset, src):
+    def _put(self, peer, rail, byte_offset, src):
         n = src.numel()
         if n == 0:
             return
-        addr = src.data_ptr()
-        if addr < self.rows_addr or addr + n > self.rows_addr + 2 * self.slot_bytes or \
-                byte_offset + n > self.slot_bytes:
+        addr, own = src.data_ptr(), self.region_addr(self.rank)
+        if addr < own or addr + n > own + self.region_bytes or byte_offset < 0 or byte_offset + n > self.region_bytes:
             raise FabricError(f"rank {self.rank}: verbs put to rank {peer} on rail {self.ports[rail]}: {n} B at "
-                              f"{addr:#x} / slot offset {byte_offset} lie outside the registered row staging")
+                              f"{addr:#x} / region offset {byte_offset} lie outside this rank's region")
         card = self.remote[rail][peer]
         wr, sge = self._data_wr[rail][peer]
         sge.addr, sge.length = addr, n
-        wr.set_wr_rdma(card.rkey, card.addr + slot * self.slot_bytes + byte_offset)
+        wr.set_wr_rdma(card.rkey, card.addr + byte_offset)
         self._post(rail, peer, wr, signaled=False)
 
     def _ring(self, peer, rail, seq):
@@ -545,6 +572,7 @@ class VerbsFabric(DoorbellFabric):
     def close(self) -> None:
         """Release every verbs object, newest first (QPs, CQs, MRs, PDs, contexts), even after a failed set-up.
         Raises one FabricError naming what could not be released, after trying all of them."""
+        self.close_slots()
         errors = []
         while self._closers:
             obj = self._closers.pop()

@@ -15,7 +15,7 @@ from rocket_mpi import __version__
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
 from rocket_mpi.errors import RocketError
-from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
+from rocket_mpi.fabric import choose_why, fabric_precheck, make_fabric
 from rocket_mpi.moe.cache import parse_budget
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.runtime.dist import collective as _collective
@@ -96,7 +96,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
     log.info(f"{reader.config.model_type}: {reader.config.num_hidden_layers} layers, {reader.config.n_routed_experts} "
              f"routed experts" + (f"; streams {sweep}, {args.tokens} tokens each" if sweep else ""))
     with watchdog(comm, args.startup_timeout, "choosing the fabric"):
-        fabric_name = choose(fab.name, comm, args.device, settings.hostname)
+        fabric_name, fabric_why = choose_why(fab.name, comm, args.device, settings.hostname)
     _collective(comm, args.startup_timeout, "fabric checks", lambda: fabric_precheck(fabric_name, args.device))
     cfg = reader.config
     facts = {"version": __version__, "model_type": cfg.model_type, "config": config_digest(cfg),
@@ -107,8 +107,8 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
              "stop": (args.stop, args.ignore_eos),
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
              "settings": settings.bits(), **(facts_extra or {})}
-    log.info(f"fabric {fabric_name}" + (" (--fabric auto)" if fab.name == "auto" else "") + "; loading this "
-             "rank's share of the checkpoint")
+    log.info(f"fabric {fabric_name}" + (f" (--fabric auto: {fabric_why})" if fab.name == "auto" else "") + "; loading "
+             "this rank's share of the checkpoint")
     handshake(comm, facts, args.startup_timeout)
     if comm is not None:  # a launcher names a dead rank by its PID alone: which rank that is, once
         with watchdog(comm, args.startup_timeout, "naming the ranks"):

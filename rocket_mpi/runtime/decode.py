@@ -78,6 +78,9 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
         cfg = reader.config
         placement = (Placement.from_file(args.placement, cfg, size) if args.placement
                      else Placement.contiguous(cfg, size))
+        if args.replicas is not None and not args.rebalance_every:
+            raise RocketError(f"--replicas {args.replicas}: replicas placed by live rebalancing need --rebalance-every "
+                              f"STEPS (fixed replicas come in a --placement file)")
         runs, text = [], False
         if args.chat and args.prompts:
             raise RocketError("--chat and --prompts: give one of them")
@@ -105,7 +108,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
              "streams": sweep, "tokens": args.tokens, "threads": args.threads, "device": args.device,
              "fabric": fabric_name, "placement": placement.digest(), "decode path": want_path or args.decode_path,
              "prefill chunk": args.prefill_chunk, "sampling": (args.temperature, args.top_p, args.top_k, args.seed),
-             "stop": (args.stop, args.ignore_eos),
+             "stop": (args.stop, args.ignore_eos), "rebalance": (args.rebalance_every, args.replicas),
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
              "settings": settings.bits(), **(facts_extra or {})}
     log.info(f"fabric {fabric_name}" + (" (--fabric auto)" if fab.name == "auto" else "") + "; loading this "
@@ -122,7 +125,8 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
                          lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
                                         progress=args.progress and rank == 0,
                                         expert_cache=parse_budget(args.expert_cache), share=share,
-                                        telemetry=bool(args.telemetry)))
+                                        telemetry=bool(args.telemetry), rebalance_every=args.rebalance_every,
+                                        replicas=args.replicas))
     log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
              f"{engine.resident_bytes() / 2**30:.2f} GiB resident; expert cache: {engine.cache_plan.reason}")
     for p in runs:
@@ -233,11 +237,11 @@ def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:
 
 def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement) -> None:
     """--telemetry: the last run's routing ([steps, MoE layers, experts] rows, the same on every rank: rank 0's), the
-    placement's owners and each rank's expert-cache accounting, as one .npz."""
+    placement's owners (owners [layers, E]: each expert's lowest owner rank; owner_mask [layers, E, ranks]: 1 where the
+    rank holds the expert, replicas included) and each rank's expert-cache accounting, as one .npz."""
     layers = list(cfg.moe_layers)
-    owners = np.stack([placement.owners[la].numpy() for la in layers]) if layers else np.zeros((0, 0))
-    np.savez_compressed(path, rows=trace, layers=np.array(layers), owners=owners,
-                        per_rank=np.array(json.dumps(per_rank)))
+    np.savez_compressed(path, rows=trace, layers=np.array(layers), owners=placement.first_owners(layers),
+                        owner_mask=placement.owner_mask(layers), per_rank=np.array(json.dumps(per_rank)))
 
 
 def measure_h2d_bandwidth(device) -> float | None:

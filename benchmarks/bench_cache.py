@@ -103,16 +103,18 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=0, help="whose experts (the trace's placement)")
     a = ap.parse_args()
     z = np.load(a.trace)
-    rows, owners, layers = z["rows"], z["owners"], z["layers"]
+    rows, layers = z["rows"], z["layers"]
+    # 1 where the rank holds the expert, replicas included (owner_mask); older traces: the one owner of each expert
+    mine = z["owner_mask"][..., a.rank] > 0 if "owner_mask" in z else z["owners"] == a.rank
     steps = rows.shape[0]
     print(f"{a.trace}: {steps} decode steps, {len(layers)} MoE layers, {rows.shape[2]} experts; rank {a.rank}'s "
-          f"experts ({int((owners == a.rank).sum())} over all layers)")
+          f"experts ({int(mine.sum())} over all layers)")
     print(f"{'capacity':>9} {'ours':>7} {'LRU':>7} {'Belady':>7} {'ours/Belady':>12} {'copies/step ours':>17} "
           f"{'LRU':>6} {'Belady':>7}")
     for frac in (float(x) for x in a.capacity.split(",")):
         tot = {k: [0, 0, 0] for k in ("ours", "lru", "belady")}
         for i in range(len(layers)):
-            owned = [int(e) for e in np.nonzero(owners[i] == a.rank)[0]]
+            owned = [int(e) for e in np.nonzero(mine[i])[0]]
             if not owned:
                 continue
             cap = int(frac * len(owned))

@@ -49,12 +49,14 @@ class RebalanceStats:
     left: int = 0             # experts this rank gave up
     moved_bytes: int = 0      # bytes read from the checkpoint into slots (and device slots refilled from far ones)
     seconds: float = 0.0      # recompute + moves + table rewrites, waited for
+    balance_seconds: float = 0.0  # of which recomputing the placements (balance())
     last_step: int = 0
     replicas: int = 0         # extra copies in the placement now, all MoE layers together
 
     def as_dict(self) -> dict:
         return {"rebalances": self.rebalances, "changed": self.changed, "arrived": self.arrived, "left": self.left,
-                "moved_bytes": self.moved_bytes, "ms": 1e3 * self.seconds, "last_step": self.last_step,
+                "moved_bytes": self.moved_bytes, "ms": 1e3 * self.seconds,
+                "balance_ms": 1e3 * self.balance_seconds, "last_step": self.last_step,
                 "replicas": self.replicas}
 
 
@@ -102,6 +104,7 @@ class Rebalancer:
             owners[layer] = balance(self.rows[i] / self.weight, self.active[i] / self.weight, old.n_ranks,
                                     self.replicas, self.expert_bytes, None, current=current)
         new = Placement(owners, old.n_ranks, source=f"rebalanced at decode step {step}")
+        self.stats.balance_seconds += time.perf_counter() - t0
         for layer in self.layers:
             for r in range(new.n_ranks):
                 if len(new.owned(layer, r)) > self.slots:

@@ -75,32 +75,21 @@ def capture_ms(spec: str, device, streams: int) -> float:
     return statistics.median(times) if times else float("nan")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint")
-    ap.add_argument("--ranks", type=int, default=2, help="ranks of the split (default 2)")
-    ap.add_argument("--rank", type=int, default=0, help="whose share this process loads (default 0)")
-    ap.add_argument("--replicas", type=int, default=2, help="extra copies per MoE layer balance() may place")
-    ap.add_argument("--streams", type=int, default=8, help="M: rows per step are M x top-k (default 8)")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-capture", action="store_true", help="skip the one-rank capture (its memory and time)")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    dev = pick_device(a.device, None)
+def rebalances(a, dev) -> None:
+    """Rank a.rank's share loaded with rebalancing on, two rebalances timed (the module docstring)."""
     reader = reader_for(a.checkpoint, dev)
     cfg = reader.config
     t0 = time.perf_counter()
     eng = Engine(a.checkpoint, a.rank, a.ranks, Placement.contiguous(cfg, a.ranks), reader, device=str(dev),
                  rebalance_every=1, replicas=a.replicas)
     rb = eng.rebalancer
-    moe = DeviceMoE(eng, a.streams)  # its tables are rewritten by each rebalance (on_change)
-    store = next(s for s in eng.experts.values())
+    DeviceMoE(eng, a.streams)  # the fixed-shape step's tables: each rebalance rewrites them in place (on_change)
+    owned = len(next(iter(eng.experts.values())).owned)
     n_exp, layers = cfg.n_routed_experts, len(cfg.moe_layers)
     print(f"{a.checkpoint}: rank {a.rank} of {a.ranks} loaded in {time.perf_counter() - t0:.1f} s on {dev}; "
-          f"{layers} MoE layers x {n_exp} experts, {rb.slots} slots per layer (contiguous: "
-          f"{len(store.owned)} owned), one expert {rb.expert_bytes / 2**20:.2f} MiB, up to {a.replicas} replicas, "
-          f"{a.streams} streams x top-{cfg.num_experts_per_tok}")
+          f"{layers} MoE layers x {n_exp} experts, {rb.slots} slots per layer (contiguous: {owned} owned), one "
+          f"expert {rb.expert_bytes / 2**20:.2f} MiB, up to {a.replicas} replicas, {a.streams} streams x "
+          f"top-{cfg.num_experts_per_tok}")
     rng = np.random.default_rng(a.seed)
     orders = [rng.permutation(n_exp) for _ in range(layers)]
     rows = a.streams * cfg.num_experts_per_tok
@@ -120,10 +109,25 @@ def main() -> int:
         st = rb.stats
         changed = sum(1 for la in cfg.moe_layers if eng.placement.owners[la] != before[la])
         moves = st.seconds - st.balance_seconds
+        rate = st.moved_bytes / moves / 1e9 if moves > 0 and st.moved_bytes else 0.0
         print(f"{what:<22} {changed:>14} {st.arrived:>7} {st.left:>5} {st.moved_bytes / 1e6:>8.1f} "
-              f"{1e3 * st.seconds:>8.1f} {1e3 * st.balance_seconds:>10.1f} "
-              f"{st.moved_bytes / moves / 1e9 if moves > 0 and st.moved_bytes else 0.0:>10.2f} {st.replicas:>8}")
-    del moe, eng, store
+              f"{1e3 * st.seconds:>8.1f} {1e3 * st.balance_seconds:>10.1f} {rate:>10.2f} {st.replicas:>8}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks of the split (default 2)")
+    ap.add_argument("--rank", type=int, default=0, help="whose share this process loads (default 0)")
+    ap.add_argument("--replicas", type=int, default=2, help="extra copies per MoE layer balance() may place")
+    ap.add_argument("--streams", type=int, default=8, help="M: rows per step are M x top-k (default 8)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-capture", action="store_true", help="skip the one-rank capture (its memory and time)")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    dev = pick_device(a.device, None)
+    rebalances(a, dev)
     if not a.no_capture and dev.type == "cuda":
         torch.cuda.empty_cache()
         print(f"one capture of the graphed step (1 rank, M={a.streams}), median of 3: "

@@ -192,6 +192,45 @@ def test_decayed_counts():
     assert rb.due(4) and rb.due(8) and not rb.due(5) and not rb.due(0)
 
 
+def test_rebalance_moves_experts_and_rewrites_the_tables(skewed, monkeypatch):
+    """Rank 0 of 2 with rebalancing, balance() stood in for by a fixed answer (moe/balance.py's algorithm has its own
+    tests): the placement becomes the engine's, rank 0 holds its new experts, the fixed-shape step's tables are
+    rewritten in place to the new placement's, and an answer past the fixed slots is one error naming rank, step and
+    layer."""
+    from rocket_mpi.errors import RocketError
+    from rocket_mpi.moe import rebalance
+    from rocket_mpi.moe.step import DeviceMoE
+    from rocket_mpi.ops import plan as kplan
+    from rocket_mpi.runtime.engine import Engine
+    torch.set_num_threads(1)
+    eng = Engine(skewed, 0, 2, rebalance_every=2, replicas=2)
+    rb, layers = eng.rebalancer, list(eng.cfg.moe_layers)
+    assert rb.slots == 9 and eng.pair_capacity == 18 and eng.experts[layers[0]].owned == list(range(8))
+    moe = DeviceMoE(eng, 4)
+    tables = {la: [t.data_ptr() for t in moe.tables[la]] for la in layers}
+    seen = []
+    rb.on_change["test"] = seen.append
+    answer = [[0, 1], [0, 1]] + [e % 2 for e in range(2, 16)]
+    monkeypatch.setattr(rebalance, "balance", lambda *a, **k: answer)
+    rb.observe(np.zeros((len(layers), 2, 16), dtype=np.int64), 1)
+    rb.rebalance(2)
+    mine = [0, 1] + list(range(2, 16, 2))
+    assert eng.placement.owned(layers[0], 0) == mine and seen == layers
+    st = rb.stats.as_dict()
+    assert (st["changed"], st["arrived"], st["left"], st["replicas"]) == (1, 2 * 4, 2 * 3, 2 * 2), st
+    for la in layers:
+        assert eng.experts[la].owned == mine and sorted(eng.experts[la].gate_up) == mine
+        want = kplan.device_tables(eng.placement.table(la), eng.pair_capacity)
+        assert [t.data_ptr() for t in moe.tables[la]] == tables[la]  # in place: a capture stays valid
+        for got, w in zip((moe.tables[la][0], moe.tables[la][1], moe.tables[la][3]), want):
+            assert torch.equal(got, w)
+        assert moe.tables[la][2].tolist() == [mine.index(e) if e in mine else -1 for e in range(16)]
+    monkeypatch.setattr(rebalance, "balance", lambda *a, **k: [0] * 16)
+    with pytest.raises(RocketError, match=f"rank 0: live rebalancing at decode step 4 gave rank 0 16 experts of MoE "
+                                          f"layer {layers[0]}, more than its 9 slots"):
+        rb.rebalance(4)
+
+
 def test_fixed_slots(tiny_ckpt):
     from rocket_mpi.checkpoint.reader import CheckpointReader
     cfg = CheckpointReader(tiny_ckpt).config

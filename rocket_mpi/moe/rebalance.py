@@ -113,8 +113,8 @@ class Rebalancer:
                                       f"{self.slots} slots")
             if new.table(layer).n_pairs > self.pairs:
                 raise RocketError(f"rank {e.rank}: live rebalancing at decode step {step} gave MoE layer {layer} "
-                                  f"{new.replicas(layer)} replicas, more than the {self.pairs - len(new.owners[layer])} "
-                                  f"its tables hold")
+                                  f"{new.replicas(layer)} replicas, more than the "
+                                  f"{self.pairs - len(new.owners[layer])} its tables hold")
         st = self.stats
         st.rebalances += 1
         st.last_step = step

@@ -132,7 +132,8 @@ def moe_plan_ref(experts: torch.Tensor, weights: torch.Tensor, owner, slot: dict
     meta = torch.tensor([n_tiles, n_groups, hi - lo, set_, s, mine]
                         + [plan.offsets[r + 1] - plan.offsets[r] for r in range(n_ranks)], dtype=torch.long)
     return {"by_token": canon_slot[plan.by_token], "coef": plan.coef, "row_index": row_index, "pad_rows": pad_rows,
-            "groups": groups, "canon_slot": canon_slot, "meta": meta, "by_canon": torch.arange(t * k, dtype=torch.int32).view(t, k)}
+            "groups": groups, "canon_slot": canon_slot, "meta": meta,
+            "by_canon": torch.arange(t * k, dtype=torch.int32).view(t, k)}
 
 
 PLAN_KEYS = ("by_token", "coef", "row_index", "pad_rows", "groups", "canon_slot", "meta", "by_canon")

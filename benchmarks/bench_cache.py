@@ -15,6 +15,7 @@ Prints one table: per capacity, each policy's hit rate, ours as a fraction of Be
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -104,8 +105,11 @@ def main() -> int:
     a = ap.parse_args()
     z = np.load(a.trace)
     rows, layers = z["rows"], z["layers"]
-    # 1 where the rank holds the expert, replicas included (owner_mask); older traces: the one owner of each expert
-    mine = z["owner_mask"][..., a.rank] > 0 if "owner_mask" in z else z["owners"] == a.rank
+    if "placement" in z:  # the placement spelt out per layer: a rank or a list of ranks (replicas) per expert
+        placed = json.loads(str(z["placement"]))
+        mine = np.array([[a.rank in (o if isinstance(o, list) else [o]) for o in placed[str(la)]] for la in layers])
+    else:  # older traces: the one owner of each expert
+        mine = z["owners"] == a.rank
     steps = rows.shape[0]
     print(f"{a.trace}: {steps} decode steps, {len(layers)} MoE layers, {rows.shape[2]} experts; rank {a.rank}'s "
           f"experts ({int(mine.sum())} over all layers)")

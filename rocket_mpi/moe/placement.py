@@ -118,14 +118,5 @@ class Placement:
         """[layers, E] int: each expert's lowest owner rank (its only one without replicas)."""
         return np.array([[o[0] for o in self.owners[la]] for la in layers], dtype=np.int64).reshape(len(layers), -1)
 
-    def owner_mask(self, layers: list[int]) -> np.ndarray:
-        """[layers, E, ranks] uint8: 1 where the rank holds the expert."""
-        n_exp = len(self.owners[layers[0]]) if layers else 0
-        m = np.zeros((len(layers), n_exp, self.n_ranks), dtype=np.uint8)
-        for i, la in enumerate(layers):
-            for e, o in enumerate(self.owners[la]):
-                m[i, e, list(o)] = 1
-        return m
-
     def __eq__(self, other) -> bool:
         return isinstance(other, Placement) and self.owners == other.owners and self.n_ranks == other.n_ranks

@@ -237,11 +237,10 @@ def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:
 
 def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement) -> None:
     """--telemetry: the last run's routing ([steps, MoE layers, experts] rows, the same on every rank: rank 0's), the
-    placement's owners (owners [layers, E]: each expert's lowest owner rank; owner_mask [layers, E, ranks]: 1 where the
-    rank holds the expert, replicas included) and each rank's expert-cache accounting, as one .npz."""
+    placement's owners (each expert's lowest owner rank) and each rank's expert-cache accounting, as one .npz."""
     layers = list(cfg.moe_layers)
     np.savez_compressed(path, rows=trace, layers=np.array(layers), owners=placement.first_owners(layers),
-                        owner_mask=placement.owner_mask(layers), per_rank=np.array(json.dumps(per_rank)))
+                        per_rank=np.array(json.dumps(per_rank)))
 
 
 def measure_h2d_bandwidth(device) -> float | None:

@@ -271,8 +271,8 @@ def test_static_fire_with_rebalancing(skewed, tmp_path):
 
 
 @pytest.mark.parametrize("ranks,fabric,extra", [
-    (4, "mpi", ["--replicas", "3"]),                           # 4 ranks, from contiguous quarters
-    (3, "shm", ["--expert-cache", "0.00004", "--placement"]),  # from a replica placement, a bounded cache
+    (4, "mpi", ["--placement"]),                                 # 4 ranks, from a replica placement
+    (3, "shm", ["--expert-cache", "0.00004", "--replicas", "3"]),  # from contiguous thirds, a bounded cache
 ])
 def test_split_with_rebalancing(ranks, fabric, extra, skewed, reference, tmp_path):
     """The split with placements recomputed every 2 steps decodes the one-rank tokens; the ranks agreed on every

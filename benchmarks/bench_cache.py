@@ -15,6 +15,7 @@ Prints one table: per capacity, each policy's hit rate, ours as a fraction of Be
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -103,16 +104,21 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=0, help="whose experts (the trace's placement)")
     a = ap.parse_args()
     z = np.load(a.trace)
-    rows, owners, layers = z["rows"], z["owners"], z["layers"]
+    rows, layers = z["rows"], z["layers"]
+    if "placement" in z:  # the placement spelt out per layer: a rank or a list of ranks (replicas) per expert
+        placed = json.loads(str(z["placement"]))
+        mine = np.array([[a.rank in (o if isinstance(o, list) else [o]) for o in placed[str(la)]] for la in layers])
+    else:  # older traces: the one owner of each expert
+        mine = z["owners"] == a.rank
     steps = rows.shape[0]
     print(f"{a.trace}: {steps} decode steps, {len(layers)} MoE layers, {rows.shape[2]} experts; rank {a.rank}'s "
-          f"experts ({int((owners == a.rank).sum())} over all layers)")
+          f"experts ({int(mine.sum())} over all layers)")
     print(f"{'capacity':>9} {'ours':>7} {'LRU':>7} {'Belady':>7} {'ours/Belady':>12} {'copies/step ours':>17} "
           f"{'LRU':>6} {'Belady':>7}")
     for frac in (float(x) for x in a.capacity.split(",")):
         tot = {k: [0, 0, 0] for k in ("ours", "lru", "belady")}
         for i in range(len(layers)):
-            owned = [int(e) for e in np.nonzero(owners[i] == a.rank)[0]]
+            owned = [int(e) for e in np.nonzero(mine[i])[0]]
             if not owned:
                 continue
             cap = int(frac * len(owned))

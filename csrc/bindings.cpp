@@ -457,7 +457,8 @@ std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tens
 // Device row plan of one MoE layer; returns {by_token, coef, row_index, pad_rows, groups, canon_slot, meta,
 // by_canon}.
 std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::Tensor& weights,
-                                    const torch::Tensor& owner, const torch::Tensor& slot, const torch::Tensor& canon,
+                                    const torch::Tensor& pair0, const torch::Tensor& pair_owner,
+                                    const torch::Tensor& slot, const torch::Tensor& canon,
                                     const torch::Tensor& s2_down, int64_t rank, int64_t n_ranks, int64_t n_sets,
                                     int64_t set_stride, torch::Tensor& seq,
                                     const std::optional<torch::Tensor>& meta_out,
@@ -467,14 +468,16 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   expect(experts, "experts", torch::kLong, 2, dev, 8);
   expect(weights, "weights", torch::kFloat, 2, dev, 4);
   ROCKET_CHECK(weights.sizes() == experts.sizes(), "weights " << weights.sizes() << " vs experts " << experts.sizes());
-  const int64_t n_exp = owner.numel();
-  expect(owner, "owner", torch::kInt, 1, dev, 4);
+  const int64_t n_exp = slot.numel(), n_pairs = canon.numel();
+  expect(pair0, "pair0", torch::kInt, 1, dev, 4);
+  expect(pair_owner, "pair_owner", torch::kInt, 1, dev, 4);
   expect(slot, "slot", torch::kInt, 1, dev, 4);
   expect(canon, "canon", torch::kInt, 1, dev, 4);
   expect(s2_down, "s2_down", torch::kFloat, 1, dev, 4);
-  ROCKET_CHECK(slot.numel() == n_exp && canon.numel() == n_exp && s2_down.numel() == n_exp,
-               "owner/slot/canon/s2_down lengths " << n_exp << "/" << slot.numel() << "/" << canon.numel() << "/"
-               << s2_down.numel());
+  ROCKET_CHECK(pair0.numel() == n_exp + 1 && s2_down.numel() == n_exp && pair_owner.numel() == n_pairs,
+               "pair0/slot/s2_down/pair_owner/canon lengths " << pair0.numel() << "/" << n_exp << "/"
+               << s2_down.numel() << "/" << pair_owner.numel() << "/" << n_pairs
+               << " (expected E + 1, E, E, P, P)");
   expect(seq, "seq", torch::kLong, 1, dev, 8);
   const int64_t t = experts.size(0), k = experts.size(1), cap = t * k;
   const c10::cuda::CUDAGuard guard(dev);
@@ -504,11 +507,13 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   a.weights = weights.data_ptr<float>();
   a.tokens = static_cast<int>(t);
   a.topk = static_cast<int>(k);
-  a.owner = owner.data_ptr<int>();
+  a.pair0 = pair0.data_ptr<int>();
+  a.pair_owner = pair_owner.data_ptr<int>();
   a.slot = slot.data_ptr<int>();
   a.canon = canon.data_ptr<int>();
   a.s2_down = s2_down.data_ptr<float>();
   a.n_experts = static_cast<int>(n_exp);
+  a.n_pairs = static_cast<int>(n_pairs);
   a.rank = static_cast<int>(rank);
   a.n_ranks = static_cast<int>(n_ranks);
   a.cap = static_cast<int>(cap);
@@ -1055,7 +1060,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
         py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto, py::arg("far") = py::none());
   m.def("moe_plan", &moe_plan, "device row plan of one MoE layer (CUDA-graph safe); meta into meta_out where given, "
-        "and *zero = 0", py::arg("experts"), py::arg("weights"), py::arg("owner"), py::arg("slot"), py::arg("canon"),
+        "and *zero = 0", py::arg("experts"), py::arg("weights"), py::arg("pair0"), py::arg("pair_owner"),
+        py::arg("slot"), py::arg("canon"),
         py::arg("s2_down"), py::arg("rank"), py::arg("n_ranks"), py::arg("n_sets"), py::arg("set_stride"),
         py::arg("seq"), py::arg("meta_out") = py::none(), py::arg("zero") = py::none(),
         py::arg("fires") = py::none());

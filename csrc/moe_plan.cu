@@ -1,11 +1,13 @@
 // moe_plan: the canonical row plan of one MoE layer, built on the GPU from the router's output, so a
 // decode step needs no device-to-host copy and can be captured in a CUDA graph.
 //
-// It computes what rocket_mpi/moe/rows.py (plan_rows) and rocket_mpi/kernels.launch_plan compute on the
-// host, in fixed-capacity buffers (rocket_mpi/kernels/plan.py has the torch reference and the layout):
+// It computes what rocket_mpi/ops/rows.py (plan_rows) and rocket_mpi/ops/experts.py (launch_plan) compute on
+// the host, in fixed-capacity buffers (rocket_mpi/ops/plan.py has the torch reference and the layout):
 //
-//   canonical row of (token t, expert e) = start[e] + (tokens t' < t routed to e)
-//   start[e]  = rows of the experts before e in (owner rank, expert id) order
+//   each expert's owners are (expert, owner) pairs; a replicated expert's c rows (tokens ascending) are split
+//   among its m pairs by routing alone: row j goes to pair (j * m) / c
+//   canonical row of (token t, expert e) = start[pair] + (j - first row of the pair), j = tokens t' < t routed to e
+//   start[pair] = rows of the pairs before it in (owner rank, expert id) order
 //   rank r's block = rows [off[r], off[r+1]); its rows live in "slot space" at
 //                    set * set_stride + r * cap + (row - off[r])    (cap = tokens * topk)
 //
@@ -53,12 +55,28 @@ constexpr uint64_t kField = (uint64_t(1) << 21) - 1;
 // token's by_token / coef position is the number of its other slots with a lower expert id.
 constexpr int kRowsPerThread = kPlanMaxRows / kPlanThreads;
 static_assert(kRowsPerThread * kPlanThreads == kPlanMaxRows, "rows per thread");
+static_assert(kPlanMaxPairs <= kPlanThreads && kPlanMaxExperts <= kPlanMaxPairs, "one thread per pair");
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// The expert of pair p: the last e with pair0[e] <= p (p0 in shared memory, non-decreasing).
+__device__ __forceinline__ int expert_of_pair(const int* p0, int n_experts, int p) {
+  int lo = 0, hi = n_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p0[mid] <= p) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
 
 __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch a) {
   __shared__ int cnt[kPlanMaxExperts];
-  __shared__ int start[kPlanMaxExperts];
-  __shared__ int tstart[kPlanMaxExperts];
-  __shared__ int own[kPlanMaxExperts];
+  __shared__ int p0[kPlanMaxExperts + 1];
+  __shared__ int slt[kPlanMaxExperts];
+  __shared__ int start[kPlanMaxPairs];
+  __shared__ int tstart[kPlanMaxPairs];
+  __shared__ int own[kPlanMaxPairs];
   __shared__ int expk[kPlanMaxRows];     // expert of flat (token, slot) i
   __shared__ int rank_rows[kPlanMaxRanks];
   __shared__ int off[kPlanMaxRanks + 1];
@@ -77,13 +95,14 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     ei[u] = i < R ? static_cast<int>(a.experts[i]) : 0;
     wi[u] = i < R ? a.weights[i] : 0.0f;
   }
-  const int ce = tid < E ? a.canon[tid] : -1;
-  const int slot_ce = tid < E ? a.slot[ce] : 0;
+  const int cp = tid < a.n_pairs ? a.canon[tid] : -1;  // this thread's pair, in canonical order
   const long long seq_in = tid == 0 ? static_cast<long long>(*a.seq) : 0;
   for (int e = tid; e < E; e += nt) {
     cnt[e] = 0;
-    own[e] = a.owner[e];
+    slt[e] = a.slot[e];
   }
+  for (int e = tid; e <= E; e += nt) p0[e] = a.pair0[e];
+  for (int p = tid; p < a.n_pairs; p += nt) own[p] = a.pair_owner[p];
   for (int r = tid; r < a.n_ranks; r += nt) rank_rows[r] = 0;
   if (tid == 0) mine = 0;
   for (int i = tid; i < C * kRowTile; i += nt) a.pad_rows[i] = -1;
@@ -105,30 +124,33 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
   }
   __syncthreads();
 
-  // experts in canonical (owner, id) order: one thread each (E <= kPlanThreads), one scan for rows,
-  // tiles and weight passes together
-  int n_t = 0;
+  // pairs in canonical (owner, expert id) order: one thread each (n_pairs <= kPlanThreads), one scan for rows,
+  // tiles and weight passes together; a pair's rows are its share of its expert's (the split rule above)
+  int n_t = 0, ce = 0;
   uint64_t v = 0;
-  if (ce >= 0) {
-    const int c = cnt[ce];
-    if (own[ce] == a.rank && c > 0) n_t = (c + kRowTile - 1) / kRowTile;
-    v = uint64_t(c) | (uint64_t(n_t) << kTilesShift) |
+  if (cp >= 0) {
+    ce = expert_of_pair(p0, E, cp);
+    const int m = p0[ce + 1] - p0[ce], q = cp - p0[ce], c = cnt[ce];
+    const int n = ceil_div((q + 1) * c, m) - ceil_div(q * c, m);
+    const int o = own[cp];
+    if (o == a.rank && n > 0) n_t = (n + kRowTile - 1) / kRowTile;
+    v = uint64_t(n) | (uint64_t(n_t) << kTilesShift) |
         (uint64_t((n_t + kMaxRowTiles - 1) / kMaxRowTiles) << kGroupsShift);
-    atomicAdd(&rank_rows[own[ce]], c);
+    atomicAdd(&rank_rows[o], n);
     if (n_t) atomicAdd(&mine, 1);
-    if (a.fires != nullptr) {  // the expert cache's telemetry: one thread per expert, no atomics
+    if (a.fires != nullptr && q == 0) {  // the expert cache's telemetry: one thread per expert, no atomics
       a.fires[ce] += c;
       a.fires[E + ce] += c > 0;
     }
   }
   uint64_t total;
   const uint64_t ex = block_exclusive_scan(v, warp_sums, total);
-  if (ce >= 0) {
-    start[ce] = static_cast<int>(ex & kField);
+  if (cp >= 0) {
+    start[cp] = static_cast<int>(ex & kField);
     const int t0 = static_cast<int>((ex >> kTilesShift) & kField), g0 = static_cast<int>(ex >> kGroupsShift);
-    tstart[ce] = t0;
+    tstart[cp] = t0;
     for (int q = 0; q < n_t; q += kMaxRowTiles)
-      a.groups[g0 + q / kMaxRowTiles] = make_int4(slot_ce, t0 + q, min(kMaxRowTiles, n_t - q), 0);
+      a.groups[g0 + q / kMaxRowTiles] = make_int4(slt[ce], t0 + q, min(kMaxRowTiles, n_t - q), 0);
   }
   if (tid == 0) {
     if (a.zero != nullptr) *a.zero = 0;
@@ -147,8 +169,9 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
   }
   __syncthreads();
 
-  // each (token, slot) i: its canonical row, slot-space row, and its place among the token's rows in
-  // ascending expert id, where it writes by_token / by_canon / coef (router weight x s2_down, one fp32 multiply)
+  // each (token, slot) i: its pair (the split rule), canonical row, slot-space row, and its place among the
+  // token's rows in ascending expert id, where it writes by_token / by_canon / coef (router weight x s2_down, one
+  // fp32 multiply)
   const int64_t base = int64_t(a.n_sets > 1 ? s_seq % a.n_sets : 0) * a.set_stride;
 #pragma unroll
   for (int u = 0; u < kRowsPerThread; ++u) {
@@ -159,15 +182,18 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     for (int q = 0; q < t * a.topk; ++q) rnk += expk[q] == e;  // a token routes to an expert at most once
     int j = 0;
     for (int q = t * a.topk; q < (t + 1) * a.topk; ++q) j += expk[q] < e;
-    const int row = start[e] + rnk, o = own[e], rel = row - off[o];
+    const int m = p0[e + 1] - p0[e], c = cnt[e];
+    const int q = m == 1 ? 0 : rnk * m / c;
+    const int pair = p0[e] + q, r = rnk - ceil_div(q * c, m);
+    const int row = start[pair] + r, o = own[pair], rel = row - off[o];
     const int64_t sp = base + int64_t(o) * C + rel;
     a.canon_slot[row] = sp;
     if (o == a.rank) {
       a.row_index[rel] = t;
-      a.pad_rows[(tstart[e] + rnk / kRowTile) * kRowTile + rnk % kRowTile] = rel;
+      a.pad_rows[(tstart[pair] + r / kRowTile) * kRowTile + r % kRowTile] = rel;
     }
     a.by_token[t * a.topk + j] = sp;
-    a.by_canon[t * a.topk + j] = row;
+    a.by_canon[t * a.topk + j] = t * a.topk + j;  // the checksum's (token, expert) order: placement-independent
     a.coef[t * a.topk + j] = __fmul_rn(wi[u], s2i[u]);
   }
 }
@@ -178,8 +204,10 @@ void launch_moe_plan(const PlanLaunch& a, cudaStream_t stream) {
   ROCKET_CHECK(a.tokens > 0 && a.topk > 0 && a.topk <= kPlanMaxTopk, "tokens " << a.tokens << ", topk " << a.topk);
   ROCKET_CHECK(int64_t(a.tokens) * a.topk <= kPlanMaxRows, a.tokens << " tokens x top-" << a.topk
                << " rows exceed the device plan's " << kPlanMaxRows);
-  ROCKET_CHECK(a.n_experts > 0 && a.n_experts <= kPlanMaxExperts && a.n_experts <= kPlanThreads, a.n_experts << " experts (device plan: at most "
+  ROCKET_CHECK(a.n_experts > 0 && a.n_experts <= kPlanMaxExperts, a.n_experts << " experts (device plan: at most "
                << kPlanMaxExperts << ")");
+  ROCKET_CHECK(a.n_pairs >= a.n_experts && a.n_pairs <= kPlanMaxPairs, a.n_pairs << " (expert, owner) pairs for "
+               << a.n_experts << " experts (device plan: at most " << kPlanMaxPairs << ")");
   ROCKET_CHECK(a.n_ranks > 0 && a.n_ranks <= kPlanMaxRanks && a.rank >= 0 && a.rank < a.n_ranks,
                "rank " << a.rank << " of " << a.n_ranks);
   ROCKET_CHECK(a.cap >= a.tokens * a.topk, "capacity " << a.cap);

@@ -159,7 +159,7 @@ void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, 
                                  cudaStream_t stream);
 
 // out[t] = bf16(sum_j coef[t,j] * rows[by_token[t,j]]), fp32 in j order from 0.0f, one rounding. With
-// by_canon ([tokens, topk] canonical row of each by_token entry) and sum, *sum += the rows' checksum. Then
+// by_canon ([tokens, topk] each by_token entry's place in the checksum order) and sum, *sum += the rows' checksum. Then
 // + res[0], + res[1] ([tokens, hidden] bf16, up to kMaxResiduals), each add rounded (torch's r + out). With norm_w
 // ([hidden] bf16) and normed ([tokens, hidden] bf16): normed = rms_norm(out, norm_w, eps) too, in the same launch
 // where launch_rms_norm would take its vector kernel (the same bits either way).
@@ -183,7 +183,8 @@ void launch_moe_route(const float* partial, int slices, const float* bias, int t
 
 // ---- device row plan (moe_plan.cu; torch reference and layout in rocket_mpi/ops/plan.py) ----
 constexpr int kPlanThreads = 1024;
-constexpr int kPlanMaxExperts = 1024;  // one thread per expert in the canonical scan
+constexpr int kPlanMaxExperts = 1024;  // one thread per expert in the counts
+constexpr int kPlanMaxPairs = 1024;    // (expert, owner) pairs, replicas included: one thread each in the canonical scan
 constexpr int kPlanMaxRows = 2048;    // tokens x topk of one call
 constexpr int kPlanMaxRanks = 64;
 constexpr int kPlanMaxTopk = 32;
@@ -193,11 +194,15 @@ struct PlanLaunch {
   const int64_t* experts;   // [tokens, topk] router choice
   const float* weights;     // [tokens, topk] router weights
   int tokens, topk;
-  const int* owner;         // [E] rank of each expert
+  // The owners as (expert, owner) pairs, numbered expert by expert in ascending rank (rocket_mpi/ops/rows.py Owners):
+  // expert e's pairs are pair0[e] .. pair0[e+1]-1. A replicated expert's rows are split among its pairs by routing
+  // alone: its j-th row (of c, tokens ascending) goes to its pair (j * m) / c of m.
+  const int* pair0;         // [E + 1]
+  const int* pair_owner;    // [n_pairs] rank of each pair (entries past pair0[E] unused)
   const int* slot;          // [E] slot in this rank's packed experts (-1: not here)
-  const int* canon;         // [E] experts in (owner, id) order
+  const int* canon;         // [n_pairs] pairs in (owner, expert id) order; -1 past the placement's pairs
   const float* s2_down;     // [E]
-  int n_experts, rank, n_ranks;
+  int n_experts, n_pairs, rank, n_ranks;
   int cap;                  // rows a rank's block can hold: tokens * topk
   int n_sets;               // row buffer sets used in turn (seq % n_sets)
   int64_t set_stride;       // rows between sets (>= n_ranks * cap)
@@ -209,7 +214,7 @@ struct PlanLaunch {
   int* pad_rows;            // [cap * 8] block row of each padded row, -1 = padding
   int4* groups;             // [cap] weight passes; tiles = 0 past the last
   int64_t* canon_slot;      // [tokens * topk] slot-space row of canonical row i
-  int* by_canon;            // [tokens, topk] canonical row of each by_token entry (the scatter's checksum)
+  int* by_canon;            // [tokens, topk] each by_token entry's place in the scatter's checksum: t * topk + j
   int64_t* meta;            // [kPlanMetaHead + n_ranks]  (layout in rocket_mpi/ops/plan.py)
   int64_t* zero;            // nullable: one word set to 0 (the layer's checksum sum, which the scatter adds to)
   int* fires;               // nullable: [2][E] firing counts, += rows of each expert and += 1 where it has rows

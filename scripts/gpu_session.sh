@@ -108,6 +108,16 @@ fire1)  # static fires with every rank on the one GPU of this host (cuda-ipc bet
   for n in 2 3; do
     T=240 run "fire1gpu_graph_ipc$n" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
   done ;;
+replicas)  # replicated experts and live rebalancing on one GPU: the device plan with replicas against its reference and
+  # expert moves bitwise (GPU tests), then graphed static fires with every rank on this GPU (cuda-ipc) under a replica
+  # placement and under --rebalance-every (tokens and every step's row checksums), then the cost of one rebalance
+  T=200 run replicas_tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_plan.py tests/test_replicas.py -k "gpu or cuda"
+  python3 -c "import json; json.dump({'default': [[0, 1], [0, 1], 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, [0, 1], 1, 1]}, open('$OUT/replicas_2.json', 'w')); json.dump({'default': [[0, 1, 2], [0, 2], 0, 0, 0, [0, 1], 1, 1, 1, 1, 1, 2, 2, 2, 2, 2]}, open('$OUT/replicas_3.json', 'w'))"
+  for n in 2 3; do
+    T=240 run "fire_replicas_$n" python3 -m rocket_mpi static-fire --checkpoint preset:tiny:nvfp4:skew=1.5 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 16 --placement "$OUT/replicas_$n.json"
+    T=240 run "fire_rebalance_$n" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4:skew=1.5 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 24 --rebalance-every 4 --replicas 2
+  done
+  T=400 run bench_rebalance python3 benchmarks/bench_rebalance.py preset:air8:nvfp4:skew=1.5 --ranks 2 --replicas 2 ;;
 ncu)  # hardware counters of the expert GEMMs (persistent schedule) at 1 and 8 rows per expert
   for r in 1 8; do
     T=150 run "ncu_experts_r$r" ncu --clock-control none -k regex:experts_ -c 2 --section SpeedOfLight \

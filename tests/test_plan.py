@@ -1,13 +1,16 @@
-"""The device row plan (rocket_mpi/kernels/plan.py and its kernel, moe_plan) against the host plan (moe/rows.py).
+"""The device row plan (rocket_mpi/ops/plan.py and its kernel, moe_plan) against the host plan (ops/rows.py).
 
 CPU tests (always run):
-  - the plan's reference (kernels/plan.py) against the host plan: rows placed in slot space and
+  - the host plan's canonical order against a brute-force one, with replicated experts: each replicated expert's
+    rows split among its owners by the rule (j * m) // c, then (owner, expert, token);
+  - the plan's reference (ops/plan.py) against the host plan: rows placed in slot space and
     scattered through its by_token give the host plan's scatter bit for bit; each rank's padded rows
-    and weight passes cover exactly its block; sets alternate with seq;
+    and weight passes cover exactly its block; sets alternate with seq; with and without replicas, with pair tables
+    padded past the placement's pairs (as live rebalancing keeps them);
   - the plan's limits are those csrc/rocket.h compiles in, and a model or a step past them is refused up front.
 GPU tests (skip, saying why, without a GPU or the extension):
-  - moe_plan (the kernel) bitwise equal to its reference, 1 to 3 ranks, one or two sets; its meta written into
-    the step's report row;
+  - moe_plan (the kernel) bitwise equal to its reference, 1 to 4 ranks, one or two sets, with and without replicas
+    and padded pair tables; its meta written into the step's report row;
   - nvfp4_experts_into through the device plan bitwise equal to nvfp4_experts through the host plan;
   - a bad argument caught by the extension is one RuntimeError, not a crash.
 """
@@ -23,7 +26,7 @@ import torch
 from helpers import gpu
 from rocket_mpi import ops
 from rocket_mpi.ops import plan as kplan
-from rocket_mpi.ops.rows import plan_rows
+from rocket_mpi.ops.rows import Owners, plan_rows, split_rows
 from rocket_mpi.ops.scatter import moe_scatter_add_ref as moe_scatter_add
 
 
@@ -34,20 +37,70 @@ def random_routing(tokens, topk, n_exp, seed):
     return experts, weights
 
 
-def placement(n_exp, ranks, scrambled, seed):
+def placement(n_exp, ranks, scrambled, seed, replicas=0):
+    """Owners of each expert: contiguous ranges (or shuffled), then `replicas` extra copies of the lowest experts
+    (the hot ones of a routing that favours low ids), each on ranks it is not on yet. -> Owners."""
     owner = torch.arange(n_exp) * ranks // n_exp
     if scrambled:
         owner = owner[torch.randperm(n_exp, generator=torch.Generator().manual_seed(seed))]
-    return owner
+    lists = [[int(o)] for o in owner]
+    for k in range(replicas):
+        e = k % n_exp
+        lists[e].append(next(r for r in range(ranks) if r not in lists[e]))
+    return Owners.of(lists)
 
 
-CASES = [(1, 8, 16, 1, False), (5, 4, 16, 2, False), (8, 8, 32, 3, True), (3, 2, 16, 2, True), (16, 8, 64, 3, False)]
+def mine_of(owners, rank):
+    """This rank's experts and their slots (ascending expert id)."""
+    return {e: i for i, e in enumerate(e for e, o in enumerate(owners.lists) if rank in o)}
 
 
-@pytest.mark.parametrize("tokens,topk,n_exp,ranks,scrambled", CASES)
-def test_plan_reference_matches_host_plan(tokens, topk, n_exp, ranks, scrambled):
+# tokens, topk, experts, ranks, scrambled, replicas
+CASES = [(1, 8, 16, 1, False, 0), (5, 4, 16, 2, False, 0), (8, 8, 32, 3, True, 0), (3, 2, 16, 2, True, 0),
+         (16, 8, 64, 3, False, 0), (5, 4, 16, 2, False, 3), (8, 8, 32, 3, True, 6), (16, 8, 64, 4, False, 9),
+         (3, 8, 8, 4, True, 12)]
+
+
+def brute_force_order(experts, owners):
+    """(owner, expert, token) of every row in canonical order, straight from the rule: expert e's rows in token
+    order, the j-th of c to owner lists[e][(j * m) // c], then sorted by (owner, expert, token)."""
+    rows = []
+    for e, o in enumerate(owners.lists):
+        toks = sorted(t for t in range(experts.shape[0]) if e in experts[t].tolist())
+        rows += [(o[j * len(o) // len(toks)], e, t) for j, t in enumerate(toks)]
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("tokens,topk,n_exp,ranks,scrambled,replicas", CASES)
+def test_host_plan_splits_replicated_rows_by_the_rule(tokens, topk, n_exp, ranks, scrambled, replicas):
+    experts, weights = random_routing(tokens, topk, n_exp, seed=tokens + replicas)
+    owners = placement(n_exp, ranks, scrambled, 7, replicas)
+    plan = plan_rows(experts, weights, owners, torch.ones(n_exp), ranks)
+    got = list(zip(plan.owners.tolist(), plan.experts.tolist(), plan.tokens.tolist()))
+    assert got == brute_force_order(experts, owners)
+    for r in range(ranks):
+        lo, hi = plan.block(r)
+        assert set(plan.owners[lo:hi].tolist()) <= {r}
+        assert [(e, b - a) for e, a, b in plan.segments[r]] == [
+            (e, sum(1 for o, x, _ in got[lo:hi] if x == e)) for e in sorted(set(plan.experts[lo:hi].tolist()))]
+    # each replicated expert's rows as split_rows says, and no rank owns rows of an expert it does not hold
+    for e, o in enumerate(owners.lists):
+        c = sum(1 for _, x, _ in got if x == e)
+        assert [sum(1 for w, x, _ in got if x == e and w == r) for r in o] == split_rows(c, len(o))
+    assert all(w in owners.lists[x] for w, x, _ in got)
+
+
+def test_split_rows_rule():
+    assert split_rows(5, 2) == [3, 2] and split_rows(1, 3) == [1, 0, 0] and split_rows(7, 3) == [3, 2, 2]
+    for c in range(12):
+        for m in (1, 2, 3, 5):
+            assert split_rows(c, m) == [sum(1 for j in range(c) if j * m // c == q) for q in range(m)]
+
+
+@pytest.mark.parametrize("tokens,topk,n_exp,ranks,scrambled,replicas", CASES)
+def test_plan_reference_matches_host_plan(tokens, topk, n_exp, ranks, scrambled, replicas):
     experts, weights = random_routing(tokens, topk, n_exp, seed=tokens)
-    owner = placement(n_exp, ranks, scrambled, seed=7)
+    owner = placement(n_exp, ranks, scrambled, 7, replicas)
     s2 = torch.rand(n_exp) + 0.5
     host = plan_rows(experts, weights, owner, s2, ranks)
     cap, h = tokens * topk, 24
@@ -57,8 +110,13 @@ def test_plan_reference_matches_host_plan(tokens, topk, n_exp, ranks, scrambled)
         stride = ranks * cap + 3                          # a set need not be packed tight
         for seq in (4, 5):
             for rank in range(ranks):
-                mine = {e: i for i, e in enumerate(e for e in range(n_exp) if int(owner[e]) == rank)}
+                mine = mine_of(owner, rank)
                 ref = kplan.moe_plan_ref(experts, weights, owner, mine, s2, rank, ranks, n_sets, stride, seq)
+                # moe_plan's CPU mode from the device tables, padded past the placement's pairs
+                pair0, pair_owner, canon = kplan.device_tables(owner, owner.n_pairs + 4)
+                cpu = kplan.moe_plan(experts, weights, pair0, pair_owner, kplan.slot_table(n_exp, mine), canon, s2,
+                                     rank, ranks, n_sets, stride, torch.tensor([seq]))
+                assert all(torch.equal(cpu[k], ref[k]) for k in kplan.PLAN_KEYS)
                 set_ = (seq + 1) % n_sets if n_sets > 1 else 0
                 assert int(ref["meta"][kplan.META_SEQ]) == seq + 1 and int(ref["meta"][kplan.META_SET]) == set_
                 assert ref["canon_slot"].min() >= set_ * stride and ref["canon_slot"].max() < (set_ + 1) * stride
@@ -93,6 +151,8 @@ def test_plan_limits_match_the_kernels():
     assert (c["kPlanMaxExperts"], c["kRouteMaxExperts"]) == (kplan.PLAN_MAX_EXPERTS,) * 2
     assert (c["kPlanMaxRows"], c["kPlanMaxRanks"], c["kPlanMaxTopk"]) == (kplan.PLAN_MAX_ROWS, kplan.PLAN_MAX_RANKS,
                                                                            kplan.PLAN_MAX_TOPK)
+    assert c["kPlanMaxPairs"] == kplan.PLAN_MAX_PAIRS
+    assert "1025 (expert, owner) pairs" in kplan.pairs_limit(1025) and kplan.pairs_limit(1024) == ""
 
 
 def test_model_and_stream_limits_of_the_fixed_shape_step(tiny_ckpt, monkeypatch):
@@ -125,26 +185,34 @@ def test_model_and_stream_limits_of_the_fixed_shape_step(tiny_ckpt, monkeypatch)
     assert eng.generate(default_prompts(3, eng.cfg.vocab_size), 3).path == "host"  # ...but not for this step
 
 
+GPU_CASES = CASES + [(64, 8, 288, 2, False, 0), (1, 8, 288, 3, True, 0), (64, 8, 288, 2, False, 2),
+                     (256, 8, 288, 3, True, 16), (40, 8, 256, 4, False, 300)]
+
+
 @gpu
-@pytest.mark.parametrize("tokens,topk,n_exp,ranks,scrambled", CASES + [(64, 8, 288, 2, False), (1, 8, 288, 3, True)])
-def test_gpu_moe_plan_matches_reference(tokens, topk, n_exp, ranks, scrambled):
+@pytest.mark.parametrize("tokens,topk,n_exp,ranks,scrambled,replicas", GPU_CASES)
+def test_gpu_moe_plan_matches_reference(tokens, topk, n_exp, ranks, scrambled, replicas):
+    """The kernel against its reference, the pair tables exact and padded (live rebalancing's fixed length)."""
     dev = torch.device("cuda")
     experts, weights = random_routing(tokens, topk, n_exp, seed=tokens + 1)
-    owner = placement(n_exp, ranks, scrambled, seed=3)
+    owner = placement(n_exp, ranks, scrambled, 3, replicas)
     s2 = torch.rand(n_exp) + 0.5
-    canon = kplan.canonical_experts(owner).to(dev)
-    for n_sets, stride in ((1, ranks * tokens * topk), (2, ranks * tokens * topk + 5)):
+    for n_sets, stride, pad in ((1, ranks * tokens * topk, 0), (2, ranks * tokens * topk + 5, 7)):
+        pair0, pair_owner, canon = (t.to(dev) for t in kplan.device_tables(owner, owner.n_pairs + pad))
         for rank in range(ranks):
-            mine = {e: i for i, e in enumerate(e for e in range(n_exp) if int(owner[e]) == rank)}
+            mine = mine_of(owner, rank)
             seq = torch.tensor([11], device=dev)
-            got = kplan.moe_plan(experts.to(dev), weights.to(dev), owner.to(dev, torch.int32),
+            fires = torch.zeros(2, n_exp, dtype=torch.int32, device=dev)
+            got = kplan.moe_plan(experts.to(dev), weights.to(dev), pair0, pair_owner,
                                  kplan.slot_table(n_exp, mine).to(dev), canon, s2.to(dev), rank, ranks, n_sets,
-                                 stride, seq)
+                                 stride, seq, fires=fires)
             ref = kplan.moe_plan_ref(experts, weights, owner, mine, s2, rank, ranks, n_sets, stride, 11)
             assert int(seq) == 12
             for k in kplan.PLAN_KEYS:
                 g, r = got[k].cpu(), ref[k]
-                assert g.dtype == r.dtype and torch.equal(g.view(-1), r.view(-1)), f"{k} (rank {rank}, sets {n_sets})"
+                assert g.dtype == r.dtype and torch.equal(g.view(-1), r.view(-1)), (f"{k} (rank {rank}, sets "
+                                                                                    f"{n_sets}, replicas {replicas})")
+            assert torch.equal(fires.cpu(), kplan.count_fires(experts, n_exp)), "fires: once per expert"
 
 
 def _packed_random(n_exp, hidden, inter, dev):
@@ -163,8 +231,9 @@ def test_gpu_experts_into_matches_host_plan(tokens):
     x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
     host = plan_rows(experts, weights, owner, torch.ones(n_exp), 1)
     want = ops.nvfp4_experts(x, host.segments[0], packed, 0, host.tokens, 0.5)
-    p = kplan.moe_plan(experts.to(dev), weights.to(dev), owner.to(dev, torch.int32),
-                       kplan.slot_table(n_exp, packed.slot).to(dev), kplan.canonical_experts(owner).to(dev),
+    pair0, pair_owner, canon = (t.to(dev) for t in kplan.device_tables(owner))
+    p = kplan.moe_plan(experts.to(dev), weights.to(dev), pair0, pair_owner,
+                       kplan.slot_table(n_exp, packed.slot).to(dev), canon,
                        torch.ones(n_exp, device=dev), 0, 1, 1, tokens * topk, torch.zeros(1, dtype=torch.long,
                                                                                            device=dev))
     out = torch.full((tokens * topk, hidden), float("nan"), device=dev).to(torch.bfloat16)
@@ -184,7 +253,8 @@ def test_gpu_launcher_check_raises_not_crashes():
             "except RuntimeError as e:\n    print('RAISED1', e)\n"
             "n = 8\ntry:\n"
             "    C.moe_plan(torch.zeros(300, 8, dtype=torch.long, device=d), torch.ones(300, 8, device=d),\n"
-            "               torch.zeros(n, dtype=torch.int32, device=d), torch.arange(n, dtype=torch.int32, device=d),\n"
+            "               torch.arange(n + 1, dtype=torch.int32, device=d), torch.zeros(n, dtype=torch.int32, device=d),\n"
+            "               torch.arange(n, dtype=torch.int32, device=d),\n"
             "               torch.arange(n, dtype=torch.int32, device=d), torch.ones(n, device=d), 0, 1, 1, 2400,\n"
             "               torch.zeros(1, dtype=torch.long, device=d))\n"
             "except RuntimeError as e:\n    print('RAISED2', e)\n")
@@ -206,8 +276,8 @@ def test_gpu_moe_plan_meta_out_and_zero():
     weights = torch.rand(t, k, generator=gen).cuda()
     owner = (torch.arange(e) * ranks // e).to(torch.int32)
     slot = kplan.slot_table(e, {i: i for i in range(e // 2)}).cuda()
-    args = (experts, weights, owner.cuda(), slot, kplan.canonical_experts(owner).cuda(), torch.rand(e).cuda(), 0,
-            ranks, 2, 4 * t * k)
+    pair0, pair_owner, canon = (x.cuda() for x in kplan.device_tables(owner))
+    args = (experts, weights, pair0, pair_owner, slot, canon, torch.rand(e).cuda(), 0, ranks, 2, 4 * t * k)
     base = kplan.moe_plan(*args, torch.tensor([6], device="cuda"))
     report = torch.full((3 + kplan.META_HEAD + ranks,), 99, dtype=torch.long, device="cuda")
     got = kplan.moe_plan(*args, torch.tensor([6], device="cuda"), report[3:], report[1:2])

@@ -77,6 +77,18 @@ def test_static_fire_catches_a_wrong_row(tiny_ckpt):
     assert "step 2" in line and "row checksums at that step" in line and "rank1=" in line
 
 
+def test_rows_that_differ_fail_the_gate_even_with_equal_tokens():
+    """The row checksums are placement-independent, so the gate compares them too: one rank's checksum at one step
+    differs -> FAIL naming the step and the rank, though every token matches."""
+    from rocket_mpi.cli.static_fire import report
+    run = {"streams": 2, "tokens": [[1, 2, 3], [4, 5, 6]], "row_checksums": {"0": ["a", "b", "c"]}}
+    ref = {"fabric": "local", "runs": [run]}
+    split = {"fabric": "shm", "runs": [dict(run, row_checksums={"0": ["a", "b", "c"], "1": ["a", "b", "c"]})]}
+    assert report(ref, split, 2) == 0
+    split["runs"][0]["row_checksums"]["1"][1] = "x"
+    assert report(ref, split, 2) == 1
+
+
 def test_uneven_contiguous_placement():
     from rocket_mpi.moe.placement import contiguous
     owners = contiguous(37, 3)

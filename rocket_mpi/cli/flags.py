@@ -89,7 +89,8 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="Hugging Face checkpoint folder, or preset:NAME[:nvfp4|:nvfp4-all] (random weights made in "
                         f"memory; presets: {', '.join(all_presets())})")
-    p.add_argument("--placement", help="JSON: MoE layer (or \"default\") -> rank of each expert")
+    p.add_argument("--placement", help="JSON: MoE layer (or \"default\") -> rank, or list of ranks (replicas), of "
+                                       "each expert")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=pos_int, default=1, help="torch threads per rank (fixed for parity)")
     p.add_argument("--startup-timeout", type=pos_float, default=600.0, help="seconds to wait for all ranks to load")
@@ -111,6 +112,12 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     add_rank_flags(p)
+    p.add_argument("--rebalance-every", type=nonneg_int, default=0, metavar="STEPS",
+                   help="every STEPS decode steps, every rank recomputes the placement from the decayed firing counts "
+                        "(the same on every rank) and reads the experts it gains from the checkpoint (0: never)")
+    p.add_argument("--replicas", type=nonneg_int, default=None, metavar="R",
+                   help="with --rebalance-every: at most R extra copies of the hottest experts per MoE layer "
+                        "(default: as many as the --placement file has, else 0)")
     p.add_argument("--tokens", type=pos_int, default=20, help="tokens to generate per stream")
     p.add_argument("--prompts", help="JSON list of token-id lists (or strings, with tokenizer.json)")
     p.add_argument("--chat", help="JSON list of conversations (lists of {role, content} messages), rendered with the "
@@ -157,7 +164,8 @@ def run_settings(args, streams: list[int]) -> RunSettings:
                        progress=not getattr(args, "quiet", False), temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                        ignore_eos=args.ignore_eos, chat=args.chat, expert_cache=args.expert_cache,
-                       telemetry=getattr(args, "telemetry", None))
+                       telemetry=getattr(args, "telemetry", None), rebalance_every=args.rebalance_every,
+                       replicas=args.replicas)
 
 
 def sampling_args(args) -> list[str]:

@@ -60,6 +60,7 @@ def print_report(doc: dict, cfg) -> None:
                   f"{run['busiest_rank_bytes_per_step'] / 1e9:.3f} GB (every rank reads the "
                   f"replicated stack, {stack / 1e9:.3f} GB; only the experts are split)")
         print_cache(run["per_rank"], {ld["rank"]: ld for ld in doc["load"]})
+        print_rebalance(run["per_rank"])
         print(f"stream 0 tokens: {run['tokens'][0]}")
         if run.get("text"):
             print(f"stream 0 text:   {run['text'][0]!r}")
@@ -82,6 +83,20 @@ def print_cache(per_rank: list[dict], loads: dict) -> None:
         host_ms = f"{1e3 * far / (h2d * 1e9):.2f}" if h2d else "-"
         print(f"              {s['rank']:>4} {c['resident_gib']:>12.2f} {c['far_gib']:>8.2f} {100 * c['hit_rate']:>6.1f} "
               f"{far / 1e6:>11.1f} {c['moved_bytes_per_step'] / 1e6:>14.1f} {hbm_ms:>12} {host_ms:>13}")
+
+
+def print_rebalance(per_rank: list[dict]) -> None:
+    """Live rebalancing (--rebalance-every), per rank: placements recomputed and how many changed, the experts it
+    gained and gave up, the bytes it read for them and the time it took (moe/rebalance.py)."""
+    rows = [s for s in per_rank if s.get("rebalance")]
+    if not rows:
+        return
+    print(f"rebalance: {'rank':>4} {'placements':>10} {'changed':>7} {'arrived':>7} {'left':>5} {'MB moved':>9} "
+          f"{'ms':>8}")
+    for s in rows:
+        b = s["rebalance"]
+        print(f"           {s['rank']:>4} {b['rebalances']:>10} {b['changed']:>7} {b['arrived']:>7} {b['left']:>5} "
+              f"{b['moved_bytes'] / 1e6:>9.2f} {b['ms']:>8.1f}")
 
 
 def human(n: int) -> str:

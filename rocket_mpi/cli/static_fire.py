@@ -1,5 +1,7 @@
 """static-fire: the one-rank reference and the N-rank split on the same prompts; every stream's
-tokens must match exactly. Exit 0 only on PASS."""
+tokens must match exactly, and so must every step's row checksum on every rank (the checksum runs over each MoE
+layer's rows in (token, expert) order, so it does not depend on the placement: any row with other bits fails, even
+where the tokens do not show it). Exit 0 only on PASS."""
 from __future__ import annotations
 
 import json
@@ -33,9 +35,10 @@ def static_fire(args, settings: Settings) -> int:
     if ref.returncode != 0:
         raise RocketError(f"the one-rank reference failed (exit {ref.returncode}): {_tail(ref.stderr)}")
     split_args = _decode_args(args, sweep, split_out) + ["--fabric", args.fabric]
-    for flag, val in (("--placement", args.placement), ("--rails", args.rails)):
-        if val:
-            split_args += [flag, val]
+    for flag, val in (("--placement", args.placement), ("--rails", args.rails),
+                      ("--rebalance-every", args.rebalance_every or None), ("--replicas", args.replicas)):
+        if val is not None:
+            split_args += [flag, str(val)]
     split_args += ["--rail-split-min-bytes", str(args.rail_split_min_bytes)]
     split = launch.mpirun(args.ranks, split_args, budget, launcher_cmd=args.launcher or settings.mpiexec)
     print(split.stdout, end="")
@@ -67,6 +70,20 @@ def compare(ref_doc: dict, split_doc: dict):
     return bad, total, first
 
 
+def compare_rows(ref_doc: dict, split_doc: dict):
+    """The first (M, step, rank, reference checksum, split checksum) where a split rank's row checksum differs from
+    the reference's, or None."""
+    for rr, sr in zip(ref_doc["runs"], split_doc["runs"]):
+        want = rr["row_checksums"]["0"]
+        for rank, got in sorted(sr["row_checksums"].items(), key=lambda kv: int(kv[0])):
+            for step, (a, b) in enumerate(zip(want, got)):
+                if a != b:
+                    return rr["streams"], step, rank, a, b
+            if len(want) != len(got):
+                return rr["streams"], min(len(want), len(got)), rank, "(ended)", "(ended)"
+    return None
+
+
 def report(ref_doc: dict, split_doc: dict, ranks: int) -> int:
     if [r["streams"] for r in ref_doc["runs"]] != [r["streams"] for r in split_doc["runs"]]:
         print("STATIC FIRE FAIL: the reference and the split ran different sweeps")
@@ -75,7 +92,14 @@ def report(ref_doc: dict, split_doc: dict, ranks: int) -> int:
     sweep = ",".join(str(r["streams"]) for r in ref_doc["runs"])
     where = f"{ranks} ranks, fabric {split_doc['fabric']}, sweep M={sweep}, {max(len(t) for t in ref_doc['runs'][0]['tokens'])} tokens"
     if not bad:
+        rows = compare_rows(ref_doc, split_doc)
+        if rows is not None:
+            m, step, rank, a, b = rows
+            print(f"STATIC FIRE FAIL: 0/{total} streams mismatched but the rows differ ({where}): at M={m} step "
+                  f"{step} rank {rank}'s row checksum is {b}, the reference's {a}")
+            return 1
         print(f"STATIC FIRE PASS: 0/{total} streams mismatched ({where})")
+        print("row checksums: every rank's equal to the reference's at every step")
         return 0
     crcs = " ".join(f"rank{k}={v}" for k, v in sorted(first["split_crc"].items()))
     print(f"STATIC FIRE FAIL: {len(bad)}/{total} streams mismatched ({where}); first divergence at M={first['M']} "

@@ -123,7 +123,8 @@ class ExpertCache:
 
     counters: cumulative [n_moe, 2, E] int32 tensors (any device) that the MoE steps add to; maintain() reads them,
     accounts the interval since the last call under the residency it ran with, then swaps. on_swap(layer): called
-    after a layer's residency changed (the fixed-shape step refreshes its device slot table)."""
+    after a layer's residency changed (the fixed-shape step refreshes its device slot table). listeners(delta,
+    steps): given each decode interval's counts [n_moe, 2, E] (live rebalancing's decayed counts, moe/rebalance.py)."""
     stores: dict
     layers: list[int]                       # MoE layers in order: counter row i is layers[i]
     n_experts: int
@@ -133,6 +134,7 @@ class ExpertCache:
     trace: list[np.ndarray] | None = None   # per maintenance: [n_moe, E] rows (--telemetry)
     stats: CacheStats = field(default_factory=CacheStats)
     last: np.ndarray | None = None
+    listeners: list = field(default_factory=list)
 
     def __post_init__(self):
         for layer in self.layers:
@@ -175,6 +177,8 @@ class ExpertCache:
         delta, self.last = now - self.last, now
         if self.trace is not None and account:
             self.trace.append(delta[:, 0].astype(np.int32))
+        for fn in self.listeners if account else ():
+            fn(delta, steps)
         st = self.stats
         st.steps += steps if account else 0
         for i, layer in enumerate(self.layers):
@@ -199,6 +203,14 @@ class ExpertCache:
                 st.moved_bytes += 2 * len(swaps) * store.read_bytes_per_expert
                 for fn in self.on_swap.values():
                     fn(layer)
+
+    def rebuild(self, layer: int) -> None:
+        """The layer's experts changed (live rebalancing, ExpertStore.rehome): a policy over the new ones, the scores
+        of the experts that stay carried over."""
+        old, st = self.policies[layer], self.stores[layer]
+        pol = Policy(st.owned, st.capacity, st.resident(), old.decay, old.promotions, old.hysteresis)
+        pol.score.update({e: v for e, v in old.score.items() if e in pol.score})
+        self.policies[layer] = pol
 
     def summary(self) -> dict:
         res = sum(self.stores[la].resident_bytes() for la in self.layers)
@@ -255,14 +267,16 @@ class CachePlan:
 
 
 def plan_capacity(owned: dict[int, list[int]], bpe: int, budget_gib: float | None, device_free: int,
-                  host_free: int, far_in_host: bool, rank: int, where: str) -> CachePlan:
+                  host_free: int, far_in_host: bool, rank: int, where: str, slots: int = 0) -> CachePlan:
     """The residency of a rank's experts. owned: MoE layer -> its experts here; bpe: device bytes of one;
     budget_gib: --expert-cache (None: auto); device_free: bytes the experts may take in device memory under auto (the
     stack, KV cache and workspaces already set aside); host_free: host bytes for far experts (GPU ranks, far_in_host);
-    where: the device, for the messages."""
-    most = max((len(v) for v in owned.values()), default=0)
-    n_layers = max(sum(1 for v in owned.values() if v), 1)
-    total = sum(len(v) for v in owned.values()) * bpe
+    where: the device, for the messages; slots: room for at least this many experts in every layer (live
+    rebalancing's fixed slots), whatever it owns now."""
+    sizes = [max(len(v), slots) for v in owned.values()]
+    most = max(sizes, default=0)
+    n_layers = max(sum(1 for v in sizes if v), 1)
+    total = sum(sizes) * bpe
     if budget_gib is None:
         if total <= device_free:
             return CachePlan(most, bpe, total, total, "auto: every expert fits in device memory")
@@ -277,7 +291,7 @@ def plan_capacity(owned: dict[int, list[int]], bpe: int, budget_gib: float | Non
         cap = min(budget // (n_layers * bpe), most)
         reason = f"--expert-cache {budget_gib:g} GiB"
     cap = int(min(cap, most))
-    resident = sum(min(len(v), cap) for v in owned.values()) * bpe
+    resident = sum(min(v, cap) for v in sizes) * bpe
     far = total - resident
     if far and far_in_host and far > host_free:
         raise RocketError(f"rank {rank}: out of host memory for the expert cache: {far / GIB:.2f} GiB of experts "
@@ -287,7 +301,7 @@ def plan_capacity(owned: dict[int, list[int]], bpe: int, budget_gib: float | Non
 
 
 def plan_residency(cfg, owned: dict[int, list[int]], device: torch.device, stack_bytes: int, budget_gib: float | None,
-                   share: int, rank: int, nvfp4: bool, packed: bool) -> CachePlan:
+                   share: int, rank: int, nvfp4: bool, packed: bool, slots: int = 0) -> CachePlan:
     """plan_capacity with this machine's memory: a GPU's free memory (split among the `share` ranks on it) less the
     stack and a reserve; a CPU rank's available host memory (split likewise) less a reserve."""
     bpe = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, nvfp4, packed)
@@ -303,4 +317,5 @@ def plan_residency(cfg, owned: dict[int, list[int]], device: torch.device, stack
         dev_free = host // share - RESERVE_MIN if host else 1 << 62  # the stack is in host memory already
         where = "host memory" + (f" (shared by {share} ranks)" if share > 1 else "")
         host_free = 0
-    return plan_capacity(owned, bpe, budget_gib, dev_free, host_free, device.type == "cuda" and packed, rank, where)
+    return plan_capacity(owned, bpe, budget_gib, dev_free, host_free, device.type == "cuda" and packed, rank, where,
+                         slots)

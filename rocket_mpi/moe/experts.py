@@ -1,7 +1,8 @@
 """Routed experts this rank owns, and the torch reference that computes them.
 
 Each expert runs over exactly its rows: the same inputs, in the same order, with the same shapes
-whichever rank owns it, so a row's output is bit-identical on the owner and on a single rank.
+whichever rank owns it, so a row's output is bit-identical on the owner and on a single rank. A replicated
+expert (moe/placement.py) is loaded by each of its owners, each computing its share of the rows.
 """
 from __future__ import annotations
 
@@ -10,6 +11,46 @@ import torch.nn.functional as F
 
 from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader
+
+
+class ExpertSource:
+    """One MoE layer's routed experts as the checkpoint holds them: what loading and live rebalancing read."""
+
+    def __init__(self, reader: CheckpointReader, layer: int, prefix: str | None, device, s2_down: torch.Tensor):
+        cfg = reader.config
+        self.reader, self.layer, self.device, self.s2 = reader, layer, device, s2_down
+        self.h, self.i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.pre = prefix or f"model.layers.{layer}.mlp.experts"
+
+    def read(self, e: int):
+        """(gate, up, down) reader Linears of expert e."""
+        r, pre, h, i = self.reader, self.pre, self.h, self.i
+        return r.linear(f"{pre}.{e}.gate_proj", i, h), r.linear(f"{pre}.{e}.up_proj", i, h), \
+            r.linear(f"{pre}.{e}.down_proj", h, i)
+
+    def dense(self, e: int, parts=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) BF16 of expert e for the torch reference, down without its weight_scale_2."""
+        g, u, d = parts or self.read(e)
+        if d.nvfp4 and float(d.weight_scale_2) != float(self.s2[e]):
+            raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
+        return torch.cat((g.dense(), u.dense()), dim=0), d.dense(with_global_scale=False)
+
+    @staticmethod
+    def kernel_parts(parts):
+        """(gate, up, down) as the expert kernel packs them: NVFP4 Linears as they are, BF16 ones dense; and whether
+        they are NVFP4."""
+        g, u, d = parts
+        nv = g.nvfp4 and u.nvfp4 and d.nvfp4
+        return ((g, u, d) if nv else (g.dense(), u.dense(), d.dense())), nv
+
+    def packed(self, e: int, bf16: bool) -> ops.PackedExperts:
+        """Expert e alone in the kernel's layout (one slot, on the device): what a move copies into a slot."""
+        parts, nv = self.kernel_parts(self.read(e))
+        if nv == bf16:
+            raise AssertionError(f"layer {self.layer}: mixed NVFP4 and BF16 routed experts")
+        packer = ops.ExpertPacker([e], self.h, self.i, bf16=bf16, device=self.device)
+        packer.add(e, *parts)
+        return packer.done()
 
 
 class ExpertStore:
@@ -25,6 +66,7 @@ class ExpertStore:
         self.owned = owned
         self.capacity = len(owned)   # experts kept in device memory (the expert cache, moe/cache.py)
         self.fetch = None            # CPU, bounded: expert id -> (gate_up, down) read from the checkpoint
+        self.source: ExpertSource | None = None  # where loading read the experts (live rebalancing reads there too)
         self.gate_up = gate_up
         self.down = down
         self.s2_down = s2_down       # [E] fp32, all experts
@@ -39,13 +81,16 @@ class ExpertStore:
 
     @classmethod
     def load(cls, reader: CheckpointReader, layer: int, owned: list[int], prefix: str | None = None,
-             device=None, resident: list[int] | None = None) -> "ExpertStore":
+             device=None, resident: list[int] | None = None, slots: int | None = None,
+             near: int | None = None) -> "ExpertStore":
         """`prefix`: the experts' tensor-name prefix (default model.layers.{layer}.mlp.experts).
         On a GPU with the CUDA extension built, NVFP4 experts stay packed and run in the batch-invariant
         kernel (ops.nvfp4_experts), and BF16 experts are packed into the same kernel's BF16 tiles; otherwise they
         are dequantised to BF16 for the torch reference. `resident`: the owned experts kept in device memory (the
         expert cache; None: all): on a GPU the others go to far slots in host memory, on a CPU they are read from
-        the checkpoint when a step needs them."""
+        the checkpoint when a step needs them. `slots`: room for this many experts (live rebalancing: a fixed
+        number, more than owned leaves spare slots); `near`: how many of them in device memory (default: the
+        resident experts', all where resident is None)."""
         cfg = reader.config
         h, i, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         pre = prefix or f"model.layers.{layer}.mlp.experts"
@@ -54,30 +99,24 @@ class ExpertStore:
             name = f"{pre}.{e}.down_proj.weight_scale_2"
             if name in reader:
                 s2[e] = float(reader.get(name, None, (torch.float32,), finite=True).reshape(()))
+        src = ExpertSource(reader, layer, prefix, device, s2)
         gate_up, down, nbytes, packer = {}, {}, 0, None
         use_kernel = device is not None and ops.on_gpu(device)
         keep = set(owned if resident is None else resident)
-
-        def read(e):
-            return (reader.linear(f"{pre}.{e}.gate_proj", i, h), reader.linear(f"{pre}.{e}.up_proj", i, h),
-                    reader.linear(f"{pre}.{e}.down_proj", h, i))
-
-        def dense(e, g, u, d):
-            if d.nvfp4 and float(d.weight_scale_2) != float(s2[e]):
-                raise AssertionError("s2_down table disagrees with the expert's own weight_scale_2")
-            return torch.cat((g.dense(), u.dense()), dim=0), d.dense(with_global_scale=False)
-
+        n_slots = max(len(owned), slots or 0)
         dense_bytes = 0
         for e in owned:
-            g, u, d = read(e)
+            g, u, d = src.read(e)
             nv = g.nvfp4 and u.nvfp4 and d.nvfp4
             if use_kernel and (nv or not (g.nvfp4 or u.nvfp4 or d.nvfp4)):
                 # packed as read, one expert at a time (ops.ExpertPacker)
                 if packer is None:
-                    packer = ops.ExpertPacker(owned, h, i, bf16=not nv, device=device, resident=sorted(keep))
+                    packer = ops.ExpertPacker(owned, h, i, bf16=not nv, device=device,
+                                              resident=None if resident is None else sorted(keep), slots=n_slots,
+                                              near_slots=near)
                 elif packer.bf16 == nv:
                     raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
-                parts = (g, u, d) if nv else (g.dense(), u.dense(), d.dense())
+                parts, _ = src.kernel_parts((g, u, d))
                 nbytes += (sum(x.weight.numel() * x.weight.element_size() for x in parts) if nv
                            else sum(x.numel() * x.element_size() for x in parts))  # what the kernel reads
                 packer.add(e, *parts)
@@ -85,18 +124,19 @@ class ExpertStore:
             nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
             dense_bytes = 3 * h * i * 2
             if e in keep:
-                gate_up[e], down[e] = dense(e, g, u, d)
+                gate_up[e], down[e] = src.dense(e, (g, u, d))
         store = cls(layer, owned, gate_up, down, s2, nbytes, cfg.swiglu_limit)
+        store.source = src
         if packer is not None:
             if gate_up:
                 raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
             store.packed = packer.done()
             store.read_bytes_per_expert = nbytes // max(len(owned), 1)
+            store.capacity = store.packed.near
         else:
             store.read_bytes_per_expert = dense_bytes
-            if len(keep) < len(owned):
-                store.fetch = lambda e: dense(e, *read(e))
-        store.capacity = len(keep)
+            store.fetch = src.dense
+            store.capacity = (n_slots if resident is None else len(keep)) if near is None else near
         return store
 
     # -- the expert cache (moe/cache.py) ------------------------------------------------
@@ -120,11 +160,50 @@ class ExpertStore:
         del self.gate_up[e_out], self.down[e_out]
         self.gate_up[e_in], self.down[e_in] = gu.to(dev), d.to(dev)
 
+    # -- live rebalancing (moe/rebalance.py) ---------------------------------------------
+    def rehome(self, owned: list[int]) -> tuple[list[int], list[int], int]:
+        """Hold the experts `owned` from now on: the ones that leave free their slots, the ones that arrive are read
+        from the checkpoint into free slots (device slots first), and a far expert takes a device slot left free.
+        The slots are fixed, so the packed buffers stay where they are (a captured step stays valid: the caller
+        rewrites the slot tables). -> (arrived, left, bytes read)."""
+        owned = sorted(owned)
+        left = [e for e in self.owned if e not in set(owned)]
+        arrived = [e for e in owned if e not in set(self.owned)]
+        pk = self.packed
+        moved = 0
+        if pk is not None:
+            if len(owned) > pk.n_slots:
+                raise ValueError(f"layer {self.layer}: {len(owned)} experts do not fit the {pk.n_slots} slots")
+            for e in left:
+                pk.drop(e)
+            for e in arrived:
+                pk.put(e, pk.free_slots()[0], self.source.packed(e, pk.bf16))
+                moved += pk.bytes_per_expert
+            for e in sorted(e for e, s in pk.slot.items() if s >= pk.near):  # device slots filled first
+                free = pk.free_slots()
+                if not free or free[0] >= pk.near:
+                    break
+                pk.move(e, free[0])
+                moved += pk.bytes_per_expert
+        else:
+            dev = next(iter(self.gate_up.values())).device if self.gate_up else torch.device("cpu")
+            for e in left:
+                self.gate_up.pop(e, None)
+                self.down.pop(e, None)
+            for e in arrived + [e for e in owned if e not in arrived and e not in self.gate_up]:
+                if len(self.gate_up) >= self.capacity:
+                    break
+                gu, d = self.source.dense(e)
+                self.gate_up[e], self.down[e] = gu.to(dev), d.to(dev)
+                moved += (gu.numel() + d.numel()) * gu.element_size()
+        self.owned = owned
+        return arrived, left, moved
+
     def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) of expert e: resident, or read from the checkpoint for this step (a CPU cache miss)."""
         if e in self.gate_up:
             return self.gate_up[e], self.down[e]
-        if self.fetch is None:
+        if self.fetch is None or e not in self.owned:
             raise KeyError(f"layer {self.layer}: expert {e} is not on this rank")
         return self.fetch(e)
 

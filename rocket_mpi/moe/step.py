@@ -80,7 +80,7 @@ class HostMoE:
         experts_h = experts.cpu()
         if self.fires is not None:
             self.fires[self.index[layer]] += kplan.count_fires(experts_h, e.cfg.n_routed_experts)
-        plan = ops.plan_rows(experts_h, weights.cpu(), e.placement.owners[layer], store.s2_down, e.size)
+        plan = ops.plan_rows(experts_h, weights.cpu(), e.placement.table(layer), store.s2_down, e.size)
         if x.device.type != "cpu":
             plan.tokens, plan.by_token, plan.coef = (plan.tokens.to(x.device), plan.by_token.to(x.device),
                                                      plan.coef.to(x.device))
@@ -94,7 +94,7 @@ class HostMoE:
             block = inject(fault.kind, e.rank, e.step, block)
         rows = e.fabric.exchange(e.seq, plan.offsets, block, layer, e.step).to(x.device)
         self.marks.append((t0, t1, self._mark()))
-        self.crc = ops.row_checksum(rows, self.crc)
+        self.crc = ops.row_checksum(rows[plan.by_token.reshape(-1)], self.crc)  # (token, expert): any placement
         self.rows_owned += hi - lo
         self.rows_total += plan.rows
         self.expert_bytes += len(plan.segments[e.rank]) * store.read_bytes_per_expert
@@ -128,15 +128,13 @@ class DeviceMoE:
         self.rank, self.size = e.rank, e.size
         self.cap = streams * cfg.num_experts_per_tok
         self.hidden = cfg.hidden_size
-        self.tables = {}
-        for layer, store in e.experts.items():
-            owner = e.placement.owners[layer]
-            # slots: the packed experts' (kernel), else ascending expert id (the CPU reference's order)
-            slot = store.packed.slot if store.packed is not None else {x: i for i, x in enumerate(sorted(store.owned))}
-            self.tables[layer] = (owner.to(dev, torch.int32), kplan.slot_table(owner.numel(), slot).to(dev),
-                                  kplan.canonical_experts(owner).to(dev), store.s2_down.to(dev, torch.float32))
+        # per MoE layer: the owners' pair tables (padded to the engine's fixed count, so live rebalancing rewrites
+        # them in place), the slot table, s2_down
+        self.tables = {layer: tuple(t.to(dev) for t in self._host_tables(layer)) for layer in e.experts}
         xc = e.expert_cache  # firing counts, added to by each layer's plan; residency changes refresh the slots
         self.fires = xc.counter("device", dev, self._refresh_slots) if xc is not None else None
+        if e.rebalancer is not None:  # a new placement rewrites the tables
+            e.rebalancer.on_change["device"] = self._refresh_tables
         self.router = {}  # the router kernels' operands, contiguous fp32 once (not per step)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the shared expert's (__call__)
         self.seq = torch.tensor([e.seq], dtype=torch.long, device=dev)  # continues the host's seq
@@ -181,9 +179,9 @@ class DeviceMoE:
             if layer not in self.router:
                 self.router[layer] = (L.router_w.float().contiguous(), L.router_b.float().contiguous())
             weights, experts = ops.route(x, *self.router[layer], cfg)
-        owner, slot, canon, s2 = self.tables[layer]
+        pair0, pair_owner, slot, canon, s2 = self.tables[layer]
         xc = self.xchg
-        p = kplan.moe_plan(experts, weights, owner, slot, canon, s2, self.rank, self.size, xc.n_sets,
+        p = kplan.moe_plan(experts, weights, pair0, pair_owner, slot, canon, s2, self.rank, self.size, xc.n_sets,
                            xc.set_stride, self.seq, self.meta_rows[i], self.sums[i:i + 1],
                            None if self.fires is None else self.fires[i])
         if self.host:
@@ -202,18 +200,33 @@ class DeviceMoE:
         self.calls += 1
         return out
 
+    def _host_tables(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """(pair0, pair_owner, slot, canon, s2_down) of `layer` on the host: the placement's pair tables padded to the
+        engine's pair count; slots: the packed experts' (kernel), else ascending expert id (the CPU reference's)."""
+        e = self.engine
+        store = e.experts[layer]
+        pair0, pair_owner, canon = kplan.device_tables(e.placement.table(layer), e.pair_capacity)
+        slot = store.packed.slot if store.packed is not None else {x: i for i, x in enumerate(sorted(store.owned))}
+        return pair0, pair_owner, kplan.slot_table(e.cfg.n_routed_experts, slot), canon, store.s2_down.float()
+
     def _refresh_slots(self, layer: int) -> None:
         """The expert cache moved experts of `layer`: its device slot table follows (a copy on the stream, before the
         next step reads it; the captured step reads the table, so the capture stays valid)."""
         store = self.engine.experts[layer]
         if store.packed is not None:
-            table = self.tables[layer][1]
+            table = self.tables[layer][2]
             table.copy_(kplan.slot_table(table.numel(), store.packed.slot))
+
+    def _refresh_tables(self, layer: int) -> None:
+        """Live rebalancing gave `layer` new owners: its tables are rewritten in place (same shapes, so a captured step
+        stays valid and reads the new ones from its next replay)."""
+        for dst, src in zip(self.tables[layer], self._host_tables(layer)):
+            dst.copy_(src)
 
     def _segments(self, layer: int, p) -> list[tuple[int, int, int]]:
         """CPU: this rank's (expert, start, end) segments rebuilt from the plan's padded rows and weight passes,
         as the kernel reads them; an expert's passes (more than 32 rows) merged back into one segment."""
-        inv = {s: e for e, s in enumerate(self.tables[layer][1].tolist()) if s >= 0}
+        inv = {s: e for e, s in enumerate(self.tables[layer][2].tolist()) if s >= 0}
         segs: list[tuple[int, int, int]] = []
         pad = p["pad_rows"]
         for slot, tile0, ntiles, _ in p["groups"].tolist():

@@ -355,7 +355,8 @@ class PackedExperts:
     With an expert cache (rocket_mpi/moe/cache.py) only slots 0 .. near-1 are device memory (q_gu, s_gu, q_dn,
     s_dn); slots near .. are `far`: the same four parts in registered host memory (pin_host), which the kernel
     reads in place (csrc/nvfp4_experts.cu, far slots). swap() trades an expert between the two; a slot's bytes are
-    the same wherever they are, so residency never changes a row's bits."""
+    the same wherever they are, so residency never changes a row's bits. A slot no expert maps to is spare (live
+    rebalancing keeps a fixed number of slots and fills them as experts arrive: put, drop, move)."""
     experts: list[int]
     hidden: int
     inter: int
@@ -422,6 +423,49 @@ class PackedExperts:
         self.slot[e_in], self.slot[e_out] = b, a
 
     @property
+    def n_slots(self) -> int:
+        """Device and far slots together."""
+        return self.near + (0 if self.far is None else self.far["q_gu"].shape[0])
+
+    def free_slots(self) -> list[int]:
+        """The spare slots, device ones first."""
+        used = set(self.slot.values())
+        return [s for s in range(self.n_slots) if s not in used]
+
+    def put(self, e: int, slot: int, src: "PackedExperts") -> None:
+        """Expert e, the only one packed in `src` (same shapes), into spare slot `slot` (device or far): stream-ordered
+        copies, before every later launch."""
+        if e in self.slot or slot not in self.free_slots():
+            raise ValueError(f"put: expert {e} is here already or slot {slot} is not spare")
+        k = src.slot[e]
+        for name in KERNEL_PARTS:
+            dst = self.part(name, slot)
+            if dst.numel():
+                dst.copy_(src.part(name, k), non_blocking=True)
+        self.s2_gu[slot] = src.s2_gu[k].to(self.s2_gu.device)
+        self.s2_dn[slot] = src.s2_dn[k].to(self.s2_dn.device)
+        self.slot[e] = slot
+        self.experts = sorted(self.slot)
+
+    def drop(self, e: int) -> None:
+        """Expert e leaves: its slot becomes spare (its bytes stay until a put overwrites them)."""
+        del self.slot[e]
+        self.experts = sorted(self.slot)
+
+    def move(self, e: int, slot: int) -> None:
+        """Expert e into spare slot `slot` (a far expert into a free device slot), its own slot becoming spare."""
+        a = self.slot[e]
+        if slot not in self.free_slots():
+            raise ValueError(f"move: slot {slot} is not spare")
+        for name in KERNEL_PARTS:
+            dst = self.part(name, slot)
+            if dst.numel():
+                dst.copy_(self.part(name, a), non_blocking=True)
+        self.s2_gu[slot] = self.s2_gu[a]
+        self.s2_dn[slot] = self.s2_dn[a]
+        self.slot[e] = slot
+
+    @property
     def bf16(self) -> bool:
         """BF16 experts (pack_experts_bf16): q_* hold bf16 tiles, s_* are empty, s2_* are ones."""
         return self.q_gu.dtype == torch.bfloat16
@@ -474,9 +518,11 @@ class ExpertPacker:
     weight_scale_2) or reader Linears; BF16 parts: bf16 tensors ([I, H], [I, H], [H, I] each)."""
 
     def __init__(self, ids: Sequence[int], hidden: int, inter: int, bf16: bool, device=None,
-                 resident: Sequence[int] | None = None):
+                 resident: Sequence[int] | None = None, slots: int | None = None, near_slots: int | None = None):
         """`resident`: the experts that get device slots (the expert cache's first choice); the others get far slots
-        in registered host memory. None: all on the device."""
+        in registered host memory. None: all on the device. `slots`: slots in all (default one per expert; more
+        leaves spare ones); `near_slots`: how many of them are device slots (default: the resident experts', all where
+        resident is None). Resident experts take the first slots, the far ones the first far slots."""
         mult = TILE_N if bf16 else nvfp4.BLOCK
         if hidden % mult or inter % mult:
             raise ValueError(f"hidden {hidden}, moe_intermediate {inter}: "
@@ -487,8 +533,13 @@ class ExpertPacker:
         if not set(near) <= set(self.ids):
             raise ValueError(f"resident experts {sorted(set(near) - set(self.ids))} are not among {self.ids}")
         far = [e for e in self.ids if e not in set(near)]
-        self.near = len(near)
-        self.slot = {e: k for k, e in enumerate(list(near) + far)}
+        self.n_slots = max(len(self.ids), slots or 0)
+        self.near = (self.n_slots if resident is None else len(near)) if near_slots is None else near_slots
+        if not len(near) <= self.near <= self.n_slots - len(far):
+            raise ValueError(f"{self.near} device slots of {self.n_slots} for {len(near)} resident and {len(far)} far "
+                             f"experts")
+        self.slot = {e: k for k, e in enumerate(near)}
+        self.slot.update({e: self.near + k for k, e in enumerate(far)})
         self.device = torch.device(device) if device is not None else None
         self.filled: set[int] = set()
         self.t: dict[str, torch.Tensor] = {}
@@ -509,7 +560,7 @@ class ExpertPacker:
     def _alloc(self, device) -> None:
         if not self.t:
             self.device = self.device or torch.device(device)
-            n = len(self.ids)
+            n = self.n_slots
             shapes = self._shapes()
             full = self._shapes(n)  # s2_*: every slot, near and far, on the device
             self.t = {k: (torch.ones if k.startswith("s2") else torch.empty)(full[k][0] if k.startswith("s2") else

@@ -78,6 +78,9 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
         cfg = reader.config
         placement = (Placement.from_file(args.placement, cfg, size) if args.placement
                      else Placement.contiguous(cfg, size))
+        if args.replicas is not None and not args.rebalance_every:
+            raise RocketError(f"--replicas {args.replicas}: replicas placed by live rebalancing need --rebalance-every "
+                              f"STEPS (fixed replicas come in a --placement file)")
         runs, text = [], False
         if args.chat and args.prompts:
             raise RocketError("--chat and --prompts: give one of them")
@@ -104,7 +107,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
              "streams": sweep, "tokens": args.tokens, "threads": args.threads, "device": args.device,
              "fabric": fabric_name, "placement": placement.digest(), "decode path": want_path or args.decode_path,
              "prefill chunk": args.prefill_chunk, "sampling": (args.temperature, args.top_p, args.top_k, args.seed),
-             "stop": (args.stop, args.ignore_eos),
+             "stop": (args.stop, args.ignore_eos), "rebalance": (args.rebalance_every, args.replicas),
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
              "settings": settings.bits(), **(facts_extra or {})}
     log.info(f"fabric {fabric_name}" + (f" (--fabric auto: {fabric_why})" if fab.name == "auto" else "") + "; loading "
@@ -121,7 +124,8 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
                          lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
                                         progress=args.progress and rank == 0,
                                         expert_cache=parse_budget(args.expert_cache), share=share,
-                                        telemetry=bool(args.telemetry)))
+                                        telemetry=bool(args.telemetry), rebalance_every=args.rebalance_every,
+                                        replicas=args.replicas))
     log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
              f"{engine.resident_bytes() / 2**30:.2f} GiB resident; expert cache: {engine.cache_plan.reason}")
     for p in runs:

@@ -20,9 +20,10 @@ from rocket_mpi.config import PREFILL_CHUNK, ModelConfig
 from rocket_mpi.errors import RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
 from rocket_mpi.model import model_class
-from rocket_mpi.moe.cache import ExpertCache, first_resident, plan_residency
+from rocket_mpi.moe.cache import ExpertCache, expert_bytes, first_resident, plan_residency
 from rocket_mpi.moe.experts import ExpertStore
 from rocket_mpi.moe.placement import Placement
+from rocket_mpi.moe.rebalance import Rebalancer, fixed_slots
 from rocket_mpi.moe.step import HostMoE
 from rocket_mpi.ops import plan as kplan
 from rocket_mpi.runtime.graph import STEPS_AHEAD, GraphStep, unsupported
@@ -81,6 +82,7 @@ class RunResult:
     prefill: tuple = (0, 1)  # (prompt tokens, forwards they took: more than one where they pass --prefill-chunk)
     finish: list = field(default_factory=list)  # per stream: "stop" (an end-of-text id or stop string), "length"
     expert_cache: dict | None = None  # the expert cache's accounting over the decode steps (moe/cache.py summary)
+    rebalance: dict | None = None     # live rebalancing over the decode steps (moe/rebalance.py RebalanceStats)
 
     def timed(self) -> list[StepLog]:
         """Decode steps after the warm-up (step 0 is the prefill)."""
@@ -102,7 +104,8 @@ class RunResult:
                 "expert_ms": _ms(s.expert_seconds for s in t), "wait_ms": _ms(s.wait_seconds for s in t),
                 "expert_cpu_ms": _ms(s.expert_cpu_seconds for s in t),
                 "prefill_s": self.steps[0].seconds if self.steps else 0.0,
-                "decode_steps": len(self.steps[1:]), "decode_s": sum(s.seconds for s in self.steps[1:])}
+                "decode_steps": len(self.steps[1:]), "decode_s": sum(s.seconds for s in self.steps[1:]),
+                "rebalance": self.rebalance}
 
 
 def _ms(seconds) -> float | None:
@@ -149,16 +152,26 @@ def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: Ba
 class Engine:
     def __init__(self, ckpt_dir: str, rank: int = 0, size: int = 1, placement: Placement | None = None,
                  reader: CheckpointReader | None = None, device: str = "cpu", settings: Settings | None = None,
-                 progress: bool = False, expert_cache: float | None = None, share: int = 1, telemetry: bool = False):
+                 progress: bool = False, expert_cache: float | None = None, share: int = 1, telemetry: bool = False,
+                 rebalance_every: int = 0, replicas: int | None = None):
         """expert_cache: GiB of routed-expert weights this rank keeps in device memory (moe/cache.py), None: auto
         (all where they fit, else what fits); share: ranks sharing this rank's device (auto splits its memory);
-        telemetry: record the routing of every decode step (ExpertCache.trace)."""
+        telemetry: record the routing of every decode step (ExpertCache.trace); rebalance_every: recompute the
+        placement from the decayed firing counts every this many decode steps (moe/rebalance.py; 0: never), with up
+        to `replicas` extra copies per MoE layer (None: as many as the placement has)."""
         t0 = time.perf_counter()
         self.settings = settings or Settings.from_env()  # the command line passes the one it read
         self.reader = reader or CheckpointReader(ckpt_dir)
         self.cfg: ModelConfig = self.reader.config
         self.rank, self.size = rank, size
         self.placement = placement or Placement.contiguous(self.cfg, size)
+        n_exp = self.cfg.n_routed_experts
+        if replicas is None:
+            replicas = max((self.placement.replicas(la) for la in self.cfg.moe_layers), default=0)
+        # live rebalancing keeps a fixed number of expert slots per layer and pair-table entries (moe/rebalance.py)
+        slots = fixed_slots(self.placement, n_exp, replicas) if rebalance_every else 0
+        self.pair_capacity = max([self.placement.table(la).n_pairs for la in self.cfg.moe_layers]
+                                 + [min(n_exp + replicas, n_exp * size) if rebalance_every else 0])
         model_cls = model_class(self.cfg.model_type)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -170,10 +183,10 @@ class Engine:
             prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
             self.experts = {}
             owned_all = {layer: self.placement.owned(layer, rank) for layer in self.cfg.moe_layers}
-            nvfp4 = any(f"{prefix(self.reader, la) or f'model.layers.{la}.mlp.experts'}.{v[0]}.gate_proj.weight_scale"
-                        in self.reader for la, v in owned_all.items() if v)
+            nvfp4 = any(f"{prefix(self.reader, la) or f'model.layers.{la}.mlp.experts'}.0.gate_proj.weight_scale"
+                        in self.reader for la in self.cfg.moe_layers)  # the same on every rank
             self.cache_plan = plan_residency(self.cfg, owned_all, self.device, self.model.nbytes(), expert_cache,
-                                             share, rank, nvfp4, packed=ops.on_gpu(self.device))
+                                             share, rank, nvfp4, packed=ops.on_gpu(self.device), slots=slots)
             loading = bar("loading MoE layers", len(self.cfg.moe_layers), progress, unit="layer")
             for layer in self.cfg.moe_layers:
                 owned = owned_all[layer]
@@ -181,9 +194,10 @@ class Engine:
                 if fault and fault.kind == "oom" and fault.rank == rank and fault.step == layer:
                     raise torch.OutOfMemoryError("ROCKET_FAULT: injected out of memory")
                 keep = self.cache_plan.capacity
+                room = max(len(owned), slots)
                 self.experts[layer] = ExpertStore.load(self.reader, layer, owned, prefix(self.reader, layer),
-                                                       self.device, None if keep >= len(owned) else
-                                                       first_resident(owned, keep))
+                                                       self.device, None if keep >= room else
+                                                       first_resident(owned, keep), room, min(keep, room))
                 loading.update()
             loading.close()
             if self.device.type != "cpu":
@@ -196,9 +210,15 @@ class Engine:
             raise out_of_memory(rank, size, self.device, what, e) from None
         self.load_seconds = time.perf_counter() - t0
         self.expert_cache: ExpertCache | None = None
-        if self.experts and (telemetry or any(s.capacity < len(s.owned) for s in self.experts.values())):
+        if self.experts and (telemetry or rebalance_every or any(s.capacity < len(s.owned)
+                                                                 for s in self.experts.values())):
             self.expert_cache = ExpertCache(self.experts, list(self.cfg.moe_layers), self.cfg.n_routed_experts,
                                             trace=[] if telemetry else None)
+        self.rebalancer: Rebalancer | None = None
+        if rebalance_every and self.expert_cache is not None:  # the cache's counters feed the decayed counts
+            bpe = expert_bytes(self.cfg.hidden_size, self.cfg.moe_intermediate_size, nvfp4, ops.on_gpu(self.device))
+            self.rebalancer = Rebalancer(self, rebalance_every, replicas, bpe, slots, self.pair_capacity)
+            self.expert_cache.listeners.append(self.rebalancer.observe)
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
         self.seq = 0   # the exchanges so far: each one's doorbell value
         self.step = 0
@@ -324,9 +344,16 @@ class Engine:
         # the expert cache's upkeep: after each host-path step; on the fixed-shape path every `every` steps, where no
         # step is in flight (the steps launched ahead stop short of it), so each interval ran with one residency
         every = 1 if xc is None or xc.trace is not None else MAINTAIN_EVERY
+        rb = self.rebalancer  # live rebalancing: at its steps, after the upkeep that read the counts, before the step
+
+        def pause(n: int) -> bool:  # the fixed-shape step n waits until no step is in flight: upkeep, maybe a rebalance
+            return xc is not None and (n % every == 0 or (rb is not None and rb.due(n)))
+
         since = 0  # decode steps since the cache's last upkeep
         if xc is not None:
             xc.begin()
+        if rb is not None:
+            rb.begin()
         for step in bar(f"decoding {m} stream(s)", n_tokens, long_run, unit="step", items=range(n_tokens)):
             self.step = step
             if step % TRIM_EVERY == TRIM_EVERY - 1:
@@ -340,10 +367,13 @@ class Engine:
                 # host's lengths count every step launched (they pick the spans)
                 while launched < step or (launched + 1 < n_tokens and len(static.pending) <= static.ahead
                                           and static.follows(int(cache.lengths.max()))
-                                          and (xc is None or (launched + 1) % every)):
-                    if xc is not None and since and (launched + 1) % every == 0 and not static.pending:
-                        xc.maintain(since)
-                        since = 0
+                                          and not pause(launched + 1)):
+                    if pause(launched + 1) and not static.pending:
+                        if since:
+                            xc.maintain(since)
+                            since = 0
+                        if rb is not None and rb.due(launched + 1):
+                            rb.rebalance(launched + 1)
                     launched += 1
                     since += 1
                     self.step = launched
@@ -360,6 +390,8 @@ class Engine:
                 if static.graph_error and not result.note:
                     result.note = f"CUDA graph capture failed, steps ran eagerly: {static.graph_error}"
             else:
+                if rb is not None and rb.due(step):  # the counts of the steps before it were read after each step
+                    rb.rebalance(step)
                 self.moe.reset()
                 f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
                 t0 = time.perf_counter()
@@ -400,4 +432,6 @@ class Engine:
             xc.maintain(since, promote=False)
         if xc is not None:
             result.expert_cache = xc.summary()
+        if rb is not None:
+            result.rebalance = rb.stats.as_dict()
         return result

@@ -52,7 +52,7 @@ def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
     the fabric's own exchange: the same plan and slot layout the GPU runs, checked by CPU tests."""
     if not hasattr(engine.model, "forward_static"):
         return f"model type {engine.cfg.model_type} has no fixed-shape decode step yet (glm4_moe, glm_moe_dsa and glm5_next have)"
-    why = kplan.model_limit(engine.cfg, engine.size)
+    why = kplan.model_limit(engine.cfg, engine.size) or kplan.pairs_limit(engine.pair_capacity)
     if why:
         return why
     fault = engine.settings.fault

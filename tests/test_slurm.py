@@ -106,6 +106,9 @@ def _conf(d: str, nodes: list[str], ctld_port: int, node_ports: list[int]) -> st
                            f"State=UNKNOWN" for n, p in zip(nodes, node_ports))
     return f"""# a throw-away cluster of tests/test_slurm.py
 ClusterName=rockettest
+# job ids unlike any earlier throw-away cluster's: MPICH names its shared-memory segment after the PMI job name
+# (the job and step ids), and a segment left by a killed job of an earlier run with the same ids hangs MPI_Init
+FirstJobId={1000 + os.getpid() % 100000 * 10 + time.time_ns() % 10}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmUser=root

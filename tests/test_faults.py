@@ -1,5 +1,6 @@
 """A dead or stalled peer, a mismatched rank, or a rank whose share does not fit its memory: the job ends
 non-zero with a line naming it, no hang."""
+import json
 import os
 import shutil
 import subprocess
@@ -131,7 +132,6 @@ def test_ranks_on_two_hosts_choose_mpi_and_refuse_shm(tiny_ckpt, tmp_path):
     args = ["decode", "--checkpoint", tiny_ckpt, "--streams", "2", "--tokens", "3", "--quiet", "--out", str(out)]
     r = _mpmd_env([({"ROCKET_HOSTNAME": "nodeA"}, args), ({"ROCKET_HOSTNAME": "nodeB"}, args)])
     assert r.returncode == 0, r.stderr
-    import json
     assert json.loads(out.read_text())["fabric"] == "mpi"
     r = _mpmd_env([({"ROCKET_HOSTNAME": "nodeA"}, args + ["--fabric", "shm"]),
                    ({"ROCKET_HOSTNAME": "nodeB"}, args + ["--fabric", "shm"])])
@@ -165,3 +165,52 @@ def test_same_shapes_other_weights_refuse_to_start(tmp_path):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "rank 1 differs from rank 0 in checkpoint fingerprint" in lines[0], r.stderr
+
+
+def _unsampled_offset(path, lo, hi):
+    """A byte of [lo, hi) in `path` that the start-up fingerprint's samples of the data do not read."""
+    from rocket_mpi.checkpoint.reader import FINGERPRINT_SAMPLES
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    start, span = 8 + n, size - 8 - n
+    windows = [(start + span * i // FINGERPRINT_SAMPLES, start + span * i // FINGERPRINT_SAMPLES + (1 << 16))
+               for i in range(FINGERPRINT_SAMPLES)]
+    return next((b for b in range(lo, hi, 2) if not any(a <= b < e for a, e in windows)), None)
+
+
+def test_one_flipped_byte_between_the_samples_refuses_to_start(tiny_ckpt, tmp_path):
+    """Rank 1's copy differs from rank 0's in one bit of one replicated weight, at a byte the fingerprint's samples
+    do not read (the file is padded past their reach): decoding would give wrong tokens with exit 0. The digests
+    of what each rank loaded (checkpoint/fingerprint.py) differ, and one line names the tensor and the rank."""
+    import torch
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(tiny_ckpt, a)
+    t = load_file(str(a / "model.safetensors"))
+    t["0.padding"] = torch.zeros(4 << 20, dtype=torch.uint8)  # unused; makes the file far larger than the samples
+    save_file(t, str(a / "model.safetensors"))
+    shutil.copytree(a, b)
+    path = b / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    # a BF16 weight of the replicated stack (every rank reads it) with a byte the samples miss
+    name, at = next((k, at) for k, v in sorted(header.items()) if k != "__metadata__" and ".experts." not in k
+                    and v["dtype"] == "BF16" and (at := _unsampled_offset(str(path), 8 + n + v["data_offsets"][0],
+                                                                         8 + n + v["data_offsets"][1])) is not None)
+    raw[at] ^= 1  # the low bit of a BF16 mantissa: still finite
+    path.write_bytes(bytes(raw))
+    r = _mpmd([decode_args(str(a), "shm"), decode_args(str(b), "shm")])
+    assert r.returncode != 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1, r.stderr
+    assert f"rank 1 differs from rank 0 in the contents of tensor '{name}'" in lines[0], lines[0]
+
+
+def test_first_difference_names_the_lowest_tensor_and_rank():
+    from rocket_mpi.checkpoint.fingerprint import first_difference
+    same = {"a": (1, 4, "f"), "b": (2, 4, "f")}
+    assert first_difference([same, dict(same), None]) is None
+    assert first_difference([{"x": (1, 4, "f")}, {"y": (2, 4, "f")}]) is None  # read by one rank each: no comparison
+    line = first_difference([same, dict(same), {"b": (3, 4, "g"), "a": (9, 4, "f")}])
+    assert line.startswith("rank 2 differs from rank 0 in the contents of tensor 'a'") and "1 more" in line

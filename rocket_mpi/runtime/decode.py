@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from rocket_mpi import __version__
+from rocket_mpi.checkpoint.fingerprint import ContentLog, first_difference
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
 from rocket_mpi.errors import RocketError
@@ -19,7 +20,7 @@ from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
 from rocket_mpi.moe.cache import parse_budget
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.runtime.dist import collective as _collective
-from rocket_mpi.runtime.dist import handshake, local_rank, run_guarded, wait_all, watchdog, world
+from rocket_mpi.runtime.dist import handshake, local_rank, run_guarded, verdict, wait_all, watchdog, world
 from rocket_mpi.runtime.engine import Engine
 from rocket_mpi.runtime.progress import log, setup_logging
 from rocket_mpi.runtime.chat import read_chat_prompts, stop_ids
@@ -118,11 +119,21 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
         if device.type == "cpu":
             share = sum(1 for host, _ in where if host == where[rank][0])
 
-    engine = _collective(comm, args.startup_timeout, "checkpoint loading",
-                         lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
-                                        progress=args.progress and rank == 0,
-                                        expert_cache=parse_budget(args.expert_cache), share=share,
-                                        telemetry=bool(args.telemetry)))
+    # what each rank loads, digested as it loads (checkpoint/fingerprint.py): compared once all have loaded
+    content = ContentLog.record(reader) if size > 1 and not is_synthetic(args.checkpoint) else None
+    try:
+        engine = _collective(comm, args.startup_timeout, "checkpoint loading",
+                             lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
+                                            progress=args.progress and rank == 0,
+                                            expert_cache=parse_budget(args.expert_cache), share=share,
+                                            telemetry=bool(args.telemetry)))
+    finally:
+        if content is not None:
+            content.finish()
+    if content is not None:
+        verdict(comm, content.summary(), first_difference, args.startup_timeout, "comparing the checkpoint's contents")
+        log.info(f"checkpoint contents agree: {len(content.entries)} tensors, {content.nbytes() / 2**30:.2f} GiB "
+                 f"digested on this rank in {content.seconds:.1f} s of worker time")
     log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
              f"{engine.resident_bytes() / 2**30:.2f} GiB resident; expert cache: {engine.cache_plan.reason}")
     for p in runs:

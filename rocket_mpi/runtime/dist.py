@@ -146,6 +146,18 @@ def handshake(comm, facts: dict, timeout: float) -> None:
                                   f"all ranks must run the same checkpoint and flags")
 
 
+def verdict(comm, mine, judge, timeout: float, what: str) -> None:
+    """Rank 0 gathers every rank's `mine` and judges them (judge(list) -> None, or one line saying what is wrong);
+    every rank learns the verdict, and on a fault all raise it together (rank 0 prints it). Bounded by `timeout`."""
+    if comm is None or comm.size == 1:
+        return
+    with watchdog(comm, timeout, what):
+        gathered = comm.gather(mine, root=0)
+    wrong = bcast(comm, judge(gathered) if comm.rank == 0 else None, timeout, f"verdict on {what}")
+    if wrong:
+        raise AgreedError(wrong)
+
+
 class watchdog:
     """Bootstrap phases call collectives that have no timeout of their own (allgather inside a fabric's
     endpoint exchange, say). If a phase outlives `timeout`, print one line naming the rank and the

@@ -6,8 +6,7 @@ the fabric, only finished BF16 rows.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -34,8 +33,14 @@ WARMUP_STEPS = 3
 CACHE_QUANTUM = 64  # cache positions per stream: a multiple of this (Engine.generate)
 TIMED_STEPS = 10
 LONG_RUN = 64  # decode steps from which rank 0 shows them as they happen (Engine.progress)
-TRIM_EVERY = 64  # decode steps between returns of the freed C heap to the system (release_heap)
 MAINTAIN_EVERY = 8  # fixed-shape decode steps between the expert cache's upkeeps (a pause in the steps launched ahead)
+# oneDNN (torch's CPU BF16 matmuls) compiles kernels for each new matmul shape and keeps them in two caches of 1024
+# shapes (ideep's and oneDNN's own, about half a MiB a shape): a long CPU decode, whose attention span takes new
+# shapes as it grows, kept gaining RSS (~1 MiB a step) until they filled. A step's own shapes are a few dozen; both
+# caches read their size once, at the first matmul of the process, so it is set here, before any.
+ONEDNN_CACHE_SHAPES = 64
+for _name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+    os.environ.setdefault(_name, str(ONEDNN_CACHE_SHAPES))
 
 
 def prefill_chunks(seqlens: list[int], chunk: int) -> list[list[int]]:
@@ -98,26 +103,6 @@ class RunResult:
                 "weight_bytes_per_step": sum(s.weight_bytes for s in t) / n, "path": self.path,
                 "prefill_s": self.steps[0].seconds if self.steps else 0.0,
                 "decode_steps": len(self.steps[1:]), "decode_s": sum(s.seconds for s in self.steps[1:])}
-
-
-def _libc():
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return lib if hasattr(lib, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
-def release_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's malloc_trim; a no-op elsewhere). Each CPU decode
-    step's attention temporaries are a little larger than the last step's, so freed blocks are rarely reused and
-    the heap's high-water mark grew with the run; trimming every TRIM_EVERY steps holds most of that back.
-    It moves no live tensor: the bits do not change."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: BaseException) -> RocketError:
@@ -318,8 +303,6 @@ class Engine:
             xc.begin()
         for step in bar(f"decoding {m} stream(s)", n_tokens, long_run, unit="step", items=range(n_tokens)):
             self.step = step
-            if step % TRIM_EVERY == TRIM_EVERY - 1:
-                release_heap()
             if step > 0 and result.path != "host":
                 if static is None:  # a draw needs the logits and the token before the next step launches
                     static = GraphStep(self, cache, first, graph=result.path == "graph",

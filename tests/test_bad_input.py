@@ -242,3 +242,13 @@ def test_nan_in_a_bf16_expert_weight(capsys, ckpt):
         t[name][0, 0] = float("nan")
     edit_tensors(ckpt, f)
     assert_one_line(*decode(capsys, ckpt), name, "NaN or Inf")
+
+
+def test_overflow_to_inf_in_the_activations_stops_the_decode(capsys, ckpt):
+    """Finite weights whose activations overflow BF16 (a norm weight of 3e38): the prefill's logits hold NaN; one
+    line names the step, the streams and the first MoE layer the non-finite values passed, not tokens of 0."""
+    def f(t):
+        t["model.layers.1.post_attention_layernorm.weight"][:] = 3e38
+    edit_tensors(ckpt, f)
+    assert_one_line(*decode(capsys, ckpt), "decode step 0", "stream(s) 0, 1", "NaN or Inf",
+                    "entering MoE layer 1")

@@ -3,6 +3,8 @@ non-zero with a line naming it, no hang."""
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,7 +41,10 @@ def test_killed_peer_ends_the_job(tiny_ckpt, fabric, path):
                    env={"ROCKET_FAULT": "die:rank=1,step=1"}, timeout=90)
     assert r.returncode != 0
     assert "rank 1: ROCKET_FAULT injecting 'die' at step 1" in r.stderr
-    # either the launcher reaps the job at once, or rank 0's fabric timeout names the dead peer
+    # the dead rank's sentinel names it (rank, host, step, layer) before the launcher ends the job
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1 and f"rank 1 (pid " in lines[0] and f" on {socket.gethostname()}) died at decode step 1" \
+        in lines[0] and "exited with status 9" in lines[0], r.stderr
     assert time.monotonic() - t0 < 60
 
 
@@ -151,6 +156,7 @@ def test_rank_that_never_starts_ends_mpi_init_with_one_line(tiny_ckpt):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "rank 0: MPI_Init did not complete in 4 s" in lines[0], r.stderr
+    assert "rank 1 (pid " in lines[0] and "of this host never reached it" in lines[0], lines[0]
 
 
 def test_same_shapes_other_weights_refuse_to_start(tmp_path):
@@ -214,3 +220,71 @@ def test_first_difference_names_the_lowest_tensor_and_rank():
     assert first_difference([{"x": (1, 4, "f")}, {"y": (2, 4, "f")}]) is None  # read by one rank each: no comparison
     line = first_difference([same, dict(same), {"b": (3, 4, "g"), "a": (9, 4, "f")}])
     assert line.startswith("rank 2 differs from rank 0 in the contents of tensor 'a'") and "1 more" in line
+
+
+def _start_and_signal(ckpt, fabric, sig, timeout=90):
+    """A 2-rank decode long enough to be hit while decoding; once rank 0 logs the ranks' PIDs and starts decoding,
+    send `sig` to rank 1's PID from outside (kill -9 / kill -STOP) -> (returncode, stderr, rank 1's pid)."""
+    cmd = [*launch.launcher(), "-n", "2", sys.executable, "-m", "rocket_mpi", "decode", "--checkpoint", ckpt,
+           "--streams", "2", "--tokens", "490", "--fabric", "shm" if fabric == "shm" else fabric,
+           "--fabric-timeout", "3", "--log-level", "info"]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=launch.clean_env(),
+                         cwd=ROOT, start_new_session=True)
+    err, pid, t0 = [], None, time.monotonic()
+    try:
+        for line in p.stderr:
+            err.append(line)
+            if "ranks: 0 = pid" in line:
+                pid = int(line.split("1 = pid ")[1].split()[0])
+            if "decoding" in line and pid:
+                time.sleep(0.3)
+                os.kill(pid, sig)
+                break
+        err += p.stderr.readlines()
+        p.wait(timeout=max(1, timeout - (time.monotonic() - t0)))
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        if pid and sig == signal.SIGSTOP:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return p.returncode, "".join(err), pid
+
+
+@pytest.mark.parametrize("fabric", ["shm", "mpi"])
+def test_rank_killed_from_outside_is_named(tiny_ckpt, fabric):
+    """kill -9 of a rank while it decodes: one line names the rank, its PID and host, the step and the signal
+    (its sentinel says it before the launcher ends the job), not only the launcher's BAD TERMINATION."""
+    code, err, pid = _start_and_signal(tiny_ckpt, fabric, signal.SIGKILL)
+    assert code != 0 and pid, err
+    lines = [ln for ln in err.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1, err
+    assert f"rank 1 (pid {pid} on {socket.gethostname()}) died at decode step" in lines[0], lines[0]
+    assert "killed by signal 9 (SIGKILL)" in lines[0], lines[0]
+
+
+def test_rank_stopped_from_outside_is_named_with_its_state(tiny_ckpt):
+    """kill -STOP of a rank: the others' fabric timeout names it, its host and that it is stopped."""
+    code, err, pid = _start_and_signal(tiny_ckpt, "shm", signal.SIGSTOP)
+    assert code != 0 and pid, err
+    lines = [ln for ln in err.splitlines() if "rocket_mpi: error" in ln]
+    assert lines and all("waiting for rows from rank 1" in ln for ln in lines), err
+    assert f"(rank 1 is pid {pid} on {socket.gethostname()}, stopped (SIGSTOP?))" in lines[0], lines[0]
+
+
+def test_rank_stalled_after_mpi_init_is_named(tiny_ckpt):
+    """A rank that got through MPI_Init but never reaches the first set-up step: rank 0 gives up after
+    --startup-timeout and names the rank that never arrived, with its PID and state on this host (the others give
+    rank 0 a grace period, so its line is the one printed)."""
+    cmd = launch.launcher() + ["-n", "1", sys.executable, "-m", "rocket_mpi", *decode_args(tiny_ckpt, "shm"),
+                               "--startup-timeout", "4", ":", "-n", "1", sys.executable, "-c",
+                               "import rocket_mpi.runtime.dist as d, time; d.world(); time.sleep(60)"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=launch.clean_env(), cwd=ROOT,
+                       start_new_session=True)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    assert len(lines) == 1 and "rank 0: timed out after 4 s" in lines[0], r.stderr
+    assert "(never arrived: rank 1, pid " in lines[0] and "on this host, alive but not answering)" in lines[0], lines[0]

@@ -47,13 +47,14 @@ class Linear:
 class CheckpointReader:
     """Maps tensor names to files and opens each tensor only when asked for."""
 
+    log = None  # a ContentLog (fingerprint.py) while a rank loads: the digest of every tensor get() hands out
+
     def __init__(self, ckpt_dir: str, config: ModelConfig | None = None):
         self.dir = ckpt_dir
         self.config = config or ModelConfig.from_checkpoint(ckpt_dir)
         self.files = self._find_files()
         self._handles: dict[str, object] = {}
         self.where: dict[str, str] = {}
-        self.log = None  # a ContentLog (fingerprint.py) while loading: the digest of every tensor get() reads
         idx = os.path.join(ckpt_dir, INDEX)
         if os.path.exists(idx):
             wm = _weight_map(idx)

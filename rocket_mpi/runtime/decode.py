@@ -20,7 +20,8 @@ from rocket_mpi.fabric import choose, fabric_precheck, make_fabric
 from rocket_mpi.moe.cache import parse_budget
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.runtime.dist import collective as _collective
-from rocket_mpi.runtime.dist import handshake, local_rank, run_guarded, verdict, wait_all, watchdog, world
+from rocket_mpi.runtime.dist import (handshake, local_rank, remember_ranks, run_guarded, verdict, wait_all,
+                                     watchdog, world)
 from rocket_mpi.runtime.engine import Engine
 from rocket_mpi.runtime.progress import log, setup_logging
 from rocket_mpi.runtime.chat import read_chat_prompts, stop_ids
@@ -115,6 +116,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
     if comm is not None:  # a launcher names a dead rank by its PID alone: which rank that is, once
         with watchdog(comm, args.startup_timeout, "naming the ranks"):
             where = comm.allgather((socket.gethostname(), os.getpid()))
+        remember_ranks(where)
         log.info("ranks: " + ", ".join(f"{r} = pid {pid} on {host}" for r, (host, pid) in enumerate(where)))
         if device.type == "cpu":
             share = sum(1 for host, _ in where if host == where[rank][0])

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from rocket_mpi import ops
-from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.checkpoint.reader import CheckpointReader, all_finite
 from rocket_mpi.config import PREFILL_CHUNK, ModelConfig
-from rocket_mpi.errors import RocketError
+from rocket_mpi.errors import AgreedError, RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
 from rocket_mpi.model import model_class
 from rocket_mpi.moe.cache import ExpertCache, first_resident, plan_residency
@@ -24,6 +24,7 @@ from rocket_mpi.moe.experts import ExpertStore
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.moe.step import HostMoE
 from rocket_mpi.ops import plan as kplan
+from rocket_mpi.runtime.dist import mark
 from rocket_mpi.runtime.graph import STEPS_AHEAD, GraphStep, unsupported
 from rocket_mpi.runtime.progress import bar
 from rocket_mpi.runtime.sampling import GREEDY, Sampling, Stop, choose
@@ -105,6 +106,25 @@ class RunResult:
                 "decode_steps": len(self.steps[1:]), "decode_s": sum(s.seconds for s in self.steps[1:])}
 
 
+class WatchedMoE(HostMoE):
+    """HostMoE that also notes, each step, the first MoE layer whose input (the normalised hidden state) or output
+    holds a NaN or Inf: where a non-finite value that reaches the logits came from (Engine.check_logits). Two
+    min/max passes over [tokens, hidden] a layer."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.bad: str | None = None
+
+    def __call__(self, layer, x, L, shared=None, residual=None, next_norm=None):
+        mark(self.engine.step, layer)  # where this rank is, should it die (runtime/dist.py Sentinel)
+        if self.bad is None and not all_finite(x):
+            self.bad = f"entering MoE layer {layer} (from the layers before it, or its attention)"
+        out = super().__call__(layer, x, L, shared, residual, next_norm)
+        if self.bad is None and not all_finite(out):
+            self.bad = f"leaving MoE layer {layer} (its experts' rows, shared expert or residual)"
+        return out
+
+
 def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: BaseException) -> RocketError:
     """One line for a rank whose share of the model does not fit: where, what it was loading, how much was
     in use, and what would make it fit."""
@@ -176,7 +196,7 @@ class Engine:
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
         self.seq = 0   # the exchanges so far: each one's doorbell value
         self.step = 0
-        self.moe = HostMoE(self)
+        self.moe = WatchedMoE(self)
         self.steps_ahead = STEPS_AHEAD  # graphed steps launched before the oldest is read back (tests vary it)
         self.decode_path = "host"
         self.prefill_chunk = PREFILL_CHUNK
@@ -268,6 +288,17 @@ class Engine:
             logits[ends] = out[ends]
         return logits, len(chunks)
 
+    def check_logits(self, logits: torch.Tensor, step: int, where: str | None) -> None:
+        """A NaN or Inf in a step's logits would decode garbage (argmax picks token 0) with exit 0: stop, naming the
+        step, the streams and, where the host path saw it, the first MoE layer it passed (WatchedMoE). Every rank
+        computes the same logits, so every rank stops here together."""
+        if all_finite(logits):
+            return
+        streams = [s for s in range(logits.shape[0]) if not all_finite(logits[s])]
+        seen = f"; first seen {where}" if where else ""
+        raise AgreedError(f"decode step {step}: the logits of stream(s) {', '.join(map(str, streams))} hold NaN or "
+                          f"Inf{seen} (weights or activations out of BF16's range)")
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None, capacity: int = 0,
                  sampling: list[Sampling] | None = None, stop: Stop | None = None, detok=None) -> RunResult:
@@ -303,6 +334,7 @@ class Engine:
             xc.begin()
         for step in bar(f"decoding {m} stream(s)", n_tokens, long_run, unit="step", items=range(n_tokens)):
             self.step = step
+            mark(step)
             if step > 0 and result.path != "host":
                 if static is None:  # a draw needs the logits and the token before the next step launches
                     static = GraphStep(self, cache, first, graph=result.path == "graph",
@@ -323,6 +355,8 @@ class Engine:
                     cache.lengths += 1
                 self.step = step
                 chosen, c, logits, dt = static.collect(step)
+                if logits is not None:  # kept where tokens are drawn; greedy fixed-shape steps keep none
+                    self.check_logits(logits, step, "")
                 if not greedy:
                     chosen = choose(logits, sampling, [len(t) for t in result.tokens])
                     static.tokens.copy_(torch.tensor(chosen, dtype=torch.long))
@@ -341,6 +375,7 @@ class Engine:
                 else:  # a host-path decode step: one token per stream that goes on, one forward whatever M
                     logits = self.model.forward(tokens, cache, seqlens, self.moe)
                 # the host needs the tokens: this waits for the device, so dt covers it
+                self.check_logits(logits, step, self.moe.bad)
                 chosen = choose(logits, sampling, [len(t) for t in result.tokens])
                 dt = time.perf_counter() - t0
                 mo = self.moe

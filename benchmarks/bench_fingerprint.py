@@ -1,15 +1,15 @@
 """What the start-up content check costs: one rank's load of a written checkpoint with and without the ContentLog
-(checkpoint/fingerprint.py: an xxh3 digest of every tensor the rank reads), scaled to air8.
+(checkpoint/fingerprint.py: an xxh3 digest of every tensor the rank reads that other ranks read too), scaled to air8.
 
     python benchmarks/bench_fingerprint.py runs/small [--rounds 3] [--ranks 2] [--threads 1]
 
-Loads the checkpoint (every expert, as rank 0 of a 1-rank run: all the bytes a rank of `--ranks` would read and
-more) round after round, alternating without / with the log, page cache warm (a first load is thrown away), and
-prints the median load seconds of each, the digests' worker seconds and GB/s, and the NaN/Inf check's (one aminmax
-pass, reader.all_finite) GB/s beside torch.isfinite().all(). Then the same per rank of air8 (GLM-4.5-Air's layers,
-8 of them, BF16: 36 GB), from its shapes: the bytes a rank of `--ranks` loads (the replicated stack and its share of
-the experts) at the measured rates. The digests run on worker threads beside the reads: the wall-clock cost is what
-the rank waits for them at the end of loading, the worker time the CPU they take.
+Loads the checkpoint (as rank 0 of a 1-rank run, every expert) round after round, alternating without / with the
+log, page cache warm (a first load is thrown away), and prints the median load seconds of each, the bytes digested
+(the replicated stack, routers and scale tables: a routed expert's weights, read by their owner alone, are not) and
+their GB/s, and the NaN/Inf check's GB/s (one aminmax pass, reader.all_finite) beside torch.isfinite().all(). Then
+air8 (GLM-4.5-Air's layers, 8 of them, BF16: 36 GB) from its shapes: per rank of `--ranks`, the bytes it loads
+(the replicated stack and its share of the experts), the bytes it digests (the stack) and the seconds both checks
+take at the rates measured here.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from rocket_mpi.runtime.engine import Engine
 
 
 def load(ckpt: str, digest: bool) -> tuple[float, float, int]:
-    """-> (load seconds, digest worker seconds, bytes digested)."""
+    """-> (load seconds, digest seconds, bytes digested)."""
     reader = CheckpointReader(ckpt)
     t0 = time.perf_counter()
     log = ContentLog.record(reader) if digest else None
@@ -90,18 +90,17 @@ def main() -> int:
           f"torch threads {a.threads}")
     print(f"{'load':<28}{'median s':>10}")
     print(f"{'without the content log':<28}{p:>10.2f}")
-    print(f"{'with it':<28}{q:>10.2f}   {100 * (q / p - 1):+.1f} % wall; digests: {nbytes / 1e9:.2f} GB in "
-          f"{w:.2f} s of worker time ({nbytes / w / 1e9 if w else 0:.2f} GB/s)")
-    print(f"\none core, 256 MiB of BF16: xxh3 digest {xxh:.2f} GB/s; NaN/Inf check (aminmax) {fin:.2f} GB/s; "
+    print(f"{'with it':<28}{q:>10.2f}   {q - p:+.2f} s ({100 * (q / p - 1):+.0f} %); digests: {nbytes / 1e9:.2f} GB "
+          f"in {w:.2f} s ({nbytes / w / 1e9 if w else 0:.2f} GB/s)")
+    print(f"\none core, 256 MiB of BF16 in memory: xxh3 digest {xxh:.2f} GB/s; NaN/Inf check (aminmax) {fin:.2f} GB/s; "
           f"torch.isfinite().all() {isf:.2f} GB/s")
     stack, experts = air8_bytes_per_rank(a.ranks)
     per_rank = stack + experts
-    print(f"\nair8 BF16 over {a.ranks} ranks: {per_rank / 1e9:.1f} GB loaded per rank ({stack / 1e9:.1f} GB replicated "
-          f"stack + {experts / 1e9:.1f} GB of experts)")
-    print(f"  digests at {nbytes / w / 1e9 if w else xxh:.2f} GB/s (as measured in the loads): "
-          f"{per_rank / (nbytes / w if w else xxh * 1e9):.1f} s of worker time per rank")
-    print(f"  at this host's load rate ({size / p / 1e9:.2f} GB/s) the load itself takes {per_rank / (size / p):.1f} s; "
-          f"the wall cost measured here, scaled by bytes: {(q - p) * per_rank / size:+.1f} s")
+    dig = nbytes / w if w else xxh * 1e9
+    print(f"\nair8 BF16 over {a.ranks} ranks, per rank: {per_rank / 1e9:.1f} GB loaded ({stack / 1e9:.1f} GB replicated "
+          f"stack + {experts / 1e9:.1f} GB of its experts), {stack / 1e9:.1f} GB digested")
+    print(f"  digests at {dig / 1e9:.2f} GB/s (as in the loads above): {stack / dig:.1f} s per rank; the load's own "
+          f"pass over the bytes at this host's rate ({size / p / 1e9:.2f} GB/s): {per_rank / (size / p):.1f} s")
     print(f"  the NaN/Inf check: {per_rank / (fin * 1e9):.1f} s per rank (isfinite().all() would take "
           f"{per_rank / (isf * 1e9):.0f} s)")
     return 0

@@ -1,34 +1,34 @@
-"""What each rank read of the checkpoint, byte for byte: a digest of the stored bytes of every tensor it loads.
+"""What each rank read of the checkpoint, byte for byte: a digest of the stored bytes of every shared tensor it loads.
 
 The start-up handshake compares reader.fingerprint (config, index, every file's size and header, samples of its data)
 before loading: another checkpoint of the same shapes differs there, a change that falls between its samples does
 not. While a rank loads, a ContentLog keeps the xxh3-64 digest of the exact bytes of each tensor the reader hands out
-(the replicated stack, the routers and their biases, the experts' scale table, the rank's own experts); after loading,
-first_difference compares the logs of all ranks: a tensor that two ranks read must have the same bytes on both, so a
-changed byte in anything shared (another seed, one flipped bit in one rank's copy) is named with the tensor, its file
-and the rank.
+that other ranks read too (the replicated stack, the routers and their biases, the experts' scale table); after
+loading, first_difference compares the logs of all ranks: a tensor that two ranks read must have the same bytes on
+both, so a changed byte in anything shared (another seed, one flipped bit in one rank's copy) is named with the
+tensor, its file and the rank.
 
 What this cannot see: a routed expert's weights are read by their owner alone, so a change in the owner's copy of
-them has nothing to be compared with. Another checkpoint differs in the fingerprint's samples of every file; a NaN or
-Inf anywhere is refused as it loads (reader.all_finite); a finite change inside one expert's bytes that falls between
-the samples goes through.
+them has nothing to be compared with, and they are not digested (most of a rank's bytes: digesting them would only
+cost). Another checkpoint differs in the fingerprint's samples of every file; a NaN or Inf anywhere is refused as it
+loads (reader.all_finite); a finite change inside one expert's weights, between the samples, goes through.
 
-Cost: one xxh3 pass over the bytes a rank loads (xxhash, 4-15 GB/s a core, releasing the GIL), on worker threads
-while the reader goes on, so on a host with spare cores it mostly hides behind the reads; benchmarks/bench_fingerprint.py
-measures it.
+Cost: one xxh3 pass over the shared bytes, in the reading thread (python-xxhash holds the GIL: a worker thread would
+not overlap with the reads). benchmarks/bench_fingerprint.py measures it and scales it to air8.
 """
 from __future__ import annotations
 
 import os
+import re
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
-PENDING_MAX = 16  # tensors read but not yet hashed: the reader waits past this (bounds the memory they hold)
-WORKERS = 2       # hashing threads
+# a routed expert's own weights and block scales (its owner alone reads them); its weight_scale_2 is in every rank's
+# scale table, and the shared experts are ".shared_experts."
+PRIVATE = re.compile(r"\.experts\.\d+\.[a-z_]+\.weight(_scale)?$")
 
 
 @dataclass(frozen=True)
@@ -48,51 +48,34 @@ def tensor_digest(t: torch.Tensor) -> int:
 
 
 class ContentLog:
-    """The digest of every tensor a CheckpointReader's get() returns, from record() until finish()."""
+    """The digest of every shared tensor a CheckpointReader's get() returns, from record() until finish()."""
 
-    def __init__(self, workers: int = WORKERS):
+    def __init__(self):
         self.entries: dict[str, Entry] = {}
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="checkpoint-digest")
-        self._pending: list[tuple[str, str, int, Future]] = []
         self._reader = None
-        self.seconds = 0.0  # the workers' time in xxh3, all of them together
+        self.seconds = 0.0  # time in xxh3
 
     @classmethod
-    def record(cls, reader, workers: int = WORKERS) -> "ContentLog":
+    def record(cls, reader) -> "ContentLog":
         """Start logging what `reader` (a CheckpointReader) hands out."""
-        log = cls(workers)
+        log = cls()
         reader.log, log._reader = log, reader
         return log
 
     def add(self, name: str, path: str, t: torch.Tensor) -> None:
-        """Digest `t` (as read from `path`) on a worker; wait for the oldest when too many are pending."""
-        if t.device.type != "cpu":
-            t = t.cpu()
-        self._pending.append((name, path, t.numel() * t.element_size(), self._pool.submit(self._digest, t)))
-        while len(self._pending) > PENDING_MAX:
-            self._collect(self._pending.pop(0))
-
-    def _digest(self, t: torch.Tensor) -> int:
+        """Digest `t` as read from `path`, unless only this rank reads it (PRIVATE)."""
+        if PRIVATE.search(name):
+            return
         t0 = time.perf_counter()
-        d = tensor_digest(t)
+        digest = tensor_digest(t if t.device.type == "cpu" else t.cpu())
         self.seconds += time.perf_counter() - t0
-        return d
-
-    def _collect(self, item) -> None:
-        name, path, nbytes, fut = item
-        self.entries[name] = Entry(fut.result(), nbytes, os.path.basename(path))
+        self.entries[name] = Entry(digest, t.numel() * t.element_size(), os.path.basename(path))
 
     def finish(self) -> dict[str, Entry]:
-        """Wait for every digest and stop logging (later reads, an expert cache's misses, are not) -> the entries."""
-        try:
-            for item in self._pending:
-                self._collect(item)
-        finally:
-            self._pending = []
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            if self._reader is not None and self._reader.log is self:
-                self._reader.log = None
-            self._reader = None
+        """Stop logging (later reads, an expert cache's misses, are not) -> the entries."""
+        if self._reader is not None and self._reader.log is self:
+            self._reader.log = None
+        self._reader = None
         return self.entries
 
     def nbytes(self) -> int:

@@ -135,7 +135,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
     if content is not None:
         verdict(comm, content.summary(), first_difference, args.startup_timeout, "comparing the checkpoint's contents")
         log.info(f"checkpoint contents agree: {len(content.entries)} tensors, {content.nbytes() / 2**30:.2f} GiB "
-                 f"digested on this rank in {content.seconds:.1f} s of worker time")
+                 f"digested on this rank in {content.seconds:.1f} s")
     log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
              f"{engine.resident_bytes() / 2**30:.2f} GiB resident; expert cache: {engine.cache_plan.reason}")
     for p in runs:

@@ -115,7 +115,12 @@ class Sentinel:
             os.setpgid(child, child)
         except OSError:  # the child did it first, or is gone already
             pass
-        code = cls(child, words, rank, timeout).watch()
+        try:
+            code = cls(child, words, rank, timeout).watch()
+        except BaseException as e:  # noqa: BLE001 - a bug here must not leave the rank unwatched: it dies with us
+            print(f"rocket_mpi: internal error in the sentinel of rank {_name(rank)}: {e!r}", file=sys.stderr,
+                  flush=True)
+            code = 3
         os._exit(code)
 
     def __init__(self, child: int, words, rank: int | None, timeout: float):
@@ -155,7 +160,8 @@ class Sentinel:
         if code != 0 and self.words[STATE] != ENDING and not self.asked:
             print(f"rocket_mpi: error: {self.obituary(code)}", file=sys.stderr, flush=True)
         if -code in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(-code, signal.SIG_DFL)  # end as the rank did, so the launcher reports the same signal
+            if -code != signal.SIGKILL:  # end as the rank did, so the launcher reports the same signal
+                signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
             time.sleep(1)
         return code if code >= 0 else 128 - code  # a signal that would dump the sentinel's core: the shell's code
@@ -226,12 +232,12 @@ def wait_all(comm, timeout: float, what: str) -> None:
     if comm is None or comm.size == 1:
         return
     import numpy as np
-    note = np.zeros(1, dtype=np.int32)
+    bufs = np.zeros(comm.size, dtype=np.int32)  # rank 0: one word per rank to land in; the others: their note
     if comm.rank == 0:
-        notes = {r: comm.Irecv(np.zeros(1, dtype=np.int32), source=r, tag=ARRIVAL_TAG) for r in range(1, comm.size)}
+        notes = {r: comm.Irecv(bufs[r:r + 1], source=r, tag=ARRIVAL_TAG) for r in range(1, comm.size)}
         sent = None
     else:
-        sent, notes = comm.Isend(note, dest=0, tag=ARRIVAL_TAG), {}
+        sent, notes = comm.Isend(bufs[:1], dest=0, tag=ARRIVAL_TAG), {}
 
     def late():
         missing = [r for r, q in notes.items() if not q.Test()]

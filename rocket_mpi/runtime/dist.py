@@ -15,6 +15,7 @@ import select
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import termios
 import time
@@ -32,25 +33,53 @@ _RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "M
 
 
 def world(timeout: float = 600.0):
-    """COMM_WORLD when started by mpirun/srun, else None (one rank, no MPI at all). Under a launcher this process
-    first becomes the rank's sentinel and the rank goes on in a child (Sentinel): MPI_Init (the mpi4py import)
-    waits for every rank of the job, and one that never starts would hold the others there for ever, so the
-    sentinel ends a rank still in it after `timeout` seconds, naming the ranks of its host that never got there;
-    and a rank that dies without a word (kill -9, a crash) is named by its sentinel with its host, decode step and
-    layer before the launcher ends the job."""
+    """COMM_WORLD when started by mpirun/srun, else None (one rank, no MPI at all). MPI_Init (the mpi4py import)
+    waits for every rank of the job: one that never starts would hold the others there for ever, so a rank still in
+    it after `timeout` seconds says so and exits. Under MPICH's mpiexec (hydra), whose own line for a dead rank
+    names a PID (often not the rank's that died), this process first becomes the rank's sentinel and the rank goes
+    on in a child (Sentinel): it names the ranks of its host that never reached MPI_Init, and a rank that dies
+    without a word (kill -9, a crash) with its host, decode step and layer, before the launcher ends the job. Open
+    MPI's mpirun and srun name a dead rank themselves; there a watchdog process bounds MPI_Init (and srun's PMI-2
+    start-up fails in a rank forked off the task it started)."""
     if not launched_by_mpi():
         return None
     if "PMI_FD" in os.environ:
         # srun --mpi=pmi2 with the mpich wheel: its UCX transport's start-up lines can pass the 1024 bytes Slurm's
         # pmi2 plugin reads at once, and a job across nodes then hangs in MPI_Init; OFI's lines are far shorter
         os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
-    Sentinel.start(_env_rank(os.environ), timeout)  # from here on: the rank
+    rank, guard = _env_rank(os.environ), None
+    if "HYDI_CONTROL_FD" in os.environ:  # a rank of MPICH's hydra
+        Sentinel.start(rank, timeout)  # from here on: the rank
+    else:
+        msg = (f"rocket_mpi: error: rank {_name(rank)}: MPI_Init did not complete in {timeout:g} s: a rank of the job "
+               f"did not start, or the launcher cannot reach it (--startup-timeout)")
+        guard = subprocess.Popen([sys.executable, "-c", _INIT_WATCHDOG, str(os.getpid()), str(timeout), msg],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
         from mpi4py import MPI
     except ImportError as e:
         raise RocketError(f"started under an MPI launcher but mpi4py cannot be imported ({e})") from None
+    finally:
+        if guard is not None:
+            guard.kill()
+            guard.wait()
     _note(STATE, RUNNING)
     return MPI.COMM_WORLD
+
+
+# the MPI_Init bound where there is no sentinel: a process of its own (MPI_Init holds the interpreter), which ends
+# the rank if init outlasts the timeout and is itself ended as soon as init returns
+_INIT_WATCHDOG = """
+import os, signal, sys, time
+pid, timeout, msg = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+end = time.monotonic() + timeout
+while time.monotonic() < end:
+    time.sleep(0.2)
+    if os.getppid() != pid:
+        sys.exit(0)
+print(msg, file=sys.stderr, flush=True)
+os.kill(pid, signal.SIGKILL)
+"""
 
 
 def _env_rank(env) -> int | None:
@@ -237,7 +266,9 @@ def wait_all(comm, timeout: float, what: str) -> None:
         notes = {r: comm.Irecv(bufs[r:r + 1], source=r, tag=ARRIVAL_TAG) for r in range(1, comm.size)}
         sent = None
     else:
-        sent, notes = comm.Isend(bufs[:1], dest=0, tag=ARRIVAL_TAG), {}
+        # synchronous: it completes once rank 0 has the note, so no rank leaves here with its note unsent (an
+        # eager send over MPICH's OFI netmod may wait for the sender's next MPI call, which could be far off)
+        sent, notes = comm.Issend(bufs[:1], dest=0, tag=ARRIVAL_TAG), {}
 
     def late():
         missing = [r for r, q in notes.items() if not q.Test()]

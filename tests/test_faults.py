@@ -16,6 +16,17 @@ from conftest import ROOT, rocket_mpi
 from rocket_mpi.cli import launch
 
 
+def _hydra() -> bool:
+    """Whether the launcher is MPICH's mpiexec (hydra), under which each rank has a sentinel (runtime/dist.py)."""
+    cmd = launch.launcher()
+    out = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=30)
+    return "hydra" in (out.stdout + out.stderr).lower()
+
+
+HYDRA = _hydra()
+NO_SENTINEL = "the sentinel runs under MPICH's mpiexec (hydra) only; this launcher names a dead rank itself"
+
+
 def decode_args(ckpt, fabric, *extra):
     return ["decode", "--checkpoint", ckpt, "--streams", "4", "--tokens", "6", "--quiet", "--fabric", fabric,
             "--fabric-timeout", "3", *extra]
@@ -41,10 +52,11 @@ def test_killed_peer_ends_the_job(tiny_ckpt, fabric, path):
                    env={"ROCKET_FAULT": "die:rank=1,step=1"}, timeout=90)
     assert r.returncode != 0
     assert "rank 1: ROCKET_FAULT injecting 'die' at step 1" in r.stderr
-    # the dead rank's sentinel names it (rank, host, step, layer) before the launcher ends the job
-    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
-    assert len(lines) == 1 and f"rank 1 (pid " in lines[0] and f" on {socket.gethostname()}) died at decode step 1" \
-        in lines[0] and "exited with status 9" in lines[0], r.stderr
+    if HYDRA:  # the dead rank's sentinel names it (rank, host, step, layer) before the launcher ends the job
+        lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+        assert len(lines) == 1 and "rank 1 (pid " in lines[0] and \
+            f" on {socket.gethostname()}) died at decode step 1" in lines[0] and "exited with status 9" in lines[0], \
+            r.stderr
     assert time.monotonic() - t0 < 60
 
 
@@ -156,7 +168,8 @@ def test_rank_that_never_starts_ends_mpi_init_with_one_line(tiny_ckpt):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "rank 0: MPI_Init did not complete in 4 s" in lines[0], r.stderr
-    assert "rank 1 (pid " in lines[0] and "of this host never reached it" in lines[0], lines[0]
+    if HYDRA:  # the sentinel names the rank of this host that never got there
+        assert "rank 1 (pid " in lines[0] and "of this host never reached it" in lines[0], lines[0]
 
 
 def test_same_shapes_other_weights_refuse_to_start(tmp_path):
@@ -258,6 +271,8 @@ def _start_and_signal(ckpt, fabric, sig, timeout=90):
 def test_rank_killed_from_outside_is_named(tiny_ckpt, fabric):
     """kill -9 of a rank while it decodes: one line names the rank, its PID and host, the step and the signal
     (its sentinel says it before the launcher ends the job), not only the launcher's BAD TERMINATION."""
+    if not HYDRA:
+        pytest.skip(NO_SENTINEL)
     code, err, pid = _start_and_signal(tiny_ckpt, fabric, signal.SIGKILL)
     assert code != 0 and pid, err
     lines = [ln for ln in err.splitlines() if "rocket_mpi: error" in ln]
@@ -287,4 +302,7 @@ def test_rank_stalled_after_mpi_init_is_named(tiny_ckpt):
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
     assert len(lines) == 1 and "rank 0: timed out after 4 s" in lines[0], r.stderr
-    assert "(never arrived: rank 1, pid " in lines[0] and "on this host, alive but not answering)" in lines[0], lines[0]
+    assert "(never arrived: rank 1" in lines[0], lines[0]
+    if HYDRA:  # its PID and state: found through the sentinels
+        assert "(never arrived: rank 1, pid " in lines[0] and "on this host, alive but not answering)" in lines[0], \
+            lines[0]

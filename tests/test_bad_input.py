@@ -194,15 +194,19 @@ def test_bad_environment_setting(capsys, ckpt, monkeypatch, name, value):
     assert_one_line(*decode(capsys, ckpt), name, repr(value))
 
 
-@pytest.mark.parametrize("key,value", [("rms_norm_eps", "1e-5"), ("routed_scaling_factor", "2.5"),
-                                       ("rms_norm_eps", -1.0), ("tie_word_embeddings", "no")])
-def test_config_value_of_the_wrong_type(capsys, ckpt, key, value):
+@pytest.mark.parametrize("key,value,needle", [
+    ("rms_norm_eps", "1e-5", "rms_norm_eps"), ("routed_scaling_factor", "2.5", "routed_scaling_factor"),
+    ("rms_norm_eps", -1.0, "rms_norm_eps"), ("tie_word_embeddings", "no", "tie_word_embeddings"),
+    ("eos_token_id", "x", "eos_token_id"), ("eos_token_id", [1, "x"], "eos_token_id"),
+    ("rope_parameters", [10000.0], "rope_parameters"), ("rope_parameters", {"rope_theta": "1e4"}, "rope_theta"),
+    ("swiglu_limit", "7", "swiglu_limit")])
+def test_config_value_of_the_wrong_type(capsys, ckpt, key, value, needle):
     """A config.json value of the wrong type is one line naming the file and the key, before anything loads."""
     path = os.path.join(ckpt, "config.json")
     cfg = json.load(open(path))
     cfg[key] = value
     json.dump(cfg, open(path, "w"))
-    assert_one_line(*decode(capsys, ckpt), "config.json", key)
+    assert_one_line(*decode(capsys, ckpt), "config.json", needle)
 
 
 def test_a_file_as_checkpoint(capsys, ckpt):
@@ -238,3 +242,13 @@ def test_nan_in_a_bf16_expert_weight(capsys, ckpt):
         t[name][0, 0] = float("nan")
     edit_tensors(ckpt, f)
     assert_one_line(*decode(capsys, ckpt), name, "NaN or Inf")
+
+
+def test_overflow_to_inf_in_the_activations_stops_the_decode(capsys, ckpt):
+    """Finite weights whose activations overflow BF16 (a norm weight of 3e38): the prefill's logits hold NaN; one
+    line names the step, the streams and the first MoE layer the non-finite values passed, not tokens of 0."""
+    def f(t):
+        t["model.layers.1.post_attention_layernorm.weight"][:] = 3e38
+    edit_tensors(ckpt, f)
+    assert_one_line(*decode(capsys, ckpt), "decode step 0", "stream(s) 0, 1", "NaN or Inf",
+                    "entering MoE layer 1")

@@ -123,6 +123,15 @@ class ModelConfig:
     # -- loading ---------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json", quant: QuantConfig | None = None) -> "ModelConfig":
+        try:
+            return cls._from_dict(raw, source, quant)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            # a value of a type no check above foresaw (a list where an object belongs, a string for a number in a
+            # family's own keys): still one line naming the file
+            raise ConfigError(f"{source}: a value of the wrong type or shape ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict, source: str, quant: QuantConfig | None) -> "ModelConfig":
         mt = raw.get("model_type")
         if mt is None:
             raise ConfigError(f"{source}: missing 'model_type'")
@@ -146,8 +155,7 @@ class ModelConfig:
                 vals[name] = default
         if vals["head_dim"] is None:
             vals["head_dim"] = vals["hidden_size"] // vals["num_attention_heads"]
-        eos = vals["eos_token_id"]
-        vals["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        vals["eos_token_id"] = _token_ids(vals["eos_token_id"], f"{source}: 'eos_token_id'")
         vals["rope_theta"], vals["partial_rotary_factor"] = _rope(raw, source)
         cfg = cls(**vals)
         cfg.validate()
@@ -160,7 +168,11 @@ class ModelConfig:
                               f"config.json and the *.safetensors files)")
         path = os.path.join(ckpt_dir, "config.json")
         raw = _read_json(path)
-        return cls.from_dict(raw, source=path, quant=read_quant_config(ckpt_dir, raw))
+        try:
+            quant = read_quant_config(ckpt_dir, raw)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            raise ConfigError(f"{ckpt_dir}: malformed quantization settings ({type(e).__name__}: {e})") from None
+        return cls.from_dict(raw, source=path, quant=quant)
 
     def validate(self) -> None:
         src = self.source
@@ -199,11 +211,30 @@ class ModelConfig:
             raise ConfigError(f"{src}: first_k_dense_replace {self.first_k_dense_replace} out of range")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ConfigError(f"{src}: dtype '{self.dtype}' is not supported")
+        if self.swiglu_limit is not None and not _number(self.swiglu_limit, f"{src}: 'swiglu_limit'") > 0:
+            raise ConfigError(f"{src}: 'swiglu_limit' must be positive, got {self.swiglu_limit!r}")
+
+
+def _token_ids(v, what: str) -> tuple[int, ...]:
+    """An id or a list of ids (config.json's eos_token_id) -> a tuple of non-negative ints."""
+    ids = [] if v is None else v if isinstance(v, list) else [v]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{what} must be a token id or a list of them, got {v!r}")
+    return tuple(ids)
+
+
+def _number(v, what: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v in (float("inf"), float("-inf")):
+        raise ConfigError(f"{what} must be a finite number, got {v!r}")
+    return float(v)
 
 
 def _rope(raw: dict, source: str) -> tuple[float, float]:
     rp = raw.get("rope_parameters") or {}
     legacy_scaling = raw.get("rope_scaling") or {}
+    for key, v in (("rope_parameters", rp), ("rope_scaling", legacy_scaling)):
+        if not isinstance(v, dict):
+            raise ConfigError(f"{source}: '{key}' must be an object, got {v!r}")
     rope_type = rp.get("rope_type", legacy_scaling.get("rope_type", legacy_scaling.get("type", "default")))
     if rope_type != "default":
         raise ConfigError(f"{source}: rope_type '{rope_type}' is not supported (only 'default')")
@@ -211,7 +242,9 @@ def _rope(raw: dict, source: str) -> tuple[float, float]:
     if theta is None:
         raise ConfigError(f"{source}: missing 'rope_parameters.rope_theta' (or 'rope_theta')")
     prf = rp.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
-    return float(theta), float(prf)
+    if not _number(theta, f"{source}: 'rope_theta'") > 0:
+        raise ConfigError(f"{source}: 'rope_theta' must be positive, got {theta!r}")
+    return float(theta), _number(prf, f"{source}: 'partial_rotary_factor'")
 
 
 def _read_json(path: str) -> dict:

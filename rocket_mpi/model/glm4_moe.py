@@ -22,6 +22,7 @@ from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swigl
                                      stack_rows, unique_nbytes)
 
 DT = torch.bfloat16
+SPAN_QUANTUM = 64  # a host-path decode step attends over a multiple of this many cache positions
 
 
 @dataclass
@@ -152,6 +153,10 @@ class Glm4MoeModel:
         live = [s for s, n in enumerate(seqlens) if n]
         if live and all(seqlens[s] == 1 for s in live):  # one new token per stream that goes on: where it goes and
             span = max(starts[s] for s in live) + 1       # what it sees, once, from the host list (no device sync)
+            # in whole quanta of the cache (the keys past a stream's position are masked): a run's attention matmuls
+            # then take a few shapes, not one per step; each new shape costs oneDNN (CPU bf16 matmuls) a kernel it
+            # keeps, and a long run's RSS grew by ~1 MiB a step until its primitive cache filled
+            span = min(-(-span // SPAN_QUANTUM) * SPAN_QUANTUM, cache.capacity)
             pos = torch.tensor([starts[s] for s in live], device=dev)
             hide = None if gpu else (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :]
             decode = (torch.tensor(live, device=dev), pos, span, hide)

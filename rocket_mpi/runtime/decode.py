@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from rocket_mpi import __version__
+from rocket_mpi.checkpoint.fingerprint import ContentLog, first_difference
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
 from rocket_mpi.errors import RocketError
@@ -19,7 +20,8 @@ from rocket_mpi.fabric import choose_why, fabric_precheck, make_fabric
 from rocket_mpi.moe.cache import parse_budget
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.runtime.dist import collective as _collective
-from rocket_mpi.runtime.dist import handshake, local_rank, run_guarded, wait_all, watchdog, world
+from rocket_mpi.runtime.dist import (handshake, local_rank, remember_ranks, run_guarded, verdict, wait_all,
+                                     watchdog, world)
 from rocket_mpi.runtime.engine import Engine
 from rocket_mpi.runtime.progress import log, setup_logging
 from rocket_mpi.runtime.chat import read_chat_prompts, stop_ids
@@ -116,16 +118,27 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
     if comm is not None:  # a launcher names a dead rank by its PID alone: which rank that is, once
         with watchdog(comm, args.startup_timeout, "naming the ranks"):
             where = comm.allgather((socket.gethostname(), os.getpid()))
+        remember_ranks(where)
         log.info("ranks: " + ", ".join(f"{r} = pid {pid} on {host}" for r, (host, pid) in enumerate(where)))
         if device.type == "cpu":
             share = sum(1 for host, _ in where if host == where[rank][0])
 
-    engine = _collective(comm, args.startup_timeout, "checkpoint loading",
-                         lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
-                                        progress=args.progress and rank == 0,
-                                        expert_cache=parse_budget(args.expert_cache), share=share,
-                                        telemetry=bool(args.telemetry), rebalance_every=args.rebalance_every,
-                                        replicas=args.replicas))
+    # what each rank loads, digested as it loads (checkpoint/fingerprint.py): compared once all have loaded
+    content = ContentLog.record(reader) if size > 1 and not is_synthetic(args.checkpoint) else None
+    try:
+        engine = _collective(comm, args.startup_timeout, "checkpoint loading",
+                             lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
+                                            progress=args.progress and rank == 0,
+                                            expert_cache=parse_budget(args.expert_cache), share=share,
+                                            telemetry=bool(args.telemetry),
+                                            rebalance_every=args.rebalance_every, replicas=args.replicas))
+    finally:
+        if content is not None:
+            content.finish()
+    if content is not None:
+        verdict(comm, content.summary(), first_difference, args.startup_timeout, "comparing the checkpoint's contents")
+        log.info(f"checkpoint contents agree: {len(content.entries)} tensors, {content.nbytes() / 2**30:.2f} GiB "
+                 f"digested on this rank in {content.seconds:.1f} s")
     log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
              f"{engine.resident_bytes() / 2**30:.2f} GiB resident; expert cache: {engine.cache_plan.reason}")
     for p in runs:

@@ -6,8 +6,7 @@ the fabric, only finished BF16 rows.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -15,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from rocket_mpi import ops
-from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.checkpoint.reader import CheckpointReader, all_finite
 from rocket_mpi.config import PREFILL_CHUNK, ModelConfig
-from rocket_mpi.errors import RocketError
+from rocket_mpi.errors import AgreedError, RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
 from rocket_mpi.model import model_class
 from rocket_mpi.moe.cache import ExpertCache, expert_bytes, first_resident, plan_residency
@@ -26,6 +25,7 @@ from rocket_mpi.moe.placement import Placement
 from rocket_mpi.moe.rebalance import Rebalancer, fixed_slots
 from rocket_mpi.moe.step import HostMoE
 from rocket_mpi.ops import plan as kplan
+from rocket_mpi.runtime.dist import mark
 from rocket_mpi.runtime.graph import STEPS_AHEAD, GraphStep, unsupported
 from rocket_mpi.runtime.progress import bar
 from rocket_mpi.runtime.sampling import GREEDY, Sampling, Stop, choose
@@ -35,8 +35,14 @@ WARMUP_STEPS = 3
 CACHE_QUANTUM = 64  # cache positions per stream: a multiple of this (Engine.generate)
 TIMED_STEPS = 10
 LONG_RUN = 64  # decode steps from which rank 0 shows them as they happen (Engine.progress)
-TRIM_EVERY = 64  # decode steps between returns of the freed C heap to the system (release_heap)
 MAINTAIN_EVERY = 8  # fixed-shape decode steps between the expert cache's upkeeps (a pause in the steps launched ahead)
+# oneDNN (torch's CPU BF16 matmuls) compiles kernels for each new matmul shape and keeps them in two caches of 1024
+# shapes (ideep's and oneDNN's own, about half a MiB a shape): a long CPU decode, whose attention span takes new
+# shapes as it grows, kept gaining RSS (~1 MiB a step) until they filled. A step's own shapes are a few dozen; both
+# caches read their size once, at the first matmul of the process, so it is set here, before any.
+ONEDNN_CACHE_SHAPES = 64
+for _name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+    os.environ.setdefault(_name, str(ONEDNN_CACHE_SHAPES))
 
 
 def prefill_chunks(seqlens: list[int], chunk: int) -> list[list[int]]:
@@ -114,24 +120,23 @@ def _ms(seconds) -> float | None:
     return sum(v) / len(v) if v else None
 
 
-def _libc():
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return lib if hasattr(lib, "malloc_trim") else None
-    except OSError:
-        return None
+class WatchedMoE(HostMoE):
+    """HostMoE that also notes, each step, the first MoE layer whose input (the normalised hidden state) or output
+    holds a NaN or Inf: where a non-finite value that reaches the logits came from (Engine.check_logits). Two
+    min/max passes over [tokens, hidden] a layer."""
 
+    def reset(self) -> None:
+        super().reset()
+        self.bad: str | None = None
 
-_LIBC = _libc()
-
-
-def release_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's malloc_trim; a no-op elsewhere). Each CPU decode
-    step's attention temporaries are a little larger than the last step's, so freed blocks are rarely reused and
-    the heap's high-water mark grew with the run; trimming every TRIM_EVERY steps holds most of that back.
-    It moves no live tensor: the bits do not change."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    def __call__(self, layer, x, L, shared=None, residual=None, next_norm=None):
+        mark(self.engine.step, layer)  # where this rank is, should it die (runtime/dist.py Sentinel)
+        if self.bad is None and not all_finite(x):
+            self.bad = f"entering MoE layer {layer} (from the layers before it, or its attention)"
+        out = super().__call__(layer, x, L, shared, residual, next_norm)
+        if self.bad is None and not all_finite(out):
+            self.bad = f"leaving MoE layer {layer} (its experts' rows, shared expert or residual)"
+        return out
 
 
 def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: BaseException) -> RocketError:
@@ -222,7 +227,7 @@ class Engine:
         self.fabric: Fabric = LocalFabric(0, 1, 0, self.cfg.hidden_size, 1.0)
         self.seq = 0   # the exchanges so far: each one's doorbell value
         self.step = 0
-        self.moe = HostMoE(self)
+        self.moe = WatchedMoE(self)
         self.steps_ahead = STEPS_AHEAD  # graphed steps launched before the oldest is read back (tests vary it)
         self.decode_path = "host"
         self.prefill_chunk = PREFILL_CHUNK
@@ -314,6 +319,17 @@ class Engine:
             logits[ends] = out[ends]
         return logits, len(chunks)
 
+    def check_logits(self, logits: torch.Tensor, step: int, where: str | None) -> None:
+        """A NaN or Inf in a step's logits would decode garbage (argmax picks token 0) with exit 0: stop, naming the
+        step, the streams and, where the host path saw it, the first MoE layer it passed (WatchedMoE). Every rank
+        computes the same logits, so every rank stops here together."""
+        if all_finite(logits):
+            return
+        streams = [s for s in range(logits.shape[0]) if not all_finite(logits[s])]
+        seen = f"; first seen {where}" if where else ""
+        raise AgreedError(f"decode step {step}: the logits of stream(s) {', '.join(map(str, streams))} hold NaN or "
+                          f"Inf{seen} (weights or activations out of BF16's range)")
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n_tokens: int, on_step=None, capacity: int = 0,
                  sampling: list[Sampling] | None = None, stop: Stop | None = None, detok=None) -> RunResult:
@@ -356,8 +372,7 @@ class Engine:
             rb.begin()
         for step in bar(f"decoding {m} stream(s)", n_tokens, long_run, unit="step", items=range(n_tokens)):
             self.step = step
-            if step % TRIM_EVERY == TRIM_EVERY - 1:
-                release_heap()
+            mark(step)
             if step > 0 and result.path != "host":
                 if static is None:  # a draw needs the logits and the token before the next step launches
                     static = GraphStep(self, cache, first, graph=result.path == "graph",
@@ -381,6 +396,8 @@ class Engine:
                     cache.lengths += 1
                 self.step = step
                 chosen, c, logits, dt = static.collect(step)
+                if logits is not None:  # kept where tokens are drawn; greedy fixed-shape steps keep none
+                    self.check_logits(logits, step, "")
                 if not greedy:
                     chosen = choose(logits, sampling, [len(t) for t in result.tokens])
                     static.tokens.copy_(torch.tensor(chosen, dtype=torch.long))
@@ -401,6 +418,7 @@ class Engine:
                 else:  # a host-path decode step: one token per stream that goes on, one forward whatever M
                     logits = self.model.forward(tokens, cache, seqlens, self.moe)
                 # the host needs the tokens: this waits for the device, so dt covers it
+                self.check_logits(logits, step, self.moe.bad)
                 chosen = choose(logits, sampling, [len(t) for t in result.tokens])
                 dt = time.perf_counter() - t0
                 mo = self.moe

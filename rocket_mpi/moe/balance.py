@@ -343,6 +343,12 @@ def balance(load_rows: np.ndarray, active: np.ndarray, n_ranks: int, replicas: i
         p = _refine(_refine(_pack(n_exp, n_ranks, slots, fixed, counts, cost_of, rows_of)), by_rows=True)
         if best is None or p.busiest() < best.busiest():
             best = p
+        if k == 0 and not fixed:  # the contiguous split is a candidate too (the rows' refinement may cost up to
+            # ROW_SLACK more): a placement is never costlier than contiguous ranges
+            c = _from_current(contiguous_owners(n_exp, n_ranks), n_exp, n_ranks, slots, fixed, (0, 0), cost_of,
+                              rows_of)
+            if c is not None and c.busiest() < best.busiest():
+                best = c
     slots = slots_per_rank if fixed else max(-(-(n_exp + extra) // n_ranks), best.slots)
     copies = (len(order), len(order) if fixed or exact else 0)
     run = _from_current(current, n_exp, n_ranks, slots, fixed, copies, cost_of, rows_of)

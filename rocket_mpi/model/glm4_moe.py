@@ -269,7 +269,7 @@ class Glm4MoeModel:
         if fused and static:  # the fixed-shape decode step on a GPU: RoPE and the cache write in one kernel
             tab, pos, span, _ = decode  # tab: cos / sin are the Rope.table halves, read at pos
             ops.rope_kv_(q, k, v, cos, sin, self.rope.dim, kc, vc, pos, table=tab is not None)
-            out = self.decode_attention(q, kc, vc, pos, span, idx if some else None)
+            out = self.decode_attention(q, kc, vc, pos, span, None)   # row i: cache row i, every slot
         elif decode is not None:
             # decode: one new token per stream, batched over streams with a length mask
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)

@@ -22,7 +22,8 @@ def clean_env(extra: dict | None = None) -> dict:
 
 def launcher(cmd: str | None = None) -> list[str]:
     """mpiexec beside this Python (the mpich wheel puts one in the venv), else on PATH; Open MPI gets the
-    flags it needs to run as root and oversubscribed."""
+    flags it needs to run as root and oversubscribed, and no binding (it binds each rank to one core, which the
+    graphed step's proxy thread would share with the rank's main thread: fabric/slots.py)."""
     cmd = cmd or Settings.from_env().mpiexec
     if cmd:
         return cmd.split()
@@ -36,7 +37,7 @@ def launcher(cmd: str | None = None) -> list[str]:
         ver = ""
     out = [exe]
     if "Open MPI" in ver or "OpenRTE" in ver:
-        out += ["--oversubscribe"]
+        out += ["--oversubscribe", "--bind-to", "none"]
         if os.geteuid() == 0:
             out += ["--allow-run-as-root"]
     return out

@@ -183,6 +183,10 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"{src}: '{name}' must be a positive integer, got {v!r}")
+        for name in ("n_shared_experts", "first_k_dense_replace"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{src}: '{name}' must be a non-negative integer, got {v!r}")
         for name in ("rms_norm_eps", "routed_scaling_factor"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v == float("inf"):

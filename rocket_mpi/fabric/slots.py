@@ -21,6 +21,8 @@ stand-in for the two kernels (tests/test_proxy.py).
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import time
 
 import torch
@@ -29,6 +31,8 @@ from rocket_mpi.errors import FabricError
 from rocket_mpi.fabric.base import SEQ_MASK, SlotExchange, seq_ahead
 from rocket_mpi.fabric.proxy import Proxy, library
 from rocket_mpi.ops import _ext
+
+log = logging.getLogger("rocket_mpi")
 
 STAGE_BLOCKS = 16    # blocks of the stage kernel (host memory takes a few SMs' stores at full rate)
 GATHER_BLOCKS = 16   # blocks of the gather kernel: each waits on the doorbells, then copies its share
@@ -73,6 +77,13 @@ class DoorbellSlots(SlotExchange):
             self.proxy = Proxy(lib, post=lambda seq, rows: fab.send(seq, rows * fab.row_bytes, every_rail=True),
                                **common)
         self.host_gil = targets is None  # the callback needs this process's GIL while the step runs
+        cpus = os.sched_getaffinity(0)
+        if len(cpus) < 2:
+            log.warning(f"fabric {fab.name}: this rank may run on one CPU only ({sorted(cpus)[0]}): the proxy thread shares it with "
+                        f"the thread that waits for each step, and each exchange then waits for the scheduler "
+                        f"(milliseconds, not tens of microseconds). Give each rank two CPUs or more: mpirun "
+                        f"--bind-to none (Open MPI binds a rank to one core), --map-by slot:PE=2, or srun "
+                        f"--cpus-per-task=2")
 
     def exchange(self, meta, layer, step):
         f = self.fabric

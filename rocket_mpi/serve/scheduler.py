@@ -212,6 +212,9 @@ class Request:
     sink: object
     generated: list[int] = field(default_factory=list)
     sent: str = ""                 # the text already sent
+    text: str = ""                 # generated[:done] decoded (IncrementalText), stop strings not cut yet
+    start: int = 0                 # the decode window of the next piece: generated[start:] (IncrementalText)
+    done: int = 0
     cancelled: bool = False        # set by the server thread when the client goes away
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
@@ -373,10 +376,15 @@ class Scheduler:
 
     def _delta(self, req: Request, final: bool) -> str:
         """The text the request's tokens add: held back while it could be the start of a stop string or an
-        incomplete character, and cut before a stop string."""
+        incomplete character, and cut before a stop string. Decoded a few tokens at a time (text_piece), not the
+        whole stream each step; the last delta from the whole stream's decode."""
         if self.detok is None:
             return ""
-        full = cut_at_stop(self.detok(req.generated), req.stop.strings)
+        if final:
+            req.text = self.detok(req.generated)
+        else:
+            req.text, req.start, req.done = text_piece(self.detok, req.generated, req.text, req.start, req.done)
+        full = cut_at_stop(req.text, req.stop.strings)
         if not final:
             hold = max((k for st in req.stop.strings for k in range(1, len(st)) if full.endswith(st[:k])), default=0)
             full = full[:len(full) - hold]
@@ -384,6 +392,21 @@ class Scheduler:
         delta = full[len(req.sent):] if full.startswith(req.sent) else ""
         req.sent = full if full.startswith(req.sent) else req.sent
         return delta
+
+
+def text_piece(detok, ids: list[int], text: str, start: int, done: int) -> tuple[str, int, int]:
+    """ids decoded, given `text` = ids[:done] decoded, decoding only ids[start:] (start: where the last piece began,
+    the context a byte-level token needs to finish a character begun before it) -> (text, start, done) for the next
+    call; the same while the new ids end in an incomplete character. Where a decode of the window does not extend
+    the one before (a tokenizer whose decode of a piece depends on more context) the whole stream is decoded once.
+    The pieces join into the decode of all the ids at once (tests/test_serve_text.py)."""
+    before = detok(ids[start:done])
+    after = detok(ids[start:])
+    if len(after) <= len(before) or after.endswith("\ufffd"):
+        return text, start, done
+    if not after.startswith(before):
+        return detok(ids), len(ids), len(ids)
+    return text + after[len(before):], done, len(ids)
 
 
 def follow(comm, slots: Slots, timeout: float) -> None:

@@ -67,6 +67,13 @@ def test_missing_tensor(capsys, ckpt):
     assert_one_line(*decode(capsys, ckpt), "model.layers.1.mlp.experts.3.up_proj.weight", "missing")
 
 
+def test_damaged_tensor_name_names_the_file_searched(capsys, ckpt):
+    """A damaged name in a header (one byte changed): the line names the tensor asked for and the file searched."""
+    name = "model.layers.1.mlp.experts.15.down_proj.weight"
+    edit_tensors(ckpt, lambda t: t.__setitem__(name[:-1] + "u", t.pop(name)))
+    assert_one_line(*decode(capsys, ckpt), name, "missing", "(not in model.safetensors)")
+
+
 def test_wrong_dtype(capsys, ckpt):
     def f(t):
         t["model.layers.0.self_attn.q_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"].to(torch.int32)

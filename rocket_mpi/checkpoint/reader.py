@@ -90,6 +90,14 @@ class CheckpointReader:
             self._handles[path] = h
         return h
 
+    def _missing(self, name: str) -> str:
+        """One line for a tensor the checkpoint does not hold, naming where it was looked for."""
+        idx = os.path.join(self.dir, INDEX)
+        names = [os.path.basename(f) for f in self.files]
+        where = os.path.basename(idx) if os.path.exists(idx) else \
+            ", ".join(names) if len(names) <= 3 else f"any of its {len(names)} *.safetensors files"
+        return f"{self.dir}: missing tensor '{name}' (not in {where})"
+
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
@@ -111,7 +119,7 @@ class CheckpointReader:
             finite: bool = False) -> torch.Tensor:
         path = self.where.get(name)
         if path is None:
-            raise CheckpointError(f"{self.dir}: missing tensor '{name}'")
+            raise CheckpointError(self._missing(name))
         t = self._fetch(name, path)
         if self.log is not None:
             self.log.add(name, path, t)
@@ -134,7 +142,7 @@ class CheckpointReader:
         wname = prefix + ".weight"
         path = self.where.get(wname)
         if path is None:
-            raise CheckpointError(f"{self.dir}: missing tensor '{wname}'")
+            raise CheckpointError(self._missing(wname))
         dtype = self._stored_dtype(wname, path)
         b = self.get_float(prefix + ".bias", (out_features,)) if bias else None
         if dtype != "U8":

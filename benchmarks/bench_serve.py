@@ -1,9 +1,10 @@
 """The server against the decode command at the same M: throughput, time to first token, step time.
 
     python benchmarks/bench_serve.py --checkpoint DIR|preset:NAME [--ranks 2] [--device cuda] [--clients 1,8,32]
-                                     [--tokens 64] [--fabric shm]
+                                     [--tokens 64] [--fabric shm] [--slots most|each]
 
-Starts `serve` (under mpiexec for --ranks > 1) with as many slots as the most clients, then for each client count C
+Starts `serve` (under mpiexec for --ranks > 1) with as many slots as the most clients (--slots each: one server per
+client count, with that many slots: the fixed-shape step runs every slot, idle or not), then for each client count C
 sends C concurrent streaming completions (greedy, fixed length: ignore_eos) of distinct prompts, and reads the
 server's decode-step time from /metrics; then runs `decode --streams C` on the same prompts with the same path
 (host) and, on a GPU, the graphed step, and prints one table. Throughput = completion tokens / wall time of the
@@ -65,32 +66,15 @@ def _metrics(url: str) -> dict:
     return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln and not ln.startswith("#"))}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--ranks", type=int, default=1)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--fabric", default="auto")
-    ap.add_argument("--clients", default="1,8,32")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--serve-path", default="auto", help="the server's --decode-path (auto: graph on a GPU)")
-    ap.add_argument("--json", help="write the table's rows here too")
-    a = ap.parse_args()
-    clients = [int(c) for c in a.clients.split(",")]
-    common = ["--checkpoint", a.checkpoint, "--device", a.device, "--fabric", a.fabric, "--threads", str(a.threads)]
-    if os.path.isdir(a.checkpoint):
-        vocab = json.load(open(os.path.join(a.checkpoint, "config.json")))["vocab_size"]
-    else:  # preset:NAME[:...]
-        vocab = config_dict(a.checkpoint.split(":")[1])["vocab_size"]
-    prompts = default_prompts(max(clients), vocab)
+def _measure(a, common: list[str], prompts: list, clients: list[int], rows: list[dict]) -> float:
+    """Start a server with max(clients) slots, time each client count on it (rows appended) -> seconds to ready."""
     port = _port()
     url = f"http://127.0.0.1:{port}"
-    srv = subprocess.Popen(_cmd(a.ranks, ["serve", *common, "--port", str(port), "--max-streams", str(max(clients)),
+    slots = max(clients)
+    srv = subprocess.Popen(_cmd(a.ranks, ["serve", *common, "--port", str(port), "--max-streams", str(slots),
                                           "--max-model-len", str(64 + a.tokens), "--log-level", "warning",
                                           "--decode-path", a.serve_path]),
                            stdout=subprocess.PIPE, text=True, env=launch.clean_env(), start_new_session=True)
-    rows = []
     try:
         t_start = time.perf_counter()
         for line in srv.stdout:
@@ -107,15 +91,44 @@ def main() -> int:
             wall = time.perf_counter() - t0
             m = _metrics(url)
             ttft = sorted(r[0] for r in res)
-            rows.append({"clients": c, "tok_s": sum(r[2] for r in res) / wall, "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2],
-                         "ttft_max_ms": 1e3 * ttft[-1], "server_step_ms": 1e3 * m["rocket_step_seconds"],
-                         "fabric_share": m["rocket_fabric_share"]})
+            rows.append({"clients": c, "slots": slots, "tok_s": sum(r[2] for r in res) / wall,
+                         "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2], "ttft_max_ms": 1e3 * ttft[-1],
+                         "server_step_ms": 1e3 * m["rocket_step_seconds"], "fabric_share": m["rocket_fabric_share"]})
     finally:
         os.killpg(srv.pid, signal.SIGINT)
         try:
             srv.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(srv.pid, signal.SIGKILL)
+    return ready
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fabric", default="auto")
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--serve-path", default="auto", help="the server's --decode-path (auto: graph on a GPU)")
+    ap.add_argument("--slots", choices=("most", "each"), default="most",
+                    help="most: one server with as many slots as the most clients (idle slots cost a fixed-shape step "
+                         "their rows); each: a server per client count with that many slots")
+    ap.add_argument("--json", help="write the table's rows here too")
+    a = ap.parse_args()
+    clients = [int(c) for c in a.clients.split(",")]
+    common = ["--checkpoint", a.checkpoint, "--device", a.device, "--fabric", a.fabric, "--threads", str(a.threads)]
+    if os.path.isdir(a.checkpoint):
+        vocab = json.load(open(os.path.join(a.checkpoint, "config.json")))["vocab_size"]
+    else:  # preset:NAME[:...]
+        vocab = config_dict(a.checkpoint.split(":")[1])["vocab_size"]
+    prompts = default_prompts(max(clients), vocab)
+    rows, ready = [], []
+    groups = [clients] if a.slots == "most" else [[c] for c in clients]
+    for group in groups:  # one server per group, with as many slots as its most clients
+        ready.append(_measure(a, common, prompts, group, rows))
     work = tempfile.mkdtemp(prefix="bench-serve-")
     pf = os.path.join(work, "prompts.json")
     json.dump(prompts, open(pf, "w"))
@@ -137,8 +150,9 @@ def main() -> int:
         if "cli_graph_ms" in row:
             row["server_vs_cli_graph"] = row["server_step_ms"] / row["cli_graph_ms"]
     print(f"serve vs decode: {a.checkpoint}, {a.ranks} rank(s), device {a.device}, fabric {a.fabric}, "
-          f"{a.tokens} tokens per request, server --decode-path {a.serve_path}; server ready {ready:.1f} s after start")
-    head = ["clients", "tok_s", "ttft_p50_ms", "ttft_max_ms", "server_step_ms", "cli_host_ms"] + \
+          f"{a.tokens} tokens per request, server --decode-path {a.serve_path}; server ready "
+          f"{max(ready):.1f} s after start")
+    head = ["clients", "slots", "tok_s", "ttft_p50_ms", "ttft_max_ms", "server_step_ms", "cli_host_ms"] + \
         (["cli_graph_ms"] if "graph" in paths else []) + ["server_vs_cli_host"] + \
         (["server_vs_cli_graph"] if "graph" in paths else []) + ["fabric_share"]
     print("| " + " | ".join(head) + " |")

@@ -26,7 +26,7 @@ export ROCKET_CUDA_ARCHS="${ROCKET_CUDA_ARCHS:-90}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 RUN=(${MPIRUN:-mpirun})   # local ranks inherit this environment (PYTHONPATH, ROCKET_FAULT, the MPS pipe)
 if "${RUN[0]}" --version 2>/dev/null | grep -q "Open MPI"; then
-  RUN+=(--oversubscribe)
+  RUN+=(--oversubscribe --bind-to none)   # the proxy thread needs a core beside the rank's waiting thread
   [ "$(id -u)" = 0 ] && RUN+=(--allow-run-as-root)
 fi
 export ROCKET_MPIEXEC="${RUN[*]}"   # static-fire starts its runs with the same launcher

@@ -46,7 +46,7 @@ fire_bf16)
 bf16)  # BF16 experts (the kernel's BF16 tiles), one GPU; then two
   T=300 run "decode1_${PRESET}_bf16_graph" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
   for f in ${FABRICS:-cuda-ipc}; do
-    T=300 run "decode2_${PRESET}_bf16_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
+    T=300 run "decode2_${PRESET}_bf16_graph_$f" mpirun --allow-run-as-root --bind-to none -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
   done ;;
 fire_bf16_glm5)  # BF16 experts (the kernel's BF16 tiles) in the GLM-5 families' graphed step, split vs one rank
   for p in dsa-tiny glm5-tiny; do
@@ -65,7 +65,7 @@ paths)
   done ;;
 paths2)
   for f in ${FABRICS:-cuda-ipc nccl}; do
-    T=300 run "decode2_${PRESET}_graph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
+    T=300 run "decode2_${PRESET}_graph_$f" mpirun --allow-run-as-root --bind-to none -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET:nvfp4" --device cuda --fabric $f --decode-path graph --sweep ${SWEEP:-1,8} --tokens 16
   done ;;
 fire_big)  # static fire on $PRESET (BF16 experts, the kernel's tiles), 2 ranks one per GPU, at the large M of SWEEP
   T=400 run "fire_graph_${PRESET}_bf16" python3 -m rocket_mpi static-fire --checkpoint "preset:$PRESET" --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep ${SWEEP:-64} --tokens 8 ;;
@@ -79,11 +79,11 @@ prefill)  # one long prompt's prefill: one block, blocks (rows and score size), 
   done ;;
 fabgraph)
   for f in ${FABRICS:-cuda-ipc nccl}; do
-    T=200 run "fabgraph_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --graph --sizes 2K..4M --reps 5
+    T=200 run "fabgraph_$f" mpirun --allow-run-as-root --bind-to none -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --graph --sizes 2K..4M --reps 5
   done ;;
 faults)  # a stalled / dead rank on the graphed cuda-ipc step (after capture): non-zero exit naming it, no hang
   for f in stall die; do
-    T=120 run "fault_graph_$f" env ROCKET_FAULT=$f:rank=1,step=3 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x ROCKET_FAULT python3 -m rocket_mpi decode --checkpoint preset:default:nvfp4 --device cuda --fabric cuda-ipc --decode-path graph --streams 4 --tokens 8 --fabric-timeout 3
+    T=120 run "fault_graph_$f" env ROCKET_FAULT=$f:rank=1,step=3 mpirun --allow-run-as-root --bind-to none -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x ROCKET_FAULT python3 -m rocket_mpi decode --checkpoint preset:default:nvfp4 --device cuda --fabric cuda-ipc --decode-path graph --streams 4 --tokens 8 --fabric-timeout 3
   done ;;
 fire_kernel)
   T=240 run fire_ipc_nvfp4_kernel python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks 2 --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 12
@@ -96,11 +96,11 @@ decode)
   for q in ${VARIANTS:-:nvfp4 bf16}; do
     [ "$q" = bf16 ] && q=""
     T=300 run "decode1${q#:}" python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --sweep 1,8 --tokens 16
-    T=300 run "decode2${q#:}" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 16
+    T=300 run "decode2${q#:}" mpirun --allow-run-as-root --bind-to none -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi decode --checkpoint "preset:$PRESET$q" --device cuda --fabric cuda-ipc --sweep 1,8 --tokens 16
   done ;;
 fabbench)
   for f in cuda-ipc nccl; do
-    T=200 run "fabbench_$f" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --sizes 2K..4M --reps 3 --iters 200
+    T=200 run "fabbench_$f" mpirun --allow-run-as-root --bind-to none -n 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED python3 -m rocket_mpi fabric-bench --fabric $f --device cuda --sizes 2K..4M --reps 3 --iters 200
   done ;;
 experts)
   T=240 run bench_experts python3 benchmarks/bench_experts.py --decode 1,8,32 ;;

@@ -196,13 +196,23 @@ class CheckpointReader:
 FINGERPRINT_SAMPLES = 32  # data reads per file in the start-up fingerprint (2 MiB a file)
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in `t`. One min/max pass (aminmax carries a NaN through; an Inf is the min or the max): about
-    80 times faster on the CPU than isfinite().all(), which loading every weight of a large checkpoint would feel."""
+def value_range(t: torch.Tensor) -> torch.Tensor | None:
+    """[min, max] of a floating tensor on its device (no host sync), None for an empty or integer one. A NaN anywhere
+    is carried into both (aminmax), an Inf is one of them."""
     if not t.is_floating_point() or t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t.float() if t.element_size() == 1 else t)  # float8 scales: small, no aminmax of their own
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+        return None
+    return torch.stack(torch.aminmax(t.float() if t.element_size() == 1 else t))  # float8: no aminmax of its own
+
+
+def finite_range(r: torch.Tensor | None) -> bool:
+    """Whether a value_range holds no NaN or Inf (reads it back)."""
+    return r is None or all(math.isfinite(v) for v in r.tolist())
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in `t`. One min/max pass: about 80 times faster on the CPU than isfinite().all(), which loading
+    every weight of a large checkpoint would feel."""
+    return finite_range(value_range(t))
 
 
 def _weight_map(idx: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rocket_mpi import ops
-from rocket_mpi.checkpoint.reader import CheckpointReader, all_finite
+from rocket_mpi.checkpoint.reader import CheckpointReader, all_finite, finite_range, value_range
 from rocket_mpi.config import PREFILL_CHUNK, ModelConfig
 from rocket_mpi.errors import AgreedError, RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
@@ -121,22 +121,28 @@ def _ms(seconds) -> float | None:
 
 
 class WatchedMoE(HostMoE):
-    """HostMoE that also notes, each step, the first MoE layer whose input (the normalised hidden state) or output
-    holds a NaN or Inf: where a non-finite value that reaches the logits came from (Engine.check_logits). Two
-    min/max passes over [tokens, hidden] a layer."""
+    """HostMoE that also keeps, each step, the min and max of every MoE layer's input (the normalised hidden state)
+    and output, so that a NaN or Inf that reaches the logits can be traced to the first MoE layer it passed
+    (Engine.check_logits). Two min/max passes over [tokens, hidden] a layer, left on the device: they are read back
+    only when the logits are not finite, so the step's path has no extra host sync."""
 
     def reset(self) -> None:
         super().reset()
-        self.bad: str | None = None
+        self.ranges: list[tuple[str, torch.Tensor | None]] = []  # (where, value_range) in the step's order
 
     def __call__(self, layer, x, L, shared=None, residual=None, next_norm=None):
         mark(self.engine.step, layer)  # where this rank is, should it die (runtime/dist.py Sentinel)
-        if self.bad is None and not all_finite(x):
-            self.bad = f"entering MoE layer {layer} (from the layers before it, or its attention)"
+        self.ranges.append((f"entering MoE layer {layer} (from the layers before it, or its attention)",
+                            value_range(x)))
         out = super().__call__(layer, x, L, shared, residual, next_norm)
-        if self.bad is None and not all_finite(out):
-            self.bad = f"leaving MoE layer {layer} (its experts' rows, shared expert or residual)"
+        self.ranges.append((f"leaving MoE layer {layer} (its experts' rows, shared expert or residual)",
+                            value_range(out)))
         return out
+
+    @property
+    def bad(self) -> str | None:
+        """The first place this step held a NaN or Inf, or None."""
+        return next((where for where, r in self.ranges if not finite_range(r)), None)
 
 
 def out_of_memory(rank: int, size: int, device: torch.device, what: str, err: BaseException) -> RocketError:
@@ -319,13 +325,14 @@ class Engine:
             logits[ends] = out[ends]
         return logits, len(chunks)
 
-    def check_logits(self, logits: torch.Tensor, step: int, where: str | None) -> None:
+    def check_logits(self, logits: torch.Tensor, step: int, moe: WatchedMoE | None = None) -> None:
         """A NaN or Inf in a step's logits would decode garbage (argmax picks token 0) with exit 0: stop, naming the
         step, the streams and, where the host path saw it, the first MoE layer it passed (WatchedMoE). Every rank
         computes the same logits, so every rank stops here together."""
         if all_finite(logits):
             return
         streams = [s for s in range(logits.shape[0]) if not all_finite(logits[s])]
+        where = moe.bad if moe is not None else None
         seen = f"; first seen {where}" if where else ""
         raise AgreedError(f"decode step {step}: the logits of stream(s) {', '.join(map(str, streams))} hold NaN or "
                           f"Inf{seen} (weights or activations out of BF16's range)")
@@ -397,7 +404,7 @@ class Engine:
                 self.step = step
                 chosen, c, logits, dt = static.collect(step)
                 if logits is not None:  # kept where tokens are drawn; greedy fixed-shape steps keep none
-                    self.check_logits(logits, step, "")
+                    self.check_logits(logits, step)
                 if not greedy:
                     chosen = choose(logits, sampling, [len(t) for t in result.tokens])
                     static.tokens.copy_(torch.tensor(chosen, dtype=torch.long))
@@ -418,7 +425,7 @@ class Engine:
                 else:  # a host-path decode step: one token per stream that goes on, one forward whatever M
                     logits = self.model.forward(tokens, cache, seqlens, self.moe)
                 # the host needs the tokens: this waits for the device, so dt covers it
-                self.check_logits(logits, step, self.moe.bad)
+                self.check_logits(logits, step, self.moe)
                 chosen = choose(logits, sampling, [len(t) for t in result.tokens])
                 dt = time.perf_counter() - t0
                 mo = self.moe

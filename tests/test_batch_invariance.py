@@ -81,18 +81,24 @@ def test_every_stream_alone_equals_batched_and_ended_streams_change_nothing(monk
     p = default_prompts(6, e.cfg.vocab_size)
     p[1] = p[1] * 12
     n = 12
+    assert_alone_equals_batched(e, p, n, 2, f"{case}: ")
+
+
+def assert_alone_equals_batched(e, p: list[list[int]], n: int, eos_at: int, label: str = "") -> None:
+    """Each stream of `p` decoded alone for n steps has the logits it has in the batch, and beside streams that end
+    early (stream 0's token at step eos_at made an end-of-text id)."""
     batch, ended = [], []
     free = e.generate(p, n, on_step=lambda step, lg: batch.append(lg.clone()))
-    eos = free.tokens[0][2]
-    stopped = e.generate(p, n, on_step=lambda step, lg: ended.append(lg.clone()), stop=Stop(eos=(eos,)))
+    stopped = e.generate(p, n, on_step=lambda step, lg: ended.append(lg.clone()),
+                         stop=Stop(eos=(free.tokens[0][eos_at],)))
     assert len(stopped.tokens[0]) < n and any(len(t) == n for t in stopped.tokens)
     for s in range(len(p)):
         alone = []
         e.generate([p[s]], n, on_step=lambda step, lg: alone.append(lg[0].clone()))
         differ = [t for t in range(n) if not torch.equal(alone[t], batch[t][s])]
-        assert not differ, f"{case}: stream {s} alone vs batched differs at steps {differ}"
+        assert not differ, f"{label}stream {s} alone vs batched differs at steps {differ}"
         differ = [t for t in range(len(stopped.tokens[s])) if not torch.equal(alone[t], ended[t][s])]
-        assert not differ, f"{case}: stream {s} alone vs beside streams that ended differs at steps {differ}"
+        assert not differ, f"{label}stream {s} alone vs beside streams that ended differs at steps {differ}"
 
 
 def glm4_prompts(m: int, vocab: int) -> list[list[int]]:
@@ -117,18 +123,9 @@ def test_glm4_moe_gpu_branches_on_the_cpu(monkeypatch, one_thread):
                         ops.decode_attention_ref(*a, **k))
     p = glm4_prompts(6, e.cfg.vocab_size)
     n = 6
-    batch, ended = [], []
-    free = e.generate(p, n, on_step=lambda step, lg: batch.append(lg.clone()))
+    e.generate(p, n)
     assert len(calls) == e.cfg.num_hidden_layers * n, calls                 # one prefill (the 1-token prompt), 5 steps
-    stopped = e.generate(p, n, on_step=lambda step, lg: ended.append(lg.clone()), stop=Stop(eos=(free.tokens[0][1],)))
-    assert len(stopped.tokens[0]) < n and any(len(t) == n for t in stopped.tokens)
-    for s in range(len(p)):
-        alone = []
-        e.generate([p[s]], n, on_step=lambda step, lg: alone.append(lg[0].clone()))
-        differ = [t for t in range(n) if not torch.equal(alone[t], batch[t][s])]
-        assert not differ, f"stream {s} alone vs batched differs at steps {differ}"
-        differ = [t for t in range(len(stopped.tokens[s])) if not torch.equal(alone[t], ended[t][s])]
-        assert not differ, f"stream {s} alone vs beside streams that ended differs at steps {differ}"
+    assert_alone_equals_batched(e, p, n, 1)
 
 
 @pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[0] != "tiny" and v[0] != "default"])

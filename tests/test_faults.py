@@ -157,16 +157,21 @@ def test_ranks_on_two_hosts_choose_mpi_and_refuse_shm(tiny_ckpt, tmp_path):
     assert len(lines) == 1 and "fabric shm needs all ranks on one host, these span 2 hosts" in lines[0], r.stderr
 
 
-def test_rank_that_never_starts_ends_mpi_init_with_one_line(tiny_ckpt):
-    """A rank of the job that never reaches MPI_Init (here: a process that only sleeps) would hold the others in
-    MPI_Init for ever: they give up after --startup-timeout with one line naming the rank."""
+def _beside_a_rank_that_only(tiny_ckpt, code: str):
+    """A 2-rank job: rank 0 decodes (--startup-timeout 4), rank 1 is a Python process running `code` -> (rank 0's
+    error lines, the result); the job must fail."""
     cmd = launch.launcher() + ["-n", "1", sys.executable, "-m", "rocket_mpi", *decode_args(tiny_ckpt, "shm"),
-                               "--startup-timeout", "4", ":", "-n", "1", sys.executable, "-c",
-                               "import time; time.sleep(60)"]
+                               "--startup-timeout", "4", ":", "-n", "1", sys.executable, "-c", code]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=launch.clean_env(), cwd=ROOT,
                        start_new_session=True)
     assert r.returncode != 0
-    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    return [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln], r
+
+
+def test_rank_that_never_starts_ends_mpi_init_with_one_line(tiny_ckpt):
+    """A rank of the job that never reaches MPI_Init (here: a process that only sleeps) would hold the others in
+    MPI_Init for ever: they give up after --startup-timeout with one line naming the rank."""
+    lines, r = _beside_a_rank_that_only(tiny_ckpt, "import time; time.sleep(60)")
     assert len(lines) == 1 and "rank 0: MPI_Init did not complete in 4 s" in lines[0], r.stderr
     if HYDRA:  # the sentinel names the rank of this host that never got there
         assert "rank 1 (pid " in lines[0] and "of this host never reached it" in lines[0], lines[0]
@@ -294,13 +299,8 @@ def test_rank_stalled_after_mpi_init_is_named(tiny_ckpt):
     """A rank that got through MPI_Init but never reaches the first set-up step: rank 0 gives up after
     --startup-timeout and names the rank that never arrived, with its PID and state on this host (the others give
     rank 0 a grace period, so its line is the one printed)."""
-    cmd = launch.launcher() + ["-n", "1", sys.executable, "-m", "rocket_mpi", *decode_args(tiny_ckpt, "shm"),
-                               "--startup-timeout", "4", ":", "-n", "1", sys.executable, "-c",
-                               "import rocket_mpi.runtime.dist as d, time; d.world(); time.sleep(60)"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=launch.clean_env(), cwd=ROOT,
-                       start_new_session=True)
-    assert r.returncode != 0
-    lines = [ln for ln in r.stderr.splitlines() if "rocket_mpi: error" in ln]
+    lines, r = _beside_a_rank_that_only(tiny_ckpt,
+                                        "import rocket_mpi.runtime.dist as d, time; d.world(); time.sleep(60)")
     assert len(lines) == 1 and "rank 0: timed out after 4 s" in lines[0], r.stderr
     assert "(never arrived: rank 1" in lines[0], lines[0]
     if HYDRA:  # its PID and state: found through the sentinels

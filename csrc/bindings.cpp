@@ -463,7 +463,7 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
                                     int64_t set_stride, torch::Tensor& seq,
                                     const std::optional<torch::Tensor>& meta_out,
                                     const std::optional<torch::Tensor>& zero,
-                                    const std::optional<torch::Tensor>& fires) {
+                                    const std::optional<torch::Tensor>& fires, int64_t block_stride) {
   const c10::Device dev = experts.device();
   expect(experts, "experts", torch::kLong, 2, dev, 8);
   expect(weights, "weights", torch::kFloat, 2, dev, 4);
@@ -479,7 +479,9 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
                << s2_down.numel() << "/" << pair_owner.numel() << "/" << n_pairs
                << " (expected E + 1, E, E, P, P)");
   expect(seq, "seq", torch::kLong, 1, dev, 8);
-  const int64_t t = experts.size(0), k = experts.size(1), cap = t * k;
+  const int64_t t = experts.size(0), k = experts.size(1), cap = t * k, stride = block_stride ? block_stride : cap;
+  ROCKET_CHECK(stride >= cap && stride < (int64_t(1) << 24), "moe_plan: blocks " << stride << " rows apart for " << t
+               << " x " << k);
   const c10::cuda::CUDAGuard guard(dev);
   auto l = experts.options();
   auto by_token = torch::empty({t, k}, l);
@@ -517,6 +519,7 @@ std::vector<torch::Tensor> moe_plan(const torch::Tensor& experts, const torch::T
   a.rank = static_cast<int>(rank);
   a.n_ranks = static_cast<int>(n_ranks);
   a.cap = static_cast<int>(cap);
+  a.stride = static_cast<int>(stride);
   a.n_sets = static_cast<int>(n_sets);
   a.set_stride = set_stride;
   a.seq = seq.data_ptr<int64_t>();
@@ -1064,7 +1067,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot"), py::arg("canon"),
         py::arg("s2_down"), py::arg("rank"), py::arg("n_ranks"), py::arg("n_sets"), py::arg("set_stride"),
         py::arg("seq"), py::arg("meta_out") = py::none(), py::arg("zero") = py::none(),
-        py::arg("fires") = py::none());
+        py::arg("fires") = py::none(), py::arg("stride") = 0);
   m.def("ipc_exchange_flags", &ipc_exchange_flags, "cuda-ipc: one kernel, a flag word per (sender, block) (the "
         "graphed step's exchange)");
   m.def("bell_exchange", &bell_exchange, "shm/verbs graphed exchange: stage this rank's block and its ready record "

@@ -9,7 +9,8 @@
 //   canonical row of (token t, expert e) = start[pair] + (j - first row of the pair), j = tokens t' < t routed to e
 //   start[pair] = rows of the pairs before it in (owner rank, expert id) order
 //   rank r's block = rows [off[r], off[r+1]); its rows live in "slot space" at
-//                    set * set_stride + r * cap + (row - off[r])    (cap = tokens * topk)
+//                    set * set_stride + r * cap + (row - off[r])    (cap = tokens * topk, or the larger cap
+//                    of an exchange the step shares: PlanLaunch.stride)
 //
 // so every rank writes its block at a fixed place whatever the routing, and the exchange and the scatter
 // need no offsets from the host. One block of threads does it all: decode plans are a few hundred rows.
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     const int q = m == 1 ? 0 : rnk * m / c;
     const int pair = p0[e] + q, r = rnk - ceil_div(q * c, m);
     const int row = start[pair] + r, o = own[pair], rel = row - off[o];
-    const int64_t sp = base + int64_t(o) * C + rel;
+    const int64_t sp = base + int64_t(o) * a.stride + rel;
     a.canon_slot[row] = sp;
     if (o == a.rank) {
       a.row_index[rel] = t;
@@ -211,7 +212,8 @@ void launch_moe_plan(const PlanLaunch& a, cudaStream_t stream) {
   ROCKET_CHECK(a.n_ranks > 0 && a.n_ranks <= kPlanMaxRanks && a.rank >= 0 && a.rank < a.n_ranks,
                "rank " << a.rank << " of " << a.n_ranks);
   ROCKET_CHECK(a.cap >= a.tokens * a.topk, "capacity " << a.cap);
-  ROCKET_CHECK(a.n_sets >= 1 && a.set_stride >= int64_t(a.n_ranks) * a.cap, "sets " << a.n_sets << ", stride "
+  ROCKET_CHECK(a.stride >= a.cap, "blocks " << a.stride << " rows apart, capacity " << a.cap);
+  ROCKET_CHECK(a.n_sets >= 1 && a.set_stride >= int64_t(a.n_ranks) * a.stride, "sets " << a.n_sets << ", stride "
                << a.set_stride);
   ROCKET_CHECK(int64_t(a.n_sets) * a.set_stride < (int64_t(1) << 31), "slot space exceeds int32");
   moe_plan_kernel<<<1, kPlanThreads, 0, stream>>>(a);

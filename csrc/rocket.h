@@ -204,6 +204,7 @@ struct PlanLaunch {
   const float* s2_down;     // [E]
   int n_experts, n_pairs, rank, n_ranks;
   int cap;                  // rows a rank's block can hold: tokens * topk
+  int stride;               // rows between the ranks' blocks in slot space: cap or more (a larger step's exchange)
   int n_sets;               // row buffer sets used in turn (seq % n_sets)
   int64_t set_stride;       // rows between sets (>= n_ranks * cap)
   int64_t* seq;             // device counter: +1 per call, the layer's exchange seq

@@ -106,20 +106,23 @@ def test_plan_reference_matches_host_plan(tokens, topk, n_exp, ranks, scrambled,
     cap, h = tokens * topk, 24
     canon_rows = torch.randn(host.rows, h).to(torch.bfloat16)
     want = moe_scatter_add(canon_rows, host.by_token, host.coef)
-    for n_sets in (1, 2):
-        stride = ranks * cap + 3                          # a set need not be packed tight
+    # a set need not be packed tight; blocks may lie further apart than cap (a step sharing a larger exchange)
+    for n_sets, block in ((1, 0), (2, 0), (2, cap + 5)):
+        stride = ranks * (block or cap) + 3
         for seq in (4, 5):
             for rank in range(ranks):
                 mine = mine_of(owner, rank)
-                ref = kplan.moe_plan_ref(experts, weights, owner, mine, s2, rank, ranks, n_sets, stride, seq)
+                ref = kplan.moe_plan_ref(experts, weights, owner, mine, s2, rank, ranks, n_sets, stride, seq, block)
                 # moe_plan's CPU mode from the device tables, padded past the placement's pairs
                 pair0, pair_owner, canon = kplan.device_tables(owner, owner.n_pairs + 4)
                 cpu = kplan.moe_plan(experts, weights, pair0, pair_owner, kplan.slot_table(n_exp, mine), canon, s2,
-                                     rank, ranks, n_sets, stride, torch.tensor([seq]))
+                                     rank, ranks, n_sets, stride, torch.tensor([seq]), stride=block)
                 assert all(torch.equal(cpu[k], ref[k]) for k in kplan.PLAN_KEYS)
                 set_ = (seq + 1) % n_sets if n_sets > 1 else 0
                 assert int(ref["meta"][kplan.META_SEQ]) == seq + 1 and int(ref["meta"][kplan.META_SET]) == set_
                 assert ref["canon_slot"].min() >= set_ * stride and ref["canon_slot"].max() < (set_ + 1) * stride
+                own = (ref["canon_slot"] - set_ * stride) // (block or cap)   # each row inside its owner's block
+                assert torch.equal(own, host.owners)
                 buf = torch.full((n_sets * stride, h), float("nan")).to(torch.bfloat16)  # unused rows poison
                 buf[ref["canon_slot"]] = canon_rows
                 got = moe_scatter_add(buf, ref["by_token"], ref["coef"])
@@ -197,7 +200,9 @@ def test_gpu_moe_plan_matches_reference(tokens, topk, n_exp, ranks, scrambled, r
     experts, weights = random_routing(tokens, topk, n_exp, seed=tokens + 1)
     owner = placement(n_exp, ranks, scrambled, 3, replicas)
     s2 = torch.rand(n_exp) + 0.5
-    for n_sets, stride, pad in ((1, ranks * tokens * topk, 0), (2, ranks * tokens * topk + 5, 7)):
+    cap = tokens * topk
+    for n_sets, stride, pad, block in ((1, ranks * cap, 0, 0), (2, ranks * cap + 5, 7, 0),
+                                       (2, ranks * (cap + 9) + 1, 0, cap + 9)):
         pair0, pair_owner, canon = (t.to(dev) for t in kplan.device_tables(owner, owner.n_pairs + pad))
         for rank in range(ranks):
             mine = mine_of(owner, rank)
@@ -205,8 +210,8 @@ def test_gpu_moe_plan_matches_reference(tokens, topk, n_exp, ranks, scrambled, r
             fires = torch.zeros(2, n_exp, dtype=torch.int32, device=dev)
             got = kplan.moe_plan(experts.to(dev), weights.to(dev), pair0, pair_owner,
                                  kplan.slot_table(n_exp, mine).to(dev), canon, s2.to(dev), rank, ranks, n_sets,
-                                 stride, seq, fires=fires)
-            ref = kplan.moe_plan_ref(experts, weights, owner, mine, s2, rank, ranks, n_sets, stride, 11)
+                                 stride, seq, fires=fires, stride=block)
+            ref = kplan.moe_plan_ref(experts, weights, owner, mine, s2, rank, ranks, n_sets, stride, 11, block)
             assert int(seq) == 12
             for k in kplan.PLAN_KEYS:
                 g, r = got[k].cpu(), ref[k]

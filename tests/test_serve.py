@@ -21,6 +21,7 @@ import time
 import pytest
 
 from conftest import ROOT, rocket
+from helpers import gpu
 from rocket_mpi.cli import launch
 
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
@@ -135,7 +136,29 @@ def test_the_fixed_shape_step_serves_the_decode_commands_tokens(ckpt_name, reque
         c = srv.client.completions.create(model=None, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                           extra_body={"stop_token_ids": [ids[3]], "return_token_ids": True})
         assert c.choices[0].finish_reason == "stop" and _ids(c.choices[0]) == ids[:cut], (_ids(c.choices[0]), ids)
+        # a request alone takes the lowest slot, and its steps the one-slot step (what the metric averages)
+        assert _metrics(srv)["rocket_step_slots"] == "1"
         _check_staggered(srv, want)
+        assert 1 < float(_metrics(srv)["rocket_step_slots"]) <= 4
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]
+
+
+@gpu
+def test_gpu_graphed_server_serves_the_decode_commands_tokens(tiny_ckpt, tmp_path):
+    """One GPU, 2 ranks over cuda-ipc, the graphed step: requests alone, staggered and joining take steps of 1, 2
+    and 4 slots (Slots' step sizes, one shared exchange), and each gets the graphed decode command's tokens."""
+    gpu_args = ("--device", "cuda", "--decode-path", "graph")
+    want = _decode_cli(tiny_ckpt, tmp_path, prompts=PROMPTS, extra=("--ignore-eos", *gpu_args))  # one rank
+    srv = Server(tiny_ckpt, extra=(*gpu_args, "--fabric", "cuda-ipc"))
+    try:
+        c = srv.client.completions.create(model=None, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert _ids(c.choices[0]) == want[1]
+        assert _metrics(srv)["rocket_step_slots"] == "1"
+        _check_staggered(srv, want)
+        assert 1 < float(_metrics(srv)["rocket_step_slots"]) <= 4
     finally:
         code, err = srv.stop()
     assert code == 0, err[-2000:]
@@ -203,12 +226,17 @@ def test_bad_requests_get_openai_errors(server):
     assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
 
 
+def _metrics(server) -> dict[str, str]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return dict(line.split() for line in text.splitlines() if not line.startswith("#"))
+
+
 def test_models_and_metrics(server, tiny_ckpt):
     assert [m.id for m in server.client.models.list().data] == [os.path.basename(tiny_ckpt)]
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    values = dict(line.split() for line in text.splitlines() if not line.startswith("#"))
+    values = _metrics(server)
     assert float(values["rocket_tokens_generated_total"]) > 0 and values["rocket_slots"] == "4"
-    for key in ("rocket_step_seconds", "rocket_fabric_share", "rocket_streams_active", "rocket_tokens_per_second"):
+    for key in ("rocket_step_seconds", "rocket_fabric_share", "rocket_streams_active", "rocket_tokens_per_second",
+                "rocket_step_slots"):
         assert key in values
 
 

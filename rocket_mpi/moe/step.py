@@ -122,23 +122,32 @@ def inject(kind: str, rank: int, step: int, block: torch.Tensor) -> torch.Tensor
 class DeviceMoE:
     """The engine's MoE layer with a device plan and a fixed-capacity exchange (CUDA-graph safe)."""
 
-    def __init__(self, engine, streams: int):
+    def __init__(self, engine, streams: int, share: "DeviceMoE | None" = None):
+        """share: a DeviceMoE of at least as many streams whose tables, firing counts, router operands, device seq
+        and exchange this one uses too (the server's steps of fewer slots: serve/scheduler.py), so steps of
+        either size may follow each other on the same stream; its plans place blocks at that exchange's cap."""
         e = self.engine = engine
         cfg, dev = e.cfg, e.device
         self.rank, self.size = e.rank, e.size
         self.cap = streams * cfg.num_experts_per_tok
         self.hidden = cfg.hidden_size
-        # per MoE layer: the owners' pair tables (padded to the engine's fixed count, so live rebalancing rewrites
-        # them in place), the slot table, s2_down
-        self.tables = {layer: tuple(t.to(dev) for t in self._host_tables(layer)) for layer in e.experts}
-        xc = e.expert_cache  # firing counts, added to by each layer's plan; residency changes refresh the slots
-        self.fires = xc.counter("device", dev, self._refresh_slots) if xc is not None else None
-        if e.rebalancer is not None:  # a new placement rewrites the tables
-            e.rebalancer.on_change["device"] = self._refresh_tables
-        self.router = {}  # the router kernels' operands, contiguous fp32 once (not per step)
-        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the shared expert's (__call__)
-        self.seq = torch.tensor([e.seq], dtype=torch.long, device=dev)  # continues the host's seq
-        self.xchg = e.fabric.slot_exchange(self.cap, dev)  # where rows live in slot space, and how they move
+        if share is not None:
+            if share.cap < self.cap:
+                raise RocketError(f"a step of {streams} streams cannot share an exchange of {share.cap} rows")
+            self.tables, self.fires, self.router = share.tables, share.fires, share.router
+            self.side, self.seq, self.xchg = share.side, share.seq, share.xchg
+        else:
+            # per MoE layer: the owners' pair tables (padded to the engine's fixed count, so live rebalancing
+            # rewrites them in place), the slot table, s2_down
+            self.tables = {layer: tuple(t.to(dev) for t in self._host_tables(layer)) for layer in e.experts}
+            xc = e.expert_cache  # firing counts, added to by each layer's plan; residency changes refresh the slots
+            self.fires = xc.counter("device", dev, self._refresh_slots) if xc is not None else None
+            if e.rebalancer is not None:  # a new placement rewrites the tables
+                e.rebalancer.on_change["device"] = self._refresh_tables
+            self.router = {}  # the router kernels' operands, contiguous fp32 once (not per step)
+            self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the shared expert's (__call__)
+            self.seq = torch.tensor([e.seq], dtype=torch.long, device=dev)  # continues the host's seq
+            self.xchg = e.fabric.slot_exchange(self.cap, dev)  # where rows live in slot space, and how they move
         self.host = self.xchg.mode == "host"
         # The step's report, one int64 tensor the host reads once after the step: the next tokens [streams] (the
         # argmax writes them there, and the next replay's embedding reads them), then per MoE layer its rows'
@@ -183,7 +192,7 @@ class DeviceMoE:
         xc = self.xchg
         p = kplan.moe_plan(experts, weights, pair0, pair_owner, slot, canon, s2, self.rank, self.size, xc.n_sets,
                            xc.set_stride, self.seq, self.meta_rows[i], self.sums[i:i + 1],
-                           None if self.fires is None else self.fires[i])
+                           None if self.fires is None else self.fires[i], xc.cap)
         if self.host:
             n = p["meta"].tolist()[kplan.META_ROWS]
             if n:

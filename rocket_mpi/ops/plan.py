@@ -6,7 +6,8 @@ every rank's block at a fixed place in "slot space" instead:
 
     slot-space row of canonical row i (owner o) = set * set_stride + o * cap + (i - offsets[o])
 
-with cap = tokens * topk (the most rows one rank can own) and set = seq % n_sets (row buffer sets used
+with cap = tokens * topk (the most rows one rank can own; a step of fewer streams that shares a larger step's exchange
+places its blocks that exchange's cap apart instead: `stride`) and set = seq % n_sets (row buffer sets used
 in turn, for fabrics that need double buffering). Canonical order, the split of a replicated expert's rows
 among its owners (ops/rows.py), segments, tiles and weight passes are the host plan's, so a row's expert
 output and the scatter order are the same bits either way.
@@ -107,19 +108,22 @@ def slot_table(n_experts: int, slot: dict[int, int]) -> torch.Tensor:
 
 def moe_plan_ref(experts: torch.Tensor, weights: torch.Tensor, owner, slot: dict[int, int],
                  s2_down: torch.Tensor, rank: int, n_ranks: int, n_sets: int, set_stride: int,
-                 seq: int) -> dict[str, torch.Tensor]:
+                 seq: int, stride: int = 0) -> dict[str, torch.Tensor]:
     """What moe_plan computes, from the host plan. owner: Owners, or a [E] tensor of one rank each; `seq` is the
-    counter before the call (the plan uses seq + 1)."""
+    counter before the call (the plan uses seq + 1); stride: rows between the ranks' blocks in slot space (0: cap)."""
     experts, weights = experts.cpu(), weights.cpu().float()
     owner = owner.cpu() if isinstance(owner, torch.Tensor) else owner
     t, k = experts.shape
     cap = t * k
+    stride = stride or cap
+    if stride < cap or set_stride < n_ranks * stride:
+        raise ValueError(f"moe_plan: blocks {stride} rows apart for {t} x {k}, sets {set_stride} apart")
     plan = plan_rows(experts, weights, owner, s2_down.cpu().float(), n_ranks)
     s = seq + 1
     set_ = s % n_sets if n_sets > 1 else 0
     offsets = torch.tensor(plan.offsets)
     own = plan.owners
-    canon_slot = set_ * set_stride + own * cap + (torch.arange(plan.rows) - offsets[own])
+    canon_slot = set_ * set_stride + own * stride + (torch.arange(plan.rows) - offsets[own])
     lo, hi = plan.block(rank)
     row_index = torch.zeros(cap, dtype=torch.long)
     row_index[:hi - lo] = plan.tokens[lo:hi]
@@ -142,19 +146,21 @@ PLAN_KEYS = ("by_token", "coef", "row_index", "pad_rows", "groups", "canon_slot"
 def moe_plan(experts: torch.Tensor, weights: torch.Tensor, pair0: torch.Tensor, pair_owner: torch.Tensor,
              slot: torch.Tensor, canon: torch.Tensor, s2_down: torch.Tensor, rank: int, n_ranks: int, n_sets: int,
              set_stride: int, seq: torch.Tensor, meta_out: torch.Tensor | None = None,
-             zero: torch.Tensor | None = None, fires: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+             zero: torch.Tensor | None = None, fires: torch.Tensor | None = None, stride: int = 0
+             ) -> dict[str, torch.Tensor]:
     """The device plan (one kernel, no host read; `seq` [1] int64 on the device is bumped by one). pair0,
     pair_owner, canon: the owners' pair tables (device_tables); slot [E] int32 (slot_table). CPU tensors take the
     reference (the CPU mode of runtime/graph.py's fixed-shape step). meta_out: where the meta goes (a row of the
     step's report, runtime/graph.py), returned as "meta"; zero: one int64 the plan sets to 0 (the layer's checksum
     sum, before the scatter adds to it); fires: [2, E] int32 firing counts the plan adds to (rows of each expert,
-    and 1 for each expert with rows: count_fires)."""
+    and 1 for each expert with rows: count_fires); stride: rows between the ranks' blocks in slot space (0: cap; more
+    where the step shares a larger step's exchange)."""
     if not experts.is_cuda:
         if fires is not None:
             fires += count_fires(experts, fires.shape[1])
         table = {e: s for e, s in enumerate(slot.tolist()) if s >= 0}
         out = moe_plan_ref(experts, weights, Owners.from_tables(pair0, pair_owner), table, s2_down, rank, n_ranks,
-                           n_sets, set_stride, int(seq))
+                           n_sets, set_stride, int(seq), stride)
         seq += 1
         if meta_out is not None:
             meta_out.copy_(out["meta"])
@@ -163,7 +169,7 @@ def moe_plan(experts: torch.Tensor, weights: torch.Tensor, pair0: torch.Tensor, 
             zero.zero_()
         return out
     out = _ext.require().moe_plan(experts.contiguous(), weights.float().contiguous(), pair0, pair_owner, slot, canon,
-                                  s2_down, rank, n_ranks, n_sets, set_stride, seq, meta_out, zero, fires)
+                                  s2_down, rank, n_ranks, n_sets, set_stride, seq, meta_out, zero, fires, stride)
     return dict(zip(PLAN_KEYS, out))
 
 

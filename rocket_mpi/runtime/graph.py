@@ -78,11 +78,13 @@ class GraphStep:
     own on the stream, before the next replay overwrites them, and records an event there."""
 
     def __init__(self, engine, cache, tokens: torch.Tensor, graph: bool, keep_logits: bool = False,
-                 ahead: int = STEPS_AHEAD):
+                 ahead: int = STEPS_AHEAD, share: "GraphStep | None" = None):
+        """share: a GraphStep of at least as many streams whose MoE tables, device seq and exchange this one uses
+        (DeviceMoE's share): the server's steps over its first slots (serve/scheduler.py Slots)."""
         self.engine, self.cache = engine, cache
         dev = engine.device
         self.pos = cache.lengths.to(dev).clone()
-        self.moe = DeviceMoE(engine, tokens.numel())
+        self.moe = DeviceMoE(engine, tokens.numel(), None if share is None else share.moe)
         self.tokens = self.moe.tokens  # the report's first words: the step's input, and the argmax's output
         self.tokens.copy_(tokens.to(dev, torch.long))
         self.fused = ops.on_gpu(dev)  # argmax and pos += 1 in one kernel

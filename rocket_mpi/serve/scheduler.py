@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rocket_mpi.errors import RocketError
-from rocket_mpi.model.cache import clear_stream
+from rocket_mpi.model.cache import clear_stream, first_streams
 from rocket_mpi.runtime.dist import acknowledge, bcast
 from rocket_mpi.runtime.engine import CACHE_QUANTUM, MAINTAIN_EVERY
 from rocket_mpi.runtime.graph import GraphStep
@@ -41,11 +41,14 @@ class Slots:
     every rank).
 
     path "host": each decode step is the host path's forward over the slots that decode (the others cost nothing).
-    "graph" (or "device", the same without the CUDA graph): the decode step is the fixed-shape step of all M slots
-    (runtime/graph.py GraphStep) fed the slots' tokens and positions from the host; a slot that does not decode
-    this step runs at its next free position (what it writes there is overwritten before it is read), and its
-    recurrent state, where the model has one, is put back after the step. The graph is captured once at start-up
-    (warm) and again only where the longest slot passes a span.
+    "graph" (or "device", the same without the CUDA graph): the decode step is the fixed-shape step (runtime/graph.py
+    GraphStep) of the first b slots, b the least of 1, 2, 4, ..., M that holds every slot that decodes (requests
+    take the lowest free slot, so b follows the number of live streams), fed the slots' tokens and positions from
+    the host; a slot below b that does not decode this step runs at its next free position (what it writes there is
+    overwritten before it is read), and its recurrent state, where the model has one, is put back after the step.
+    The steps of every b share one exchange, device seq and MoE tables (GraphStep's share), and each one's rows
+    depend on no other row (batch invariance), so a stream's tokens are the same whatever b its steps took. Every
+    b's graph is captured at start-up (warm) and again only where the longest slot passes a span.
 
     A decode step is launched (launch), then collected (collect): in between, the host may launch the step after it
     (launch_next), fed the tokens the step chose on the device (greedy), so the device never waits for the host's
@@ -57,8 +60,10 @@ class Slots:
         self.cache = engine.model.new_cache(slots, self.capacity)
         self.steps = 0          # forwards run (the engine's step number: fault injection, logs)
         self.launches = 0       # fixed-shape steps launched (GraphStep's step numbers)
-        self.static = None
-        self.pending: list[tuple] = []  # launched decode steps not yet collected: (step, live slots, kept state, logits)
+        self.sizes = step_sizes(slots)
+        self.statics: dict[int, GraphStep] = {}  # the fixed-shape step of the first b slots, per b in sizes
+        # launched decode steps not yet collected: (step, live slots, kept state, host path's logits, GraphStep)
+        self.pending: list[tuple] = []
         self.since = 0          # decode steps since the expert cache's last upkeep
         pin = engine.device.type == "cuda"
         # positions of a step launched behind another in flight: a pinned buffer per step in flight (the copy is
@@ -69,9 +74,10 @@ class Slots:
     def warm(self) -> None:
         """Run and capture the fixed-shape step before the first request (on every rank), then empty the slots."""
         if self.path != "host":
-            for _ in range(3):  # eager, capture, replay
-                self.launch({s: 0 for s in range(self.m)})
-                self.collect()
+            for b in reversed(self.sizes):  # the largest first: the others share its exchange
+                for _ in range(3):  # eager, capture, replay
+                    self.launch({s: 0 for s in range(b)})
+                    self.collect()
             for s in range(self.m):
                 clear_stream(self.cache, s)
         if self.engine.expert_cache is not None:
@@ -109,32 +115,45 @@ class Slots:
             eng.moe.reset()
             f0, t0 = eng.fabric.stats.seconds, time.perf_counter()
             logits = eng.model.forward(tokens, cache, seqlens, eng.moe)
-            self.pending.append((self.steps, live, [], (logits[live], t0, eng.fabric.stats.seconds - f0)))
+            self.pending.append((self.steps, live, [], (logits[live], t0, eng.fabric.stats.seconds - f0), None))
             self.steps += 1
             return
-        if self.static is None:
-            self.static = GraphStep(eng, cache, torch.zeros(m, dtype=torch.long), graph=self.path == "graph",
-                                    keep_logits=True, ahead=1)
-        st = self.static
-        tokens = torch.zeros(m, dtype=torch.long)
+        st = self._static(self.step_size(live))
+        tokens = torch.zeros(st.tokens.numel(), dtype=torch.long)
         tokens[live] = torch.tensor([decodes[s] for s in live], dtype=torch.long)
         st.tokens.copy_(tokens)
         st.moe.seq.fill_(eng.seq)  # the host path's prefills moved the doorbell sequence on
-        self._launch_fixed(live)
+        self._launch_fixed(st, live)
+
+    def step_size(self, live: list[int]) -> int:
+        """The slots the fixed-shape step for `live` runs: the least size that holds its highest slot."""
+        top = max(live, default=0) + 1
+        return next(b for b in self.sizes if b >= top)
+
+    def _static(self, b: int) -> GraphStep:
+        st = self.statics.get(b)
+        if st is None:
+            share = self.statics.get(self.m)
+            if b != self.m and share is None:
+                share = self._static(self.m)
+            st = GraphStep(self.engine, first_streams(self.cache, b), torch.zeros(b, dtype=torch.long),
+                           graph=self.path == "graph", keep_logits=True, ahead=1, share=share)
+            self.statics[b] = st
+        return st
 
     def can_follow(self) -> bool:
         """Whether launch_next may run now: one fixed-shape step in flight, its span holds the next, the expert
         cache's upkeep is not due, and no idle slot has recurrent state to put back between the two."""
-        if self.path == "host" or len(self.pending) != 1 or self.static is None:
+        if self.path == "host" or len(self.pending) != 1 or self.pending[0][3] is not None:
             return False
-        live = self.pending[0][1]
-        longest = int(self.cache.lengths.max())
-        if longest >= self.capacity or not self.static.follows(longest):
+        live, st = self.pending[0][1], self.pending[0][4]
+        longest = int(self.cache.lengths[:st.tokens.numel()].max())
+        if longest >= self.capacity or not st.follows(longest):
             return False
         xc = self.engine.expert_cache
         if xc is not None and self.since + 1 >= MAINTAIN_EVERY:
             return False
-        return len(live) == self.m or not recurrent_state(self.cache)
+        return len(live) == st.tokens.numel() or not recurrent_state(self.cache)
 
     @torch.inference_mode()
     def launch_next(self) -> None:
@@ -143,18 +162,18 @@ class Slots:
         if not self.can_follow():
             raise RocketError("serve: launch_next without a step it may follow")
         self.engine.step = self.steps
-        self._launch_fixed(self.pending[0][1])
+        self._launch_fixed(self.pending[0][4], self.pending[0][1])
 
-    def _launch_fixed(self, live: list[int]) -> None:
-        st, cache = self.static, self.cache
-        idle = [s for s in range(self.m) if s not in live]
-        pos = self.pos_bufs[self.launches % 2]
-        pos.copy_(cache.lengths.clamp(max=self.capacity - 1))  # idle slots stay at their next free position
+    def _launch_fixed(self, st: GraphStep, live: list[int]) -> None:
+        cache, b = self.cache, st.tokens.numel()
+        idle = [s for s in range(b) if s not in live]
+        pos = self.pos_bufs[self.launches % 2][:b]
+        pos.copy_(cache.lengths[:b].clamp(max=self.capacity - 1))  # idle slots stay at their next free position
         st.pos.copy_(pos, non_blocking=True)
         kept = [(t, t[idle].clone()) for t in recurrent_state(cache)] if idle and not self.pending else []
         st.launch(self.launches, int(pos[live].max()) if live else 0)
         cache.lengths[live] += 1
-        self.pending.append((self.launches, live, kept, None))
+        self.pending.append((self.launches, live, kept, None, st))
         self.launches += 1
         self.steps += 1
         self.since += 1
@@ -163,7 +182,7 @@ class Slots:
     def collect(self, logits: bool = False) -> tuple[list[int], list[int], dict[int, torch.Tensor], float, float]:
         """Wait for the oldest decode step in flight -> (its slots, the token each chose on the device (greedy),
         with `logits` each slot's next-token logits [V] (else {}), seconds, fabric seconds)."""
-        step, live, kept, host = self.pending.pop(0)
+        step, live, kept, host, st = self.pending.pop(0)
         if host is not None:  # the host path ran it at launch (the argmax's read waits for the device)
             rows, t0, fab = host
             chosen = rows.argmax(dim=-1).tolist()
@@ -171,9 +190,9 @@ class Slots:
             out = {s: rows[i] for i, s in enumerate(live)} if logits else {}
             return live, chosen, out, time.perf_counter() - t0, fab
         f0 = self.engine.fabric.stats.seconds
-        chosen, _, rows, seconds = self.static.collect(step)
+        chosen, _, rows, seconds = st.collect(step)
         for t, saved in kept:
-            idle = [s for s in range(self.m) if s not in live]
+            idle = [s for s in range(st.tokens.numel()) if s not in live]
             t[idle] = saved
         out = {s: rows[s] for s in live} if logits else {}
         if not self.pending:
@@ -193,6 +212,15 @@ class Slots:
         elif self.since >= MAINTAIN_EVERY:
             xc.maintain(self.since)
             self.since = 0
+
+
+def step_sizes(m: int) -> list[int]:
+    """The fixed-shape step sizes of a server of m slots: 1, 2, 4, ... below m, and m."""
+    sizes, b = [], 1
+    while b < m:
+        sizes.append(b)
+        b *= 2
+    return sizes + [m]
 
 
 def recurrent_state(cache) -> list[torch.Tensor]:
@@ -232,7 +260,7 @@ class Scheduler:
         self.error = ""            # why the loop ended, if it failed (health reports it)
         self.running = False
         self.tokens_total = self.requests_total = self.steps_total = 0
-        self.recent = collections.deque(maxlen=WINDOW)  # (seconds, fabric seconds) of recent decode steps
+        self.recent = collections.deque(maxlen=WINDOW)  # (seconds, fabric seconds, slots run) of recent decode steps
         self.emitted = collections.deque()               # (time, tokens) of recent steps, for tokens/s
 
     # -- the server thread's side ------------------------------------------------
@@ -259,6 +287,7 @@ class Scheduler:
                 "decode_steps_total": self.steps_total, "streams_active": sum(r is not None for r in self.active),
                 "requests_waiting": self.inbox.qsize() + len(self.waiting), "step_seconds": step,
                 "fabric_share": fab, "slots": self.slots.m,
+                "step_slots": sum(r[2] for r in recent) / len(recent) if recent else 0.0,
                 "tokens_per_second": sum(n for _, n in self.emitted) / span if span > 0 else 0.0}
 
     # -- rank 0's loop -------------------------------------------------------------
@@ -343,11 +372,12 @@ class Scheduler:
 
     def _collect(self) -> None:
         """Read the oldest decode step in flight and advance its requests (those still there)."""
-        live = self.slots.pending[0][1]
+        live, st = self.slots.pending[0][1], self.slots.pending[0][4]
+        width = len(live) if st is None else st.tokens.numel()  # the slots the step ran
         reqs = [self.active[s] for s in live]
         sampled = any(r is not None and not r.sampling.greedy for r in reqs)
         live, chosen, logits, seconds, fab = self.slots.collect(logits=sampled)
-        self.recent.append((seconds, fab))
+        self.recent.append((seconds, fab, width))
         self.steps_total += 1
         now = time.perf_counter()
         fed = [(s, r, t) for s, r, t in zip(live, reqs, chosen) if r is not None and self.active[s] is r]

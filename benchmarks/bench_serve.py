@@ -4,7 +4,7 @@
                                      [--tokens 64] [--fabric shm] [--slots most|each]
 
 Starts `serve` (under mpiexec for --ranks > 1) with as many slots as the most clients (--slots each: one server per
-client count, with that many slots: the fixed-shape step runs every slot, idle or not), then for each client count C
+client count, with that many slots), then for each client count C
 sends C concurrent streaming completions (greedy, fixed length: ignore_eos) of distinct prompts, and reads the
 server's decode-step time from /metrics; then runs `decode --streams C` on the same prompts with the same path
 (host) and, on a GPU, the graphed step, and prints one table. Throughput = completion tokens / wall time of the
@@ -114,8 +114,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--serve-path", default="auto", help="the server's --decode-path (auto: graph on a GPU)")
     ap.add_argument("--slots", choices=("most", "each"), default="most",
-                    help="most: one server with as many slots as the most clients (idle slots cost a fixed-shape step "
-                         "their rows); each: a server per client count with that many slots")
+                    help="most: one server with as many slots as the most clients; each: a server per client count "
+                         "with that many slots")
     ap.add_argument("--json", help="write the table's rows here too")
     a = ap.parse_args()
     clients = [int(c) for c in a.clients.split(",")]

@@ -617,14 +617,14 @@ void ipc_exchange_flags(const torch::Tensor& src, const torch::Tensor& meta, con
 // words in[ranks][rails] at 0, the ready records at ready_offset, region p at header + p * region_bytes.
 void bell_exchange(const torch::Tensor& out, const torch::Tensor& rows, const torch::Tensor& meta, int64_t staging,
                    int64_t header, int64_t region_bytes, int64_t slot_bytes, int64_t ready_offset,
-                   const torch::Tensor& counter, const torch::Tensor& err, int64_t rank, int64_t rails,
+                   const torch::Tensor& sync, const torch::Tensor& err, int64_t rank, int64_t rails,
                    double timeout_s, int64_t layer, int64_t stage_blocks, int64_t gather_blocks) {
   const c10::Device dev = rows.device();
   expect(rows, "rows", torch::kBFloat16, 2, dev, 16);
   ROCKET_CHECK(out.is_cuda() && out.device() == dev && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 &&
                out.is_contiguous() && out.size(1) == rows.size(1), "out must be bf16 rows of rows' width on " << dev);
   expect(meta, "meta", torch::kLong, 1, dev, 8);
-  expect(counter, "counter", torch::kInt, 1, dev, 4);
+  expect(sync, "sync", torch::kLong, 1, dev, 8);
   expect(err, "err", torch::kLong, 1, dev, 8);
   const int64_t n = meta.numel() - rocket::kPlanMetaHead, cap = out.size(0), row_bytes = rows.size(1) * 2;
   ROCKET_CHECK(n >= 2 && n <= rocket::kPlanMaxRanks && rank >= 0 && rank < n, "meta for " << n << " ranks, rank "
@@ -632,7 +632,7 @@ void bell_exchange(const torch::Tensor& out, const torch::Tensor& rows, const to
   ROCKET_CHECK(rows.size(0) == n * cap, "rows " << rows.sizes() << " for " << n << " ranks of " << cap << " rows");
   ROCKET_CHECK(out.data_ptr() == static_cast<char*>(rows.data_ptr()) + rank * cap * row_bytes,
                "out must be rank " << rank << "'s block of rows");
-  ROCKET_CHECK(counter.numel() == 1 && err.numel() >= 4, "counter needs 1 word, err 4");
+  ROCKET_CHECK(sync.numel() == 2 && err.numel() >= 4, "sync needs 2 words, err 4");
   ROCKET_CHECK(row_bytes % 16 == 0, "rows of " << row_bytes << " bytes: the kernels move 16-byte words");
   ROCKET_CHECK(staging % 16 == 0 && header % 16 == 0 && region_bytes % 16 == 0 && slot_bytes % 16 == 0 &&
                ready_offset % 8 == 0, "staging layout not aligned: base " << staging << ", header " << header
@@ -647,7 +647,7 @@ void bell_exchange(const torch::Tensor& out, const torch::Tensor& rows, const to
   s.src = reinterpret_cast<const uint4*>(out.data_ptr());
   s.dst = reinterpret_cast<uint4*>(base + header + rank * region_bytes);
   s.ready = reinterpret_cast<unsigned long long*>(base + ready_offset);
-  s.counter = reinterpret_cast<unsigned int*>(counter.data_ptr<int>());
+  s.sync = reinterpret_cast<unsigned long long*>(sync.data_ptr<int64_t>());
   s.meta = meta.data_ptr<int64_t>();
   s.row_words = row_bytes / 16;
   s.slot_words = slot_bytes / 16;
@@ -657,6 +657,7 @@ void bell_exchange(const torch::Tensor& out, const torch::Tensor& rows, const to
   g.bells = reinterpret_cast<const unsigned long long*>(base);
   g.meta = s.meta;
   g.err = err.data_ptr<int64_t>();
+  g.sync = s.sync;
   g.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
   g.row_words = s.row_words;
   g.cap_words = cap * s.row_words;
@@ -1073,7 +1074,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bell_exchange", &bell_exchange, "shm/verbs graphed exchange: stage this rank's block and its ready record "
         "for the proxy thread, then wait on the doorbell words (timeout into err) and gather the peers' blocks",
         py::arg("out"), py::arg("rows"), py::arg("meta"), py::arg("staging"), py::arg("header"),
-        py::arg("region_bytes"), py::arg("slot_bytes"), py::arg("ready_offset"), py::arg("counter"), py::arg("err"),
+        py::arg("region_bytes"), py::arg("slot_bytes"), py::arg("ready_offset"), py::arg("sync"), py::arg("err"),
         py::arg("rank"), py::arg("rails"), py::arg("timeout_s"), py::arg("layer"), py::arg("stage_blocks"),
         py::arg("gather_blocks"));
   m.def("host_map", &host_map, "cudaHostRegister (mapped, portable) -> the device address", py::arg("ptr"),

@@ -251,7 +251,8 @@ struct BellStage {
   const uint4* src;                  // this rank's block (the expert kernel's out), device memory
   uint4* dst;                        // our region on our staging, slot 0 (host memory mapped for the device)
   unsigned long long* ready;         // the two ready records [2][8]: {seq, rows, ...} (host memory)
-  unsigned int* counter;             // device word, zero between launches: the grid's last block writes the record
+  unsigned long long* sync;          // device words: [0] blocks done (zero between launches: the grid's last block
+                                     // writes the record), [1] the last seq the gather's block 0 saw rung
   const int64_t* meta;               // the layer's plan meta (rows, seq)
   int64_t row_words, slot_words;     // uint4 per row, per slot
 };
@@ -261,6 +262,7 @@ struct BellGather {
   const unsigned long long* bells;   // our doorbell words in[peer][rails], host memory
   const int64_t* meta;               // seq, rows per rank
   int64_t* err;                      // [4] (1, peer, seq, layer) after a timeout
+  unsigned long long* sync;          // BellStage's: block 0 publishes seq at [1] for the other blocks
   uint64_t timeout_ns;
   int64_t row_words, cap_words, slot_words, region_words;
   int rank, n_ranks, rails, layer;

@@ -98,7 +98,7 @@ if want mps; then
   nvidia-cuda-mps-control -d && say "MPS daemon started"
   trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
   step bench_mps 400 "${RUN[@]}" -np 2 "$PY" -m rocket_mpi fabric-bench --device cuda --graph --fabric shm \
-    --versus cuda-ipc --sizes 2K,8K,32K,128K,512K --reps 5
+    --versus cuda-ipc --sizes 2K,8K,32K,64K,128K,512K --reps 5
   grep -A12 "fabric-bench --graph" "$OUT/bench_mps.log" | tee -a "$SUMMARY"
   decode_pair mps
   echo quit | nvidia-cuda-mps-control && say "MPS daemon stopped"

@@ -51,12 +51,12 @@ def test_gpu_bell_kernels_one_process():
         peer = block_for(1, 29, h, 11)
         regions[1, 1, :29] = peer.view(torch.int16).numpy()
         bells[1, :] = 11
-        counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        sync = torch.zeros(2, dtype=torch.long, device=dev)
         err = torch.zeros(4, dtype=torch.long, device=dev)
         meta = torch.tensor([0, 0, 37, 0, 11, 0, 37, 29], device=dev)
-        C.bell_exchange(out, rows, meta, dptr, header, region, slot, ready, counter, err, 0, rails, 5.0, 4, 16, 16)
+        C.bell_exchange(out, rows, meta, dptr, header, region, slot, ready, sync, err, 0, rails, 5.0, 4, 16, 16)
         torch.cuda.synchronize()
-        assert err.tolist() == [0, 0, 0, 0] and counter.item() == 0
+        assert err.tolist() == [0, 0, 0, 0] and sync.tolist() == [0, 11]  # block 0 told the others 11
         assert rec[1, :2].tolist() == [11, 37] and not rec[0].any()
         assert np.array_equal(regions[0, 1, :37], out[:37].cpu().view(torch.int16).numpy())
         assert not regions[0, 0].any() and not regions[0, 1, 37:].any()
@@ -64,15 +64,15 @@ def test_gpu_bell_kernels_one_process():
         assert not rows[cap + 29:].any()
         meta[4], meta[7] = 12, 5
         bells[1, 0] = 12  # rail 1 still at 11
-        C.bell_exchange(out, rows, meta, dptr, header, region, slot, ready, counter, err, 0, rails, 0.05, 6, 16, 16)
+        C.bell_exchange(out, rows, meta, dptr, header, region, slot, ready, sync, err, 0, rails, 0.05, 6, 16, 16)
         torch.cuda.synchronize()
-        assert err.tolist() == [1, 1, 12, 6] and rec[0, :2].tolist() == [12, 37] and counter.item() == 0
+        assert err.tolist() == [1, 1, 12, 6] and rec[0, :2].tolist() == [12, 37] and sync.tolist() == [0, 12]
         assert torch.equal(rows[cap:cap + 29].cpu().view(torch.int16), peer.view(torch.int16))  # untouched
         with pytest.raises(RuntimeError, match="out must be rank 0's block of rows"):
-            C.bell_exchange(rows[1:cap + 1], rows, meta, dptr, header, region, slot, ready, counter, err, 0, rails,
+            C.bell_exchange(rows[1:cap + 1], rows, meta, dptr, header, region, slot, ready, sync, err, 0, rails,
                             1.0, 0, 16, 16)
         with pytest.raises(RuntimeError, match="staging layout"):
-            C.bell_exchange(out, rows, meta, dptr, header, slot, slot, ready, counter, err, 0, rails, 1.0, 0, 16, 16)
+            C.bell_exchange(out, rows, meta, dptr, header, slot, slot, ready, sync, err, 0, rails, 1.0, 0, 16, 16)
     finally:
         torch.cuda.synchronize()
         C.host_unmap(base)

@@ -62,7 +62,7 @@ class FakeGpu:
     def __init__(self):
         self.stage_only = False
 
-    def bell_exchange(self, out, rows, meta, staging, header, region_bytes, slot_bytes, ready_offset, counter, err,
+    def bell_exchange(self, out, rows, meta, staging, header, region_bytes, slot_bytes, ready_offset, sync, err,
                       rank, rails, timeout, layer, stage_blocks, gather_blocks):
         m = meta.tolist()
         ranks, cap, row = len(m) - META_HEAD, out.shape[0], out.shape[1] * 2

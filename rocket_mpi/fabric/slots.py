@@ -8,9 +8,10 @@ Per MoE layer, inside the captured step, two kernels around a host proxy (csrc/p
   proxy   (host)  a native thread sees the record, puts the block into our region on every peer and rings each
                   peer's doorbell words (every rail): shm by memcpy and release stores, verbs by pyverbs RDMA writes
                   (fabric/proxy.py);
-  gather  (GPU)   waits on our own doorbell words in host memory (a spin with a clock timeout: a dead peer is
-                  recorded in `err` as (1, peer, seq, layer) and raised by the host after the step, as cuda-ipc's),
-                  then copies every peer's block from its region into the device rows in slot space.
+  gather  (GPU)   its block 0 waits on our own doorbell words in host memory (a spin with a clock timeout: a dead
+                  peer is recorded in `err` as (1, peer, seq, layer) and raised by the host after the step, as
+                  cuda-ipc's) and tells the other blocks on a device word; then they all copy every peer's block from
+                  its region into the device rows in slot space (a block per GATHER_BYTES of capacity, up to 16).
 
 The rows the scatter reads are in device memory ([ranks x cap] rows, one set: our block is `out`, a view of them),
 so the staging's two slots by seq parity carry the double-buffer argument of DoorbellFabric unchanged: we stage
@@ -35,7 +36,8 @@ from rocket_mpi.ops import _ext
 log = logging.getLogger("rocket_mpi")
 
 STAGE_BLOCKS = 16    # blocks of the stage kernel (host memory takes a few SMs' stores at full rate)
-GATHER_BLOCKS = 16   # blocks of the gather kernel: each waits on the doorbells, then copies its share
+GATHER_BLOCKS = 16   # most blocks of the gather kernel (its block 0 alone polls the doorbells; all copy)
+GATHER_BYTES = 8192  # a gather block per this many bytes of the peers' blocks at full capacity
 
 
 def serial_max(a: int, b: int) -> int:
@@ -57,7 +59,9 @@ class DoorbellSlots(SlotExchange):
         self.rows = torch.zeros(fab.size * cap, fab.hidden, dtype=torch.bfloat16, device=device)
         self.out = self.rows[fab.rank * cap:(fab.rank + 1) * cap]
         self.err = torch.zeros(4, dtype=torch.long, device=device)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=device)  # the stage kernel's last-block count
+        # the kernels' device words: the stage's count of blocks done, the seq the gather's poller saw rung
+        self.sync = torch.zeros(2, dtype=torch.long, device=device)
+        self.gather_blocks = max(1, min(GATHER_BLOCKS, -(-(fab.size - 1) * cap * fab.row_bytes // GATHER_BYTES)))
         self.kernels = kernels if kernels is not None else _ext.require()
         self.proxy = None
         fab.attach_slots(self)  # a former run's exchange stops its proxy first
@@ -88,8 +92,8 @@ class DoorbellSlots(SlotExchange):
     def exchange(self, meta, layer, step):
         f = self.fabric
         self.kernels.bell_exchange(self.out, self.rows, meta, self.staging, f.header, f.region_bytes, f.slot_bytes,
-                                   f.ready_offset, self.counter, self.err, f.rank, f.rails, f.timeout, layer,
-                                   STAGE_BLOCKS, GATHER_BLOCKS)
+                                   f.ready_offset, self.sync, self.err, f.rank, f.rails, f.timeout, layer,
+                                   STAGE_BLOCKS, self.gather_blocks)
         return self.rows
 
     def check(self, words, step):

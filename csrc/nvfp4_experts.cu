@@ -14,7 +14,9 @@
 // Dense launches (ops/stack.py: the replicated stack's linears and SwiGLU MLPs, BF16 tiles): one weight slot,
 // rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
 // 4 or 8 of the block's warps (run_group, dense_split), since one matrix alone has too few feature groups to fill
-// the GPU.
+// the GPU. NVFP4 stack weights held as stored take the NVFP4 tiles the same way (launch_nvfp4_linear, the dense
+// rows of launch_nvfp4_experts), their rows through the block's rows ring and K not split, each output part's
+// weight_scale_2 in the down epilogue (GemmParams seg_mul, s2_out).
 //
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
 // launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
@@ -110,7 +112,8 @@ struct GemmParams {
   const int4* groups;
   int nk;                    // K / 64
   int n_fgroups;             // feature groups of kFT tiles per expert
-  float w_mul;               // undoes the weights' packed scale in the epilogues: 2^8 (NVFP4), 1 (BF16)
+  float w_mul;               // undoes the weights' packed scale in the epilogues: 2^8 (NVFP4), 1 (BF16); NVFP4
+                             // dense launches: 2^8 x weight_scale_2 (one part)
   // gate/up epilogue
   const float* s2;           // [slots][2]
   float limit;
@@ -135,6 +138,9 @@ struct GemmParams {
   int n_segs;                // > 1: features [seg_end[s-1], seg_end[s]) go to seg_out[s] (row stride its width)
   int seg_end[kMaxSegs];
   __nv_bfloat16* seg_out[kMaxSegs];
+  float seg_mul[kMaxSegs];   // n_segs > 1: part s's w_mul (NVFP4: each part has its own weight_scale_2)
+  const float* s2_out;       // nullable: down epilogue times *s2_out (a dense NVFP4 MLP's down weight_scale_2; expert
+                             // launches leave it to the scatter)
   const __nv_bfloat16* res[kMaxResiduals];  // down epilogue, dense rows: residuals added in order (see rocket.h)
   int n_res;
   // Dense rows read straight from x (BF16 tiles with K in direct_k_order, pack.py; at most 2 row tiles): lane
@@ -550,6 +556,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
   // The output of this warp's features: one segment (their ends are multiples of kFT * kTileN, checked).
   __nv_bfloat16* out = p.out;
   int f0 = 0, ld = p.hidden;
+  float w_mul = p.w_mul;
   if (p.n_segs > 1) {
     const int fbase = fg * kFT * kTileN;
     int s = 0;
@@ -557,7 +564,9 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
     f0 = s ? p.seg_end[s - 1] : 0;
     ld = p.seg_end[s] - f0;
     out = p.seg_out[s];
+    w_mul = p.seg_mul[s];
   }
+  if (p.s2_out != nullptr) w_mul = __fmul_rn(w_mul, __ldg(p.s2_out));  // 2^8 x s2: exact, one rounding below
   float bias[kFT][2];  // of feature (fg kFT + i) 16 + 8 half + g: c0, c1 (half 0) and c2, c3 (half 1)
 #pragma unroll
   for (int i = 0; i < kFT; ++i)
@@ -575,9 +584,9 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
       for (int half = 0; half < 2; ++half) {  // features g (c0, c1) and g + 8 (c2, c3)
         const float b = bias[i][half];
         const uint32_t v0 =
-            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half], p.w_mul), b)));
+            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half], w_mul), b)));
         const uint32_t v1 =
-            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half + 1], p.w_mul), b)));
+            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half + 1], w_mul), b)));
         const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
         const uint32_t pair = odd ? (recv | (v1 << 16)) : (v0 | (recv << 16));
         const int feat = (fg * kFT + i) * kTileN + 8 * half + (g & ~1);
@@ -681,7 +690,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   if constexpr (kBf16) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
   else fg = p.split_k ? fblock : fblock * W + warp;
   RowsRing rr{};
-  if constexpr (!kBf16) {  // NVFP4: expert launches only (dense rows take BF16 tiles), so never split
+  if constexpr (!kBf16) {  // NVFP4: the block's rows ring (expert launches, and dense rows unsplit)
     char* ring = smem + W * warp_smem<S, kBf16>();
     rr.data = ring;
     rr.full = reinterpret_cast<uint64_t*>(ring + kRowsRing * kRowsStage);
@@ -850,7 +859,8 @@ void pass_params(GemmParams& p, const ExpertsLaunch& a) {
   p.dense_rows = a.dense_rows;
   p.n_tiles = a.n_tiles;
   p.pass_major = a.pad_rows == nullptr && p.n_groups > 1;
-  p.split_k = a.pad_rows == nullptr ? dense_split(a.split, p.n_fgroups) : 0;
+  // NVFP4 tiles never split K: the block's warps share one rows ring, which walks every k-tile in order
+  p.split_k = a.pad_rows == nullptr && a.bf16 ? dense_split(a.split, p.n_fgroups) : 0;
   p.n_segs = 1;
 }
 
@@ -871,13 +881,14 @@ void check_launch_tuning(int pdl, int split) {
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   check_pdl(a.pdl);
   check_split(a.split);
-  ROCKET_CHECK(a.split == 0 || a.pad_rows == nullptr, "split " << a.split << ": dense rows only (expert launches: 0)");
+  ROCKET_CHECK(a.split == 0 || (a.pad_rows == nullptr && a.bf16), "split " << a.split
+               << ": dense rows of BF16 tiles only (expert launches and NVFP4 tiles: 0)");
   ROCKET_CHECK(a.hidden % 16 == 0 && a.inter % 16 == 0, "hidden " << a.hidden << ", inter " << a.inter
                << ": NVFP4 needs multiples of 16");
   ROCKET_CHECK(a.hidden_pad % kTileK == 0 && a.inter_pad % kTileK == 0 && a.hidden_pad >= a.hidden &&
                a.inter_pad >= a.inter, "padded sizes " << a.hidden_pad << ", " << a.inter_pad);
   const bool dense = a.pad_rows == nullptr;
-  ROCKET_CHECK(!dense || a.bf16, "dense rows take BF16 tiles only");
+  ROCKET_CHECK(a.s2_dn == nullptr || (dense && !a.bf16), "s2_dn: dense rows of NVFP4 tiles only");
   ROCKET_CHECK(a.n_res >= 0 && a.n_res <= kMaxResiduals && (a.n_res == 0 || dense), a.n_res
                << " residuals (at most " << kMaxResiduals << ", dense rows only)");
   ROCKET_CHECK(dense == (a.groups == nullptr) && (!dense || (a.dense_rows >= 0 && a.n_tiles ==
@@ -890,7 +901,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   const bool ready = pdl == kPdlPerPass && !dense && !a.bf16 && a.ready != nullptr;
   ROCKET_CHECK(!ready || a.n_groups <= a.n_tiles, "groups " << a.n_groups << " > tiles " << a.n_tiles);
 
-  ROCKET_CHECK(!a.direct_k || (dense && a.row_index == nullptr), "direct_k_order: dense rows of x only");
+  ROCKET_CHECK(!a.direct_k || (dense && a.bf16 && a.row_index == nullptr),
+               "direct_k_order: dense rows of x, BF16 tiles only");
   const bool direct = a.direct_k && rows_direct(a.x, a.dense_rows, a.hidden);
   if (!direct) {  // rows -> fragments
     const int pairs = a.hidden_pad / 32;
@@ -949,14 +961,21 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.ready = ready ? a.ready : nullptr;
     p.ready_need = ready ? 2 * a.inter_pad / kTileN / kFT : 0;  // gate/up's feature groups: one count per warp
     pass_params(p, a);
+    p.s2_out = a.s2_dn;
     p.n_res = a.n_res;
     for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
     launch_gemm<false>(p, a.bf16 != 0, pdl == kPdlPerPass, stream);
   }
 }
 
-void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
+namespace {
+
+// One linear of the stack over dense rows: BF16 tiles (K in direct_k_order: up to 16 rows read from x itself) or
+// NVFP4 tiles (rows through a prep launch and the block's rows ring, K never split; each part's weight_scale_2 in
+// the epilogue's multiplier).
+void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   check_split(a.split);
+  ROCKET_CHECK(!nvfp4 || a.split == 0, "split " << a.split << ": NVFP4 tiles take 0 (K is never split)");
   ROCKET_CHECK(a.k % 16 == 0 && a.k_pad % kTileK == 0 && a.k_pad >= a.k && a.n % 16 == 0 &&
                a.n_pad % (kFT * kTileN) == 0 && a.n_pad >= a.n, "linear [" << a.n << ", " << a.k << "] padded to ["
                << a.n_pad << ", " << a.k_pad << "]");
@@ -968,20 +987,22 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
                  << " ends at feature " << a.seg_end[s] << ": parts end at multiples of " << kFT * kTileN);
   if (a.rows == 0) return;
   const int n_tiles = int((a.rows + kRowTile - 1) / kRowTile);
-  const bool direct = rows_direct(a.x, a.rows, a.k);  // the weights are in direct_k_order (stack.py pack_linear)
+  // BF16: the weights are in direct_k_order (stack.py pack_linear); NVFP4 tiles in the logical order
+  const bool direct = !nvfp4 && rows_direct(a.x, a.rows, a.k);
   if (!direct) {  // rows -> fragments
     const int pairs = a.k_pad / 32;
     const int64_t n = int64_t(n_tiles) * pairs * 32;
     const int threads = 256;
     prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
-        static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs, 1,
-        a.x_frag, nullptr, 0);
+        static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs,
+        nvfp4 ? 0 : 1, a.x_frag, nullptr, 0);
     ROCKET_LAUNCH_CHECK();
   }
   GemmParams p{};
   p.q = static_cast<const uint8_t*>(a.w);
+  p.s = static_cast<const uint8_t*>(a.s);
   p.nk = a.k_pad / kTileK;
-  p.w_mul = 1.0f;
+  p.w_mul = nvfp4 ? 256.0f * a.w_scale[0] : 1.0f;  // 2^8 undoes the packed 2^-8 (exact), then weight_scale_2
   p.frag = a.x_frag;
   if (direct) {
     p.x_rows = static_cast<const uint4*>(a.x);
@@ -995,15 +1016,30 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
   p.n_tiles = n_tiles;
   p.n_groups = (n_tiles + kMaxRowTiles - 1) / kMaxRowTiles;
   p.pass_major = p.n_groups > 1;
-  p.split_k = dense_split(a.split, p.n_fgroups);
+  p.split_k = nvfp4 ? 0 : dense_split(a.split, p.n_fgroups);
   p.n_segs = a.n_segs;
   for (int s = 0; s < a.n_segs; ++s) {
     p.seg_end[s] = a.seg_end[s];
     p.seg_out[s] = static_cast<__nv_bfloat16*>(a.seg_out[s]);
+    p.seg_mul[s] = nvfp4 ? 256.0f * a.w_scale[s] : 1.0f;
   }
   p.n_res = a.n_res;
   for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-  launch_gemm<false>(p, true, false, stream);
+  launch_gemm<false>(p, !nvfp4, false, stream);
+}
+
+}  // namespace
+
+void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
+  ROCKET_CHECK(a.s == nullptr, "launch_bf16_linear: BF16 tiles have no block scales");
+  launch_linear(a, false, stream);
+}
+
+void launch_nvfp4_linear(const LinearLaunch& a, cudaStream_t stream) {
+  ROCKET_CHECK(a.s != nullptr, "launch_nvfp4_linear: NVFP4 tiles need their block scales");
+  for (int s = 0; s < a.n_segs && s < kMaxSegs; ++s)
+    ROCKET_CHECK(a.w_scale[s] > 0.0f, "output part " << s << ": weight_scale_2 " << a.w_scale[s] << ", expected > 0");
+  launch_linear(a, true, stream);
 }
 
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,

@@ -401,14 +401,13 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
 }
 
 // A SwiGLU MLP of the replicated stack held as stored (NVFP4 tiles of one expert, stack.py pack_mlp): as swiglu_dense,
-// the rows through a prep launch (K in the logical order), down's weight_scale_2 (s2_dn [1]) in its epilogue; K is
-// never split.
+// the rows through a prep launch (K in the logical order), down's weight_scale_2 (s2_dn [1]) in its epilogue.
 torch::Tensor swiglu_dense_nvfp4(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                                  const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn,
                                  const torch::Tensor& s2_dn, int64_t hidden, int64_t inter,
                                  const std::vector<torch::Tensor>& residuals, std::optional<double> swiglu_limit,
-                                 int64_t pdl) {
-  rocket::check_launch_tuning(tuning_arg(pdl), 0);
+                                 int64_t pdl, int64_t split) {
+  rocket::check_launch_tuning(tuning_arg(pdl), tuning_arg(split));
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   check_residuals(residuals, x.size(0), hidden, dev);
@@ -429,18 +428,19 @@ torch::Tensor swiglu_dense_nvfp4(const torch::Tensor& x, const torch::Tensor& q_
   auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
   if (rows == 0) return out;
   launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter,
-                 swiglu_limit, x_frag, h_frag, out, rows, pdl, rows, residuals, /*direct_k=*/false, 0, Far{},
+                 swiglu_limit, x_frag, h_frag, out, rows, pdl, rows, residuals, /*direct_k=*/false, split, Far{},
                  s2_dn.data_ptr<float>());
   return out;
 }
 
 // y = x W^T (+ bias) for W held as stored: NVFP4 tiles (codes w [n_pad / 16, k_pad / 64, 32, 16], block scales s
 // [.., 8, 8], pack.py pack_codes, K in the logical order) with one weight_scale_2 per output part (w_scale); parts,
-// bias and residuals as bf16_linear's.
+// bias, residuals and split as bf16_linear's.
 std::vector<torch::Tensor> nvfp4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s,
                                         int64_t n, int64_t k, const std::vector<double>& w_scale,
                                         const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends,
-                                        const std::vector<torch::Tensor>& residuals) {
+                                        const std::vector<torch::Tensor>& residuals, int64_t split) {
+  rocket::check_launch_tuning(rocket::kPdlAuto, tuning_arg(split));
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   check_residuals(residuals, x.size(0), n, dev);
@@ -466,6 +466,7 @@ std::vector<torch::Tensor> nvfp4_linear(const torch::Tensor& x, const torch::Ten
   ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
   const c10::cuda::CUDAGuard guard(dev);
   rocket::LinearLaunch a{};
+  a.split = tuning_arg(split);
   std::vector<torch::Tensor> outs;
   int64_t start = 0;
   for (size_t p = 0; p < parts.size(); ++p) {
@@ -1152,14 +1153,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residuals") = std::vector<torch::Tensor>{}, py::arg("split") = 0);
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
   m.def("swiglu_dense_nvfp4", &swiglu_dense_nvfp4, "a SwiGLU MLP (one NVFP4 expert, down's weight_scale_2 s2_dn "
-        "applied) over dense rows, then + each residual in order; limit and pdl as swiglu_dense's", py::arg("x"),
+        "applied) over dense rows, then + each residual in order; limit, pdl and split as swiglu_dense's", py::arg("x"),
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("s2_dn"),
         py::arg("hidden"), py::arg("inter"), py::arg("residuals") = std::vector<torch::Tensor>{},
-        py::arg("swiglu_limit") = py::none(), py::arg("pdl") = rocket::kPdlAuto);
+        py::arg("swiglu_limit") = py::none(), py::arg("pdl") = rocket::kPdlAuto, py::arg("split") = 0);
   m.def("nvfp4_linear", &nvfp4_linear, "x W^T (+ bias), W in NVFP4 tiles with one weight_scale_2 per output part, "
-        "optionally split into parts by feature; one part: then + each residual in order", py::arg("x"), py::arg("w"),
-        py::arg("s"), py::arg("n"), py::arg("k"), py::arg("w_scale"), py::arg("bias"), py::arg("ends"),
-        py::arg("residuals") = std::vector<torch::Tensor>{});
+        "optionally split into parts by feature; one part: then + each residual in order; split: K slices (0 by shape, "
+        "1, 2, 4, 8)", py::arg("x"), py::arg("w"), py::arg("s"), py::arg("n"), py::arg("k"), py::arg("w_scale"),
+        py::arg("bias"), py::arg("ends"), py::arg("residuals") = std::vector<torch::Tensor>{}, py::arg("split") = 0);
   m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe); pdl as "
         "nvfp4_experts'", py::arg("x"), py::arg("row_index"), py::arg("pad_rows"), py::arg("groups"), py::arg("out"),
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),

@@ -15,8 +15,9 @@
 // rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
 // 4 or 8 of the block's warps (run_group, dense_split), since one matrix alone has too few feature groups to fill
 // the GPU. NVFP4 stack weights held as stored take the NVFP4 tiles the same way (launch_nvfp4_linear, the dense
-// rows of launch_nvfp4_experts), their rows through the block's rows ring and K not split, each output part's
-// weight_scale_2 in the down epilogue (GemmParams seg_mul, s2_out).
+// rows of launch_nvfp4_experts): K split as the BF16 tiles', so their rows come through L1 (an instance of its own,
+// kSplitK: the expert launches' ring instances stay as they were), each output part's weight_scale_2 in the down
+// epilogue (GemmParams seg_mul, s2_out).
 //
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
 // launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
@@ -83,6 +84,10 @@ __host__ __device__ constexpr int block_smem() { return W * warp_smem<S, kBf16>(
 // reserved per block). (GB10, sm_121, has about 100 KiB per SM: one block of either instance there; not measured.)
 static_assert(kBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "NVFP4 blocks per SM");
 static_assert(kBf16BlocksPerSm * (block_smem<kBf16Ring, true, kBf16Warps>() + 1024) <= 228 * 1024, "BF16 blocks per SM");
+// NVFP4 tiles with K split (dense launches of the stack held as stored; rows through L1): 2 blocks per SM, so the
+// launch bounds leave the L1 rows' prefetch its registers (128), as the BF16 instances'. (Not measured yet.)
+constexpr int kSplitBlocksPerSm = 2;
+static_assert(kSplitBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "split NVFP4 blocks");
 
 struct RowsRing {
   char* data;       // kRowsRing stages of kRowsStage bytes
@@ -204,7 +209,9 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
 // block's rows ring (below); BF16 through L1 (shared by the block's warps on the same pass), prefetched one
 // k-tile ahead where the registers allow (RT <= 2: up to 16 rows, the decode case). 17-32 rows load them half a
 // k-tile at a time (fewer live registers, less spilling under the 80-register bound).
-template <int RT, int S, int L, bool kBf16, bool kWaitPass = false>
+// kL1Rows (NVFP4 tiles with K split: dense launches of the stack held as stored): the rows through L1 as the BF16
+// instances read them, since the block's warps walk different k-tiles and so cannot share the rows ring.
+template <int RT, int S, int L, bool kBf16, bool kWaitPass = false, bool kL1Rows = false>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4], int kt0, int nk, const RowsRing& rr) {
   // k-tiles kt0 .. kt0 + nk - 1 (all of K, or one warp's slice of a split launch)
@@ -275,9 +282,10 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // them through __ldg, which the compiler may move above the wait unless the address depends on something after
   // it: with a plan, fr depends on the pad_rows loads below; dense rows have none, so the pointers are laundered
   // after the wait.
+  constexpr bool kRing = !kBf16 && !kL1Rows;  // the rows through the block's ring, else through L1
   const uint4* frag = p.frag;
   const uint4* x_rows = p.x_rows;
-  if constexpr (kBf16) {
+  if constexpr (!kRing) {
     frag = dev::opaque(frag);
     x_rows = dev::opaque(x_rows);
   }
@@ -405,10 +413,10 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       for (int rt = 0; rt < RT; ++rt) bh[rt] = *reinterpret_cast<const uint4*>(kr + rt * kRowTileStride + sel[rt] * 16);
     };
   };
-  if constexpr (!kBf16) {
+  if constexpr (kRing) {
     if (producer) rows_issue(0);
   }
-  if constexpr (kPrefetch && !kBf16) {
+  if constexpr (kPrefetch && kRing) {
     static_assert(S == kRowsGroup, "the unrolled loop walks one group per pass");
     // k-tile j = u past where qp / sp point: weights in ring slot st, the k-tile L on (if `more`) into st_next;
     // `first` / `last`: j opens / closes its group
@@ -474,10 +482,10 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   } else {
     // 17-32 rows: the rows are loaded half a k-tile at a time, which keeps the 3- and 4-tile paths within
     // the register bound; not unrolled (unrolled, it spills more and runs slower).
-    // NVFP4: the rows through the block's ring (above), BF16 tiles: through L1.
+    // NVFP4: the rows through the block's ring (above), BF16 tiles (and kL1Rows): through L1.
     int st_in = L % S, st_out = 0;
     for (int kt = 0; kt < nk; ++kt) {
-      if constexpr (!kBf16) {
+      if constexpr (kRing) {
         if (kt % G == 0) rows_first(kt);
       }
       dev::cp_async_wait<L - 1>();
@@ -487,7 +495,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       }
       dev::cp_async_commit();
       st_in = st_in + 1 == S ? 0 : st_in + 1;
-      if constexpr (kBf16) {
+      if constexpr (!kRing) {
         mma_ktile(st_out, [&](uint4 (&bh)[RT], int pp) {
 #pragma unroll
           for (int rt = 0; rt < RT; ++rt)
@@ -624,7 +632,8 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   } else {
     const int P = p.split_k, slice = warp % P;
     const int kt0 = slice * p.nk / P, kt1 = (slice + 1) * p.nk / P;
-    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, active ? kt1 - kt0 : 0, rr);
+    mainloop<RT, S, L, kBf16, false, !kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, active ? kt1 - kt0 : 0,
+                                            rr);
     constexpr int kVals = kFT * RT * 4;
     static_assert(W * kVals * 32 * 4 <= W * warp_smem<S, kBf16>(), "partials fit in the rings' shared memory");
     dev::cp_async_wait<0>();
@@ -676,7 +685,8 @@ __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, i
 // y, so a block's warps share the pass's rows in L1 (dense launches: block x takes feature group x, its warps
 // split K; with several passes the grid is pass-major). Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was slower on the H200.)
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
+// kSplitK: the NVFP4 instance of dense launches with K split (the stack held as stored), its rows through L1.
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false>
 __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   // gate/up: the down kernel (launched as its programmatic dependent) may take SM slots this grid's last
@@ -687,10 +697,10 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   // split K (dense launches, BF16 tiles): the block's warps take W / split_k feature groups, split_k consecutive
   // warps each. (The NVFP4 instances, expert launches only, keep the expression they were tuned with.)
   int fg;
-  if constexpr (kBf16) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
+  if constexpr (kBf16 || kSplitK) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
   else fg = p.split_k ? fblock : fblock * W + warp;
   RowsRing rr{};
-  if constexpr (!kBf16) {  // NVFP4: the block's rows ring (expert launches, and dense rows unsplit)
+  if constexpr (!kBf16 && !kSplitK) {  // NVFP4: the block's rows ring (expert launches)
     char* ring = smem + W * warp_smem<S, kBf16>();
     rr.data = ring;
     rr.full = reinterpret_cast<uint64_t*>(ring + kRowsRing * kRowsStage);
@@ -706,7 +716,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
     __syncthreads();  // the barriers are initialised before any warp uses them (and before any warp leaves)
   }
   // whole warps: the epilogues' shuffles need all 32 lanes (split: a group past the last stays for the barriers)
-  if (fg >= p.n_fgroups && !(kBf16 && p.split_k)) return;
+  if (fg >= p.n_fgroups && !((kBf16 || kSplitK) && p.split_k)) return;
   int4 grp;
   if (p.groups != nullptr) {
     grp = p.groups[pass];
@@ -714,7 +724,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
     const int tile0 = pass * kMaxRowTiles;
     grp = make_int4(0, tile0, min(kMaxRowTiles, p.n_tiles - tile0), 0);
   }
-  if constexpr (kBf16) {  // dense launches (BF16 tiles only: the NVFP4 instances stay as they were)
+  if constexpr (kBf16 || kSplitK) {  // dense launches (the NVFP4 ring instances stay as they were)
     if (p.split_k) {
       run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane, rr, fg < p.n_fgroups);
       return;
@@ -792,11 +802,11 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
 
 // pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up), so its blocks
 // can start while that kernel's last wave runs (the wait is in mainloop).
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
   constexpr int bytes = block_smem<S, kBf16, W>();
-  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W>;
+  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK>;
   set_smem_attr(kernel, bytes, done);
   cudaLaunchConfig_t cfg{};
   const int per_block = p.split_k ? W / p.split_k : W;  // feature groups per block
@@ -818,6 +828,7 @@ void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, bool bf16, bool pdl, cudaStream_t stream) {
   if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, pdl, stream);
+  else if (p.split_k) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kSplitBlocksPerSm, false, kWarps, true>(p, pdl, stream);
   else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, pdl, stream);
 }
 
@@ -859,8 +870,7 @@ void pass_params(GemmParams& p, const ExpertsLaunch& a) {
   p.dense_rows = a.dense_rows;
   p.n_tiles = a.n_tiles;
   p.pass_major = a.pad_rows == nullptr && p.n_groups > 1;
-  // NVFP4 tiles never split K: the block's warps share one rows ring, which walks every k-tile in order
-  p.split_k = a.pad_rows == nullptr && a.bf16 ? dense_split(a.split, p.n_fgroups) : 0;
+  p.split_k = a.pad_rows == nullptr ? dense_split(a.split, p.n_fgroups) : 0;
   p.n_segs = 1;
 }
 
@@ -881,8 +891,7 @@ void check_launch_tuning(int pdl, int split) {
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   check_pdl(a.pdl);
   check_split(a.split);
-  ROCKET_CHECK(a.split == 0 || (a.pad_rows == nullptr && a.bf16), "split " << a.split
-               << ": dense rows of BF16 tiles only (expert launches and NVFP4 tiles: 0)");
+  ROCKET_CHECK(a.split == 0 || a.pad_rows == nullptr, "split " << a.split << ": dense rows only (expert launches: 0)");
   ROCKET_CHECK(a.hidden % 16 == 0 && a.inter % 16 == 0, "hidden " << a.hidden << ", inter " << a.inter
                << ": NVFP4 needs multiples of 16");
   ROCKET_CHECK(a.hidden_pad % kTileK == 0 && a.inter_pad % kTileK == 0 && a.hidden_pad >= a.hidden &&
@@ -971,11 +980,10 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
 namespace {
 
 // One linear of the stack over dense rows: BF16 tiles (K in direct_k_order: up to 16 rows read from x itself) or
-// NVFP4 tiles (rows through a prep launch and the block's rows ring, K never split; each part's weight_scale_2 in
-// the epilogue's multiplier).
+// NVFP4 tiles (rows through a prep launch, each part's weight_scale_2 in the epilogue's multiplier); K split by
+// the output's width either way (dense_split).
 void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   check_split(a.split);
-  ROCKET_CHECK(!nvfp4 || a.split == 0, "split " << a.split << ": NVFP4 tiles take 0 (K is never split)");
   ROCKET_CHECK(a.k % 16 == 0 && a.k_pad % kTileK == 0 && a.k_pad >= a.k && a.n % 16 == 0 &&
                a.n_pad % (kFT * kTileN) == 0 && a.n_pad >= a.n, "linear [" << a.n << ", " << a.k << "] padded to ["
                << a.n_pad << ", " << a.k_pad << "]");
@@ -1016,7 +1024,7 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   p.n_tiles = n_tiles;
   p.n_groups = (n_tiles + kMaxRowTiles - 1) / kMaxRowTiles;
   p.pass_major = p.n_groups > 1;
-  p.split_k = nvfp4 ? 0 : dense_split(a.split, p.n_fgroups);
+  p.split_k = dense_split(a.split, p.n_fgroups);
   p.n_segs = a.n_segs;
   for (int s = 0; s < a.n_segs; ++s) {
     p.seg_end[s] = a.seg_end[s];

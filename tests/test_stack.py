@@ -471,22 +471,23 @@ def test_gpu_packed_stack_glm5_families_close(ckpt_name, request, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("split", [0, 1, 2, 4])   # K slices per feature group (0: by the output's width)
 @pytest.mark.parametrize("n,k,bias", [((96, 32, 32), 96, True), ((4096,), 1408, False), ((1024, 1024), 4096, True),
                                       ((48,), 80, True)])
-def test_gpu_nvfp4_linear_matches_reference_and_rows_are_independent(n, k, bias):
+def test_gpu_nvfp4_linear_matches_reference_and_rows_are_independent(n, k, bias, split):
     """NVFP4 linears held as stored (W4A16, each part its own weight_scale_2) against dequantise + fp32 matmul at
     decode sizes and prefill-sized launches (several weight passes); each row bitwise what it is alone; with one
     part, the residual in the epilogue is torch's add; unpack_linear (the prefill's weights) is the CPU's bit for
-    bit; K is never split."""
+    bit."""
     g = torch.Generator().manual_seed(sum(n) + k)
     parts = [_quant(m, k, g) for m in n]
     bs = [torch.randn(m, generator=g).bfloat16().cuda() if bias else None for m in n]
     packs = ops.pack_linear(parts, bs, device="cuda")
     assert all(p.nvfp4 for p in packs)
     x = torch.randn(70, k, generator=g).bfloat16().cuda()
-    alone = [ops.linear(x[r:r + 1], packs) for r in range(0, 70, 9)]
+    alone = [ops.linear(x[r:r + 1], packs, split=split) for r in range(0, 70, 9)]
     for rows in (1, 3, 8, 16, 33, 70):
-        outs = ops.linear(x[:rows], packs)
+        outs = ops.linear(x[:rows], packs, split=split)
         for j, (o, q, b) in enumerate(zip(outs, parts, bs)):
             assert o.shape == (rows, q[0].shape[0]) and o.is_contiguous()
             err = _rel(o, _lin_ref(x[:rows], _dq(q, torch.float32).cuda(), b))
@@ -498,15 +499,14 @@ def test_gpu_nvfp4_linear_matches_reference_and_rows_are_independent(n, k, bias)
     assert all(torch.equal(w.cpu(), c) for w, c in zip((w for p in packs for w in ops.unpack_linear(p)), cpu))
     if len(n) == 1:
         r = torch.randn(8, n[0], generator=g).bfloat16().cuda()
-        got = ops.linear(x[:8], packs, residual=(r,))[0]
-        assert torch.equal(got.view(torch.int16), (r + ops.linear(x[:8], packs)[0]).view(torch.int16))
-    with pytest.raises(ValueError, match="split 2"):
-        ops.linear(x[:1], packs, split=2)
+        got = ops.linear(x[:8], packs, residual=(r,), split=split)[0]
+        assert torch.equal(got.view(torch.int16), (r + ops.linear(x[:8], packs, split=split)[0]).view(torch.int16))
 
 
 @gpu
+@pytest.mark.parametrize("split", [0, 2])
 @pytest.mark.parametrize("h,i", [(64, 48), (4096, 1408)])
-def test_gpu_nvfp4_swiglu_dense_matches_reference_and_rows_are_independent(h, i):
+def test_gpu_nvfp4_swiglu_dense_matches_reference_and_rows_are_independent(h, i, split):
     """A SwiGLU MLP held as stored (one NVFP4 expert over dense rows, down's weight_scale_2 in its epilogue) against
     dequantise + fp32, rows bitwise as alone, residuals as torch's adds, swiglu_limit's clamp; unpack_mlp is the
     CPU's bit for bit."""
@@ -516,9 +516,9 @@ def test_gpu_nvfp4_swiglu_dense_matches_reference_and_rows_are_independent(h, i)
     gu = torch.cat((_dq(gate, torch.float32), _dq(up, torch.float32))).cuda()
     dn = _dq(down, torch.float32).cuda()
     x = torch.randn(70, h, generator=g).bfloat16().cuda()
-    alone = {r: ops.swiglu_dense(x[r:r + 1], p)[0] for r in (0, 9, 40, 69)}
+    alone = {r: ops.swiglu_dense(x[r:r + 1], p, split=split)[0] for r in (0, 9, 40, 69)}
     for rows in (1, 3, 8, 16, 33, 70):
-        out = ops.swiglu_dense(x[:rows], p)
+        out = ops.swiglu_dense(x[:rows], p, split=split)
         gt, u = (x[:rows].float() @ gu.t()).chunk(2, dim=-1)
         err = _rel(out, (F.silu(gt) * u) @ dn.t())
         assert err < 4 * TOL, f"rows {rows}: rel err {err:.2e}"
@@ -526,12 +526,12 @@ def test_gpu_nvfp4_swiglu_dense_matches_reference_and_rows_are_independent(h, i)
             if r < rows:
                 assert torch.equal(out[r], a), f"rows {rows}: row {r} differs from it alone"
     a, b = (torch.randn(8, h, generator=g).bfloat16().cuda() for _ in range(2))
-    got = ops.swiglu_dense(x[:8], p, residual=(a, b))
-    assert torch.equal(got.view(torch.int16), (b + (a + ops.swiglu_dense(x[:8], p))).view(torch.int16))
+    got = ops.swiglu_dense(x[:8], p, residual=(a, b), split=split)
+    assert torch.equal(got.view(torch.int16), (b + (a + ops.swiglu_dense(x[:8], p, split=split))).view(torch.int16))
     xl = x[:8] * 8
     gt, u = (xl.float() @ gu.t()).chunk(2, dim=-1)
     ref = (F.silu(gt.clamp(max=0.5)) * u.clamp(-0.5, 0.5)) @ dn.t()
-    assert _rel(ops.swiglu_dense(xl, p, limit=0.5), ref) < 4 * TOL
+    assert _rel(ops.swiglu_dense(xl, p, limit=0.5, split=split), ref) < 4 * TOL
     want = ops.unpack_mlp(ops.pack_mlp((gate, up), down))
     assert all(torch.equal(w.cpu(), c) for w, c in zip(ops.unpack_mlp(p), want))
 

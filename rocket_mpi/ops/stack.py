@@ -34,8 +34,8 @@ as stored: pack_linear and pack_mlp take their parts (weight, weight_scale, weig
 tuple) instead of a BF16 weight and pack the codes and block scales into the kernel's NVFP4 tiles (pack.py), 3.6x
 fewer bytes than BF16 tiles, and the decode step reads those (weight-only W4A16: the rows stay BF16). The kernel
 decodes each code to the exact bf16 E2M1 x scale x 2^-8 and applies 2^8 x weight_scale_2 (one per output part,
-a fused q/k/v has three) to the fp32 sum in the epilogue; its rows come through a prep launch and the block's rows
-ring, and K is never split (`split` must be 0), so a row's bits depend on no other row either. Larger steps and
+a fused q/k/v has three) to the fp32 sum in the epilogue; its rows come through a prep launch and L1, K split as
+the BF16 tiles' (`split`), so a row's bits depend on no other row either. Larger steps and
 prefill dequantise on the fly (unpack_linear / unpack_mlp: a transient BF16 copy per call, the weights
 checkpoint.reader.Linear.dense gives, bit for bit) and take F.linear. On the CPU the references are F.linear /
 swiglu_mlp on those same dequantised weights, so they are what the BF16-dequantising loader computes, bit for bit.
@@ -202,10 +202,8 @@ def linear(x: torch.Tensor, packs: list[PackedLinear], residual=(), *, split: in
             continue
         ends = list(p.ends) if len(p.ends) > 1 else []
         if p.nvfp4:
-            if split:
-                raise ValueError(f"linear: split {split} for NVFP4 tiles (K is never split there: 0)")
             outs += _ext.require().nvfp4_linear(x.contiguous(), p.w, p.s, p.n, p.k, list(p.w_scale), p.bias, ends,
-                                                res)
+                                                res, split=split)
             continue
         outs += _ext.require().bf16_linear(x.contiguous(), p.w, p.n, p.k, p.bias, ends, res, split=split)
     return outs
@@ -269,9 +267,7 @@ def swiglu_dense(x: torch.Tensor, p: PackedExperts, residual=(), limit: float | 
     if not x.is_cuda:
         return add_residuals(swiglu_dense_ref(x, p, limit), res)
     if not p.bf16:
-        if split:
-            raise ValueError(f"swiglu_dense: split {split} for NVFP4 tiles (K is never split there: 0)")
         return _ext.require().swiglu_dense_nvfp4(x.contiguous(), p.q_gu, p.s_gu, p.s2_gu, p.q_dn, p.s_dn, p.s2_dn,
-                                                 p.hidden, p.inter, res, limit, pdl=pdl)
+                                                 p.hidden, p.inter, res, limit, pdl=pdl, split=split)
     return _ext.require().swiglu_dense(x.contiguous(), p.q_gu, p.s2_gu, p.q_dn, p.hidden, p.inter, res, limit,
                                        pdl=pdl, split=split)

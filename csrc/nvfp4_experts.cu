@@ -694,8 +694,9 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   if constexpr (kSwiglu) dev::launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int fblock = p.pass_major ? blockIdx.y : blockIdx.x, pass = p.pass_major ? blockIdx.x : blockIdx.y;
-  // split K (dense launches, BF16 tiles): the block's warps take W / split_k feature groups, split_k consecutive
-  // warps each. (The NVFP4 instances, expert launches only, keep the expression they were tuned with.)
+  // split K (dense launches: BF16 tiles, and NVFP4 ones in the kSplitK instance): the block's warps take W / split_k
+  // feature groups, split_k consecutive warps each. (The NVFP4 ring instances keep the expression they were tuned
+  // with.)
   int fg;
   if constexpr (kBf16 || kSplitK) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
   else fg = p.split_k ? fblock : fblock * W + warp;

@@ -134,8 +134,9 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
                     torch::Tensor& out, int64_t out_rows, int64_t pdl, int64_t dense_rows = 0,
                     const std::vector<torch::Tensor>& residuals = {}, bool direct_k = false, int64_t split = 0,
-                    const Far& far = Far{}) {
+                    const Far& far = Far{}, const float* s2_dn = nullptr) {
   rocket::ExpertsLaunch a{};
+  a.s2_dn = s2_dn;
   if (far.slots > 0) {
     a.q_gu_far = far.q_gu;
     a.s_gu_far = far.s_gu;
@@ -397,6 +398,102 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
   launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, none, s2_gu, q_dn, none, hidden, inter,
                  swiglu_limit, x_frag, h_frag, out, rows, pdl, rows, residuals, /*direct_k=*/true, split);
   return out;
+}
+
+// A SwiGLU MLP of the replicated stack held as stored (NVFP4 tiles of one expert, stack.py pack_mlp): as swiglu_dense,
+// the rows through a prep launch (K in the logical order), down's weight_scale_2 (s2_dn [1]) in its epilogue.
+torch::Tensor swiglu_dense_nvfp4(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
+                                 const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn,
+                                 const torch::Tensor& s2_dn, int64_t hidden, int64_t inter,
+                                 const std::vector<torch::Tensor>& residuals, std::optional<double> swiglu_limit,
+                                 int64_t pdl, int64_t split) {
+  rocket::check_launch_tuning(tuning_arg(pdl), tuning_arg(split));
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 2, dev, 4);
+  check_residuals(residuals, x.size(0), hidden, dev);
+  ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, the MLP has hidden " << hidden);
+  ROCKET_CHECK(!check_packed(dev, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter) && q_gu.size(0) == 1,
+               "swiglu_dense_nvfp4 takes one NVFP4 expert, got q_gu " << q_gu.sizes() << " " << q_gu.scalar_type());
+  expect(s2_dn, "s2_dn", torch::kFloat, 1, dev, 4);
+  ROCKET_CHECK(s2_dn.numel() == 1, "s2_dn " << s2_dn.sizes() << ": one expert's down weight_scale_2");
+  const int64_t rows = x.size(0);
+  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
+  const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
+  const int64_t passes = (tiles + rocket::kMaxRowTiles - 1) / rocket::kMaxRowTiles;
+  const c10::cuda::CUDAGuard guard(dev);
+  const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
+  auto out = torch::empty({rows, hidden}, x.options());
+  auto i32 = x.options().dtype(torch::kInt);
+  auto x_frag = torch::empty({tiles, hp / 32, 32, 4}, i32);
+  auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
+  if (rows == 0) return out;
+  launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter,
+                 swiglu_limit, x_frag, h_frag, out, rows, pdl, rows, residuals, /*direct_k=*/false, split, Far{},
+                 s2_dn.data_ptr<float>());
+  return out;
+}
+
+// y = x W^T (+ bias) for W held as stored: NVFP4 tiles (codes w [n_pad / 16, k_pad / 64, 32, 16], block scales s
+// [.., 8, 8], pack.py pack_codes, K in the logical order) with one weight_scale_2 per output part (w_scale); parts,
+// bias, residuals and split as bf16_linear's.
+std::vector<torch::Tensor> nvfp4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s,
+                                        int64_t n, int64_t k, const std::vector<double>& w_scale,
+                                        const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends,
+                                        const std::vector<torch::Tensor>& residuals, int64_t split) {
+  rocket::check_launch_tuning(rocket::kPdlAuto, tuning_arg(split));
+  const c10::Device dev = x.device();
+  expect(x, "x", torch::kBFloat16, 2, dev, 4);
+  check_residuals(residuals, x.size(0), n, dev);
+  ROCKET_CHECK(residuals.empty() || ends.size() <= 1, "residuals need one output part, not " << ends.size());
+  expect(w, "w", torch::kByte, 4, dev);
+  expect(s, "s", torch::kByte, 4, dev);
+  ROCKET_CHECK(x.size(1) == k, "x has " << x.size(1) << " columns, the weight " << k);
+  const int64_t n_pad = w.size(0) * rocket::kTileN, k_pad = w.size(1) * rocket::kTileK;
+  ROCKET_CHECK(w.size(2) == 32 && w.size(3) == 16 && n_pad >= n && n_pad % 32 == 0 && n_pad - n < 32 && k_pad >= k &&
+               k_pad - k < rocket::kTileK, "w " << w.sizes() << " does not hold [" << n << ", " << k << "] in tiles");
+  ROCKET_CHECK(s.sizes() == torch::IntArrayRef({w.size(0), w.size(1), 8, 8}), "s " << s.sizes() << " for w "
+               << w.sizes());
+  if (bias.has_value()) {
+    expect(*bias, "bias", torch::kBFloat16, 1, dev, 2);
+    ROCKET_CHECK(bias->numel() == n, "bias has " << bias->numel() << " values for " << n << " features");
+  }
+  const std::vector<int64_t> parts = ends.empty() ? std::vector<int64_t>{n} : ends;
+  ROCKET_CHECK(parts.size() <= rocket::kMaxSegs && parts.back() == n, parts.size() << " output parts ending at "
+               << parts.back() << " for " << n << " features");
+  ROCKET_CHECK(w_scale.size() == parts.size(), w_scale.size() << " weight_scale_2 values for " << parts.size()
+               << " output parts");
+  const int64_t rows = x.size(0);
+  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::LinearLaunch a{};
+  a.split = tuning_arg(split);
+  std::vector<torch::Tensor> outs;
+  int64_t start = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    ROCKET_CHECK(parts[p] > start, "output part " << p << " ends at " << parts[p] << ", after " << start);
+    outs.push_back(torch::empty({rows, parts[p] - start}, x.options()));
+    a.seg_end[p] = static_cast<int>(parts[p]);
+    a.seg_out[p] = outs.back().data_ptr();
+    a.w_scale[p] = static_cast<float>(w_scale[p]);
+    start = parts[p];
+  }
+  const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
+  auto x_frag = torch::empty({tiles, k_pad / 32, 32, 4}, x.options().dtype(torch::kInt));
+  a.x = x.data_ptr();
+  a.rows = rows;
+  a.w = w.data_ptr();
+  a.s = s.data_ptr();
+  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  a.n = static_cast<int>(n);
+  a.k = static_cast<int>(k);
+  a.n_pad = static_cast<int>(n_pad);
+  a.k_pad = static_cast<int>(k_pad);
+  a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
+  a.n_segs = static_cast<int>(parts.size());
+  a.n_res = static_cast<int>(residuals.size());
+  for (size_t r = 0; r < residuals.size(); ++r) a.res[r] = residuals[r].data_ptr();
+  rocket::launch_nvfp4_linear(a, c10::cuda::getCurrentCUDAStream().stream());
+  return outs;
 }
 
 // y = x W^T (+ bias) for W in BF16 tiles [n_pad / 16, k_pad / 64, 4, 256] with K in direct_k_order (pack.py
@@ -1059,6 +1156,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("ends"),
         py::arg("residuals") = std::vector<torch::Tensor>{}, py::arg("split") = 0);
   m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
+  m.def("swiglu_dense_nvfp4", &swiglu_dense_nvfp4, "a SwiGLU MLP (one NVFP4 expert, down's weight_scale_2 s2_dn "
+        "applied) over dense rows, then + each residual in order; limit, pdl and split as swiglu_dense's", py::arg("x"),
+        py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("s2_dn"),
+        py::arg("hidden"), py::arg("inter"), py::arg("residuals") = std::vector<torch::Tensor>{},
+        py::arg("swiglu_limit") = py::none(), py::arg("pdl") = rocket::kPdlAuto, py::arg("split") = 0);
+  m.def("nvfp4_linear", &nvfp4_linear, "x W^T (+ bias), W in NVFP4 tiles with one weight_scale_2 per output part, "
+        "optionally split into parts by feature; one part: then + each residual in order; split: K slices (0 by shape, "
+        "1, 2, 4, 8)", py::arg("x"), py::arg("w"), py::arg("s"), py::arg("n"), py::arg("k"), py::arg("w_scale"),
+        py::arg("bias"), py::arg("ends"), py::arg("residuals") = std::vector<torch::Tensor>{}, py::arg("split") = 0);
   m.def("nvfp4_experts_into", &nvfp4_experts_into, "experts of a device plan into out (CUDA-graph safe); pdl as "
         "nvfp4_experts'", py::arg("x"), py::arg("row_index"), py::arg("pad_rows"), py::arg("groups"), py::arg("out"),
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),

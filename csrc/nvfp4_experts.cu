@@ -14,7 +14,10 @@
 // Dense launches (ops/stack.py: the replicated stack's linears and SwiGLU MLPs, BF16 tiles): one weight slot,
 // rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
 // 4 or 8 of the block's warps (run_group, dense_split), since one matrix alone has too few feature groups to fill
-// the GPU.
+// the GPU. NVFP4 stack weights held as stored take the NVFP4 tiles the same way (launch_nvfp4_linear, the dense
+// rows of launch_nvfp4_experts): K split as the BF16 tiles', so their rows come through L1 (an instance of its own,
+// kSplitK: the expert launches' ring instances stay as they were), each output part's weight_scale_2 in the down
+// epilogue (GemmParams seg_mul, s2_out).
 //
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
 // launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
@@ -81,6 +84,10 @@ __host__ __device__ constexpr int block_smem() { return W * warp_smem<S, kBf16>(
 // reserved per block). (GB10, sm_121, has about 100 KiB per SM: one block of either instance there; not measured.)
 static_assert(kBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "NVFP4 blocks per SM");
 static_assert(kBf16BlocksPerSm * (block_smem<kBf16Ring, true, kBf16Warps>() + 1024) <= 228 * 1024, "BF16 blocks per SM");
+// NVFP4 tiles with K split (dense launches of the stack held as stored; rows through L1): 2 blocks per SM, so the
+// launch bounds leave the L1 rows' prefetch its registers (128), as the BF16 instances'. (Not measured yet.)
+constexpr int kSplitBlocksPerSm = 2;
+static_assert(kSplitBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "split NVFP4 blocks");
 
 struct RowsRing {
   char* data;       // kRowsRing stages of kRowsStage bytes
@@ -110,7 +117,8 @@ struct GemmParams {
   const int4* groups;
   int nk;                    // K / 64
   int n_fgroups;             // feature groups of kFT tiles per expert
-  float w_mul;               // undoes the weights' packed scale in the epilogues: 2^8 (NVFP4), 1 (BF16)
+  float w_mul;               // undoes the weights' packed scale in the epilogues: 2^8 (NVFP4), 1 (BF16); NVFP4
+                             // dense launches: 2^8 x weight_scale_2 (one part)
   // gate/up epilogue
   const float* s2;           // [slots][2]
   float limit;
@@ -135,6 +143,9 @@ struct GemmParams {
   int n_segs;                // > 1: features [seg_end[s-1], seg_end[s]) go to seg_out[s] (row stride its width)
   int seg_end[kMaxSegs];
   __nv_bfloat16* seg_out[kMaxSegs];
+  float seg_mul[kMaxSegs];   // n_segs > 1: part s's w_mul (NVFP4: each part has its own weight_scale_2)
+  const float* s2_out;       // nullable: down epilogue times *s2_out (a dense NVFP4 MLP's down weight_scale_2; expert
+                             // launches leave it to the scatter)
   const __nv_bfloat16* res[kMaxResiduals];  // down epilogue, dense rows: residuals added in order (see rocket.h)
   int n_res;
   // Dense rows read straight from x (BF16 tiles with K in direct_k_order, pack.py; at most 2 row tiles): lane
@@ -198,7 +209,9 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
 // block's rows ring (below); BF16 through L1 (shared by the block's warps on the same pass), prefetched one
 // k-tile ahead where the registers allow (RT <= 2: up to 16 rows, the decode case). 17-32 rows load them half a
 // k-tile at a time (fewer live registers, less spilling under the 80-register bound).
-template <int RT, int S, int L, bool kBf16, bool kWaitPass = false>
+// kL1Rows (NVFP4 tiles with K split: dense launches of the stack held as stored): the rows through L1 as the BF16
+// instances read them, since the block's warps walk different k-tiles and so cannot share the rows ring.
+template <int RT, int S, int L, bool kBf16, bool kWaitPass = false, bool kL1Rows = false>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4], int kt0, int nk, const RowsRing& rr) {
   // k-tiles kt0 .. kt0 + nk - 1 (all of K, or one warp's slice of a split launch)
@@ -269,9 +282,10 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // them through __ldg, which the compiler may move above the wait unless the address depends on something after
   // it: with a plan, fr depends on the pad_rows loads below; dense rows have none, so the pointers are laundered
   // after the wait.
+  constexpr bool kRing = !kBf16 && !kL1Rows;  // the rows through the block's ring, else through L1
   const uint4* frag = p.frag;
   const uint4* x_rows = p.x_rows;
-  if constexpr (kBf16) {
+  if constexpr (!kRing) {
     frag = dev::opaque(frag);
     x_rows = dev::opaque(x_rows);
   }
@@ -399,10 +413,10 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       for (int rt = 0; rt < RT; ++rt) bh[rt] = *reinterpret_cast<const uint4*>(kr + rt * kRowTileStride + sel[rt] * 16);
     };
   };
-  if constexpr (!kBf16) {
+  if constexpr (kRing) {
     if (producer) rows_issue(0);
   }
-  if constexpr (kPrefetch && !kBf16) {
+  if constexpr (kPrefetch && kRing) {
     static_assert(S == kRowsGroup, "the unrolled loop walks one group per pass");
     // k-tile j = u past where qp / sp point: weights in ring slot st, the k-tile L on (if `more`) into st_next;
     // `first` / `last`: j opens / closes its group
@@ -468,10 +482,10 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   } else {
     // 17-32 rows: the rows are loaded half a k-tile at a time, which keeps the 3- and 4-tile paths within
     // the register bound; not unrolled (unrolled, it spills more and runs slower).
-    // NVFP4: the rows through the block's ring (above), BF16 tiles: through L1.
+    // NVFP4: the rows through the block's ring (above), BF16 tiles (and kL1Rows): through L1.
     int st_in = L % S, st_out = 0;
     for (int kt = 0; kt < nk; ++kt) {
-      if constexpr (!kBf16) {
+      if constexpr (kRing) {
         if (kt % G == 0) rows_first(kt);
       }
       dev::cp_async_wait<L - 1>();
@@ -481,7 +495,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       }
       dev::cp_async_commit();
       st_in = st_in + 1 == S ? 0 : st_in + 1;
-      if constexpr (kBf16) {
+      if constexpr (!kRing) {
         mma_ktile(st_out, [&](uint4 (&bh)[RT], int pp) {
 #pragma unroll
           for (int rt = 0; rt < RT; ++rt)
@@ -550,6 +564,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
   // The output of this warp's features: one segment (their ends are multiples of kFT * kTileN, checked).
   __nv_bfloat16* out = p.out;
   int f0 = 0, ld = p.hidden;
+  float w_mul = p.w_mul;
   if (p.n_segs > 1) {
     const int fbase = fg * kFT * kTileN;
     int s = 0;
@@ -557,7 +572,9 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
     f0 = s ? p.seg_end[s - 1] : 0;
     ld = p.seg_end[s] - f0;
     out = p.seg_out[s];
+    w_mul = p.seg_mul[s];
   }
+  if (p.s2_out != nullptr) w_mul = __fmul_rn(w_mul, __ldg(p.s2_out));  // 2^8 x s2: exact, one rounding below
   float bias[kFT][2];  // of feature (fg kFT + i) 16 + 8 half + g: c0, c1 (half 0) and c2, c3 (half 1)
 #pragma unroll
   for (int i = 0; i < kFT; ++i)
@@ -575,9 +592,9 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
       for (int half = 0; half < 2; ++half) {  // features g (c0, c1) and g + 8 (c2, c3)
         const float b = bias[i][half];
         const uint32_t v0 =
-            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half], p.w_mul), b)));
+            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half], w_mul), b)));
         const uint32_t v1 =
-            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half + 1], p.w_mul), b)));
+            dev::bf16_bits(__float2bfloat16_rn(__fadd_rn(__fmul_rn(acc[i][rt][2 * half + 1], w_mul), b)));
         const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
         const uint32_t pair = odd ? (recv | (v1 << 16)) : (v0 | (recv << 16));
         const int feat = (fg * kFT + i) * kTileN + 8 * half + (g & ~1);
@@ -615,7 +632,8 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   } else {
     const int P = p.split_k, slice = warp % P;
     const int kt0 = slice * p.nk / P, kt1 = (slice + 1) * p.nk / P;
-    mainloop<RT, S, L, kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, active ? kt1 - kt0 : 0, rr);
+    mainloop<RT, S, L, kBf16, false, !kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, active ? kt1 - kt0 : 0,
+                                            rr);
     constexpr int kVals = kFT * RT * 4;
     static_assert(W * kVals * 32 * 4 <= W * warp_smem<S, kBf16>(), "partials fit in the rings' shared memory");
     dev::cp_async_wait<0>();
@@ -667,7 +685,8 @@ __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, i
 // y, so a block's warps share the pass's rows in L1 (dense launches: block x takes feature group x, its warps
 // split K; with several passes the grid is pass-major). Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was slower on the H200.)
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
+// kSplitK: the NVFP4 instance of dense launches with K split (the stack held as stored), its rows through L1.
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false>
 __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   // gate/up: the down kernel (launched as its programmatic dependent) may take SM slots this grid's last
@@ -675,13 +694,14 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   if constexpr (kSwiglu) dev::launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int fblock = p.pass_major ? blockIdx.y : blockIdx.x, pass = p.pass_major ? blockIdx.x : blockIdx.y;
-  // split K (dense launches, BF16 tiles): the block's warps take W / split_k feature groups, split_k consecutive
-  // warps each. (The NVFP4 instances, expert launches only, keep the expression they were tuned with.)
+  // split K (dense launches: BF16 tiles, and NVFP4 ones in the kSplitK instance): the block's warps take W / split_k
+  // feature groups, split_k consecutive warps each. (The NVFP4 ring instances keep the expression they were tuned
+  // with.)
   int fg;
-  if constexpr (kBf16) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
+  if constexpr (kBf16 || kSplitK) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
   else fg = p.split_k ? fblock : fblock * W + warp;
   RowsRing rr{};
-  if constexpr (!kBf16) {  // NVFP4: expert launches only (dense rows take BF16 tiles), so never split
+  if constexpr (!kBf16 && !kSplitK) {  // NVFP4: the block's rows ring (expert launches)
     char* ring = smem + W * warp_smem<S, kBf16>();
     rr.data = ring;
     rr.full = reinterpret_cast<uint64_t*>(ring + kRowsRing * kRowsStage);
@@ -697,7 +717,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
     __syncthreads();  // the barriers are initialised before any warp uses them (and before any warp leaves)
   }
   // whole warps: the epilogues' shuffles need all 32 lanes (split: a group past the last stays for the barriers)
-  if (fg >= p.n_fgroups && !(kBf16 && p.split_k)) return;
+  if (fg >= p.n_fgroups && !((kBf16 || kSplitK) && p.split_k)) return;
   int4 grp;
   if (p.groups != nullptr) {
     grp = p.groups[pass];
@@ -705,7 +725,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
     const int tile0 = pass * kMaxRowTiles;
     grp = make_int4(0, tile0, min(kMaxRowTiles, p.n_tiles - tile0), 0);
   }
-  if constexpr (kBf16) {  // dense launches (BF16 tiles only: the NVFP4 instances stay as they were)
+  if constexpr (kBf16 || kSplitK) {  // dense launches (the NVFP4 ring instances stay as they were)
     if (p.split_k) {
       run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane, rr, fg < p.n_fgroups);
       return;
@@ -783,11 +803,11 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
 
 // pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up), so its blocks
 // can start while that kernel's last wave runs (the wait is in mainloop).
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W>
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
   constexpr int bytes = block_smem<S, kBf16, W>();
-  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W>;
+  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK>;
   set_smem_attr(kernel, bytes, done);
   cudaLaunchConfig_t cfg{};
   const int per_block = p.split_k ? W / p.split_k : W;  // feature groups per block
@@ -809,6 +829,7 @@ void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, bool bf16, bool pdl, cudaStream_t stream) {
   if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, pdl, stream);
+  else if (p.split_k) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kSplitBlocksPerSm, false, kWarps, true>(p, pdl, stream);
   else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, pdl, stream);
 }
 
@@ -877,7 +898,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   ROCKET_CHECK(a.hidden_pad % kTileK == 0 && a.inter_pad % kTileK == 0 && a.hidden_pad >= a.hidden &&
                a.inter_pad >= a.inter, "padded sizes " << a.hidden_pad << ", " << a.inter_pad);
   const bool dense = a.pad_rows == nullptr;
-  ROCKET_CHECK(!dense || a.bf16, "dense rows take BF16 tiles only");
+  ROCKET_CHECK(a.s2_dn == nullptr || (dense && !a.bf16), "s2_dn: dense rows of NVFP4 tiles only");
   ROCKET_CHECK(a.n_res >= 0 && a.n_res <= kMaxResiduals && (a.n_res == 0 || dense), a.n_res
                << " residuals (at most " << kMaxResiduals << ", dense rows only)");
   ROCKET_CHECK(dense == (a.groups == nullptr) && (!dense || (a.dense_rows >= 0 && a.n_tiles ==
@@ -890,7 +911,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   const bool ready = pdl == kPdlPerPass && !dense && !a.bf16 && a.ready != nullptr;
   ROCKET_CHECK(!ready || a.n_groups <= a.n_tiles, "groups " << a.n_groups << " > tiles " << a.n_tiles);
 
-  ROCKET_CHECK(!a.direct_k || (dense && a.row_index == nullptr), "direct_k_order: dense rows of x only");
+  ROCKET_CHECK(!a.direct_k || (dense && a.bf16 && a.row_index == nullptr),
+               "direct_k_order: dense rows of x, BF16 tiles only");
   const bool direct = a.direct_k && rows_direct(a.x, a.dense_rows, a.hidden);
   if (!direct) {  // rows -> fragments
     const int pairs = a.hidden_pad / 32;
@@ -949,13 +971,19 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.ready = ready ? a.ready : nullptr;
     p.ready_need = ready ? 2 * a.inter_pad / kTileN / kFT : 0;  // gate/up's feature groups: one count per warp
     pass_params(p, a);
+    p.s2_out = a.s2_dn;
     p.n_res = a.n_res;
     for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
     launch_gemm<false>(p, a.bf16 != 0, pdl == kPdlPerPass, stream);
   }
 }
 
-void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
+namespace {
+
+// One linear of the stack over dense rows: BF16 tiles (K in direct_k_order: up to 16 rows read from x itself) or
+// NVFP4 tiles (rows through a prep launch, each part's weight_scale_2 in the epilogue's multiplier); K split by
+// the output's width either way (dense_split).
+void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   check_split(a.split);
   ROCKET_CHECK(a.k % 16 == 0 && a.k_pad % kTileK == 0 && a.k_pad >= a.k && a.n % 16 == 0 &&
                a.n_pad % (kFT * kTileN) == 0 && a.n_pad >= a.n, "linear [" << a.n << ", " << a.k << "] padded to ["
@@ -968,20 +996,22 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
                  << " ends at feature " << a.seg_end[s] << ": parts end at multiples of " << kFT * kTileN);
   if (a.rows == 0) return;
   const int n_tiles = int((a.rows + kRowTile - 1) / kRowTile);
-  const bool direct = rows_direct(a.x, a.rows, a.k);  // the weights are in direct_k_order (stack.py pack_linear)
+  // BF16: the weights are in direct_k_order (stack.py pack_linear); NVFP4 tiles in the logical order
+  const bool direct = !nvfp4 && rows_direct(a.x, a.rows, a.k);
   if (!direct) {  // rows -> fragments
     const int pairs = a.k_pad / 32;
     const int64_t n = int64_t(n_tiles) * pairs * 32;
     const int threads = 256;
     prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
-        static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs, 1,
-        a.x_frag, nullptr, 0);
+        static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs,
+        nvfp4 ? 0 : 1, a.x_frag, nullptr, 0);
     ROCKET_LAUNCH_CHECK();
   }
   GemmParams p{};
   p.q = static_cast<const uint8_t*>(a.w);
+  p.s = static_cast<const uint8_t*>(a.s);
   p.nk = a.k_pad / kTileK;
-  p.w_mul = 1.0f;
+  p.w_mul = nvfp4 ? 256.0f * a.w_scale[0] : 1.0f;  // 2^8 undoes the packed 2^-8 (exact), then weight_scale_2
   p.frag = a.x_frag;
   if (direct) {
     p.x_rows = static_cast<const uint4*>(a.x);
@@ -1000,10 +1030,25 @@ void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
   for (int s = 0; s < a.n_segs; ++s) {
     p.seg_end[s] = a.seg_end[s];
     p.seg_out[s] = static_cast<__nv_bfloat16*>(a.seg_out[s]);
+    p.seg_mul[s] = nvfp4 ? 256.0f * a.w_scale[s] : 1.0f;
   }
   p.n_res = a.n_res;
   for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-  launch_gemm<false>(p, true, false, stream);
+  launch_gemm<false>(p, !nvfp4, false, stream);
+}
+
+}  // namespace
+
+void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream) {
+  ROCKET_CHECK(a.s == nullptr, "launch_bf16_linear: BF16 tiles have no block scales");
+  launch_linear(a, false, stream);
+}
+
+void launch_nvfp4_linear(const LinearLaunch& a, cudaStream_t stream) {
+  ROCKET_CHECK(a.s != nullptr, "launch_nvfp4_linear: NVFP4 tiles need their block scales");
+  for (int s = 0; s < a.n_segs && s < kMaxSegs; ++s)
+    ROCKET_CHECK(a.w_scale[s] > 0.0f, "output part " << s << ": weight_scale_2 " << a.w_scale[s] << ", expected > 0");
+  launch_linear(a, true, stream);
 }
 
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,

@@ -99,7 +99,7 @@ struct ExpertsLaunch {
   int bf16;                    // 0: NVFP4 codes + scales; 1: BF16 tiles in q_gu / q_dn (pack.py pack_bf16), no s_*
   const uint8_t *q_gu, *s_gu;  // gate/up tiles interleaved: tile T = gate rows 8T..8T+7, up rows 8T..8T+7
   const float* s2_gu;          // [slots][2] weight_scale_2 of gate, up
-  const uint8_t *q_dn, *s_dn;  // down [hidden_pad, inter_pad]; its weight_scale_2 is the scatter's
+  const uint8_t *q_dn, *s_dn;  // down [hidden_pad, inter_pad]; its weight_scale_2 is the scatter's (but s2_dn)
   // Far slots (the expert cache, rocket_mpi/moe/cache.py): slots >= near live in host memory mapped into the device
   // (device pointers of registered pinned memory), slot s at far slot s - near; null: every slot is in q_* / s_*.
   // The kernel reads them through the same copies as device slots: the same bytes, the same bits.
@@ -125,6 +125,8 @@ struct ExpertsLaunch {
   // split sets the order of each output's fp32 sums (a row's bits still depend on no other row).
   int pdl = kPdlAuto;          // kPdlAuto, kPdlOff or kPdlPerPass (above)
   int split = 0;               // dense rows: K slices, 1, 2, 4 or 8; 0: by the output's width. Expert launches: 0
+  const float* s2_dn = nullptr;  // dense rows of NVFP4 tiles (a stack MLP held as stored): down's weight_scale_2 [1],
+                                 // applied in down's epilogue (expert launches: null, the scatter applies it)
 };
 
 // x rows -> x_frag, gate/up + SwiGLU -> h_frag, down -> out. Batch-invariant: see nvfp4_experts.cu.
@@ -151,8 +153,13 @@ struct LinearLaunch {
   const void* res[kMaxResiduals];  // one output part only: as ExpertsLaunch's residuals (x + o in the stack)
   int n_res;
   int split = 0;               // K slices (1, 2, 4 or 8); 0: by the output's width (nvfp4_experts.cu dense_split)
+  // NVFP4 tiles (launch_nvfp4_linear): w holds codes [n_pad / 16][k_pad / 64][32][16], s their block scales
+  // [n_pad / 16][k_pad / 64][8][8] (pack.py pack_codes, K in the logical order), w_scale each part's weight_scale_2
+  const void* s = nullptr;
+  float w_scale[kMaxSegs] = {1.0f, 1.0f, 1.0f};
 };
 void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream);
+void launch_nvfp4_linear(const LinearLaunch& a, cudaStream_t stream);
 
 // Packed tiles -> W [n_pad, k_pad] bf16 as the kernel sees it (E2M1 x scale x 2^-8). A test hook.
 void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,

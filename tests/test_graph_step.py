@@ -226,6 +226,33 @@ def test_gpu_graph_steps_launched_ahead_change_nothing(streams, preset, monkeypa
 
 
 @gpu
+@pytest.mark.parametrize("preset", ["default", "dsa-tiny"])
+def test_gpu_graph_decode_nvfp4_all_equals_eager_device_step(preset):
+    """`:nvfp4-all`: the stack held as stored on the GPU (NVFP4 attention projections, dense MLPs and shared experts
+    in the expert kernel's NVFP4 tiles, their dense copies released) in the captured step: the graph replays the
+    eager step's tokens and row checksums, and the report's stack bytes are the packed ones (fewer than :nvfp4's,
+    whose stack is BF16)."""
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.runtime.engine import Engine
+    from rocket_mpi.runtime.prompts import default_prompts
+    runs, stack = {}, {}
+    for ckpt, path in ((f"preset:{preset}:nvfp4", None), (f"preset:{preset}:nvfp4-all", "device"),
+                       (f"preset:{preset}:nvfp4-all", "graph")):
+        eng = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
+        stack[ckpt] = eng.stack_read_bytes()
+        attn = eng.model.layers[0].attn
+        assert all(getattr(attn, k) is None for k in attn.stored) and bool(attn.stored) == (path is not None)
+        if path is None:
+            continue
+        assert eng.set_decode_path(path, "local") == path
+        r = eng.generate(default_prompts(8, eng.cfg.vocab_size), 10)
+        assert r.path == path and not r.note, r.note
+        runs[path] = (r.tokens, [s.row_crc for s in r.steps])
+    assert runs["graph"] == runs["device"]
+    assert stack[f"preset:{preset}:nvfp4-all"] < stack[f"preset:{preset}:nvfp4"], stack
+
+
+@gpu
 @pytest.mark.parametrize("streams", [8])
 def test_gpu_graph_decode_bf16_equals_eager_device_step(streams):
     """BF16 experts, in the expert kernel's BF16 tiles: the graphed step decodes the eager step's tokens."""

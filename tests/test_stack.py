@@ -1,4 +1,5 @@
-"""The replicated stack's linears and SwiGLU MLPs in the expert kernel's BF16 tiles (rocket_mpi/kernels/stack.py).
+"""The replicated stack's linears and SwiGLU MLPs in the expert kernel's tiles (rocket_mpi/ops/stack.py): BF16, and
+NVFP4 held as stored (a checkpoint that quantises the stack, `:nvfp4-all`).
 
 CPU: the packed forms run torch's own ops on the unpacked weights, so a packed model gives the torch path's
 logits bit for bit (the glue: fusing q/k/v, the output parts, the biases, the MLP's gate/up interleave).
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.ops import nvfp4
 from rocket_mpi.model import model_class
 from rocket_mpi.model.glm4_moe import Glm4MoeModel
 from rocket_mpi.model.layers import swiglu_mlp
@@ -215,6 +217,116 @@ def test_stack_rows_pick_the_path(tiny_ckpt, one_thread, monkeypatch):
     assert float((got - want).abs().max()) < 0.02 * float(want.abs().max()), "a row's output went to another row"
 
 
+# ---- NVFP4 held as stored (CPU: the references are the BF16-dequantising loader's arithmetic, bit for bit)
+
+def _quant(n, k, g):
+    """(weight, weight_scale, weight_scale_2) of a random [n, k] matrix, as ModelOpt writes them."""
+    return nvfp4.quantize(torch.randn(n, k, generator=g) / k ** 0.5)
+
+
+def _dq(parts, dtype=torch.bfloat16):
+    return nvfp4.dequantize(*parts, dtype=dtype)
+
+
+def test_pack_linear_nvfp4_unpacks_to_the_dequantised_weights():
+    """Fused NVFP4 parts (each its own weight_scale_2; K padded from 96 to 128, features from 144 to 160) unpack to
+    the loader's BF16 weights bit for bit, and linear on the CPU is F.linear on them (with biases, a residual);
+    reader.Linear parts pack the same; a BF16 weight beside NVFP4 ones packs on its own."""
+    from rocket_mpi.checkpoint.reader import Linear
+    g = torch.Generator().manual_seed(11)
+    parts = [_quant(n, 96, g) for n in (64, 32, 48)]
+    bs = [torch.randn(n, generator=g).bfloat16() for n in (64, 32, 48)]
+    packs = ops.pack_linear(parts, bs)
+    p = packs[0]
+    assert len(packs) == 1 and p.nvfp4 and p.ends == (64, 96, 144) and p.w.shape == (10, 2, 32, 16)
+    assert p.w_scale == tuple(float(q[2]) for q in parts)
+    assert 3 * p.nbytes < ops.pack_linear([_dq(q) for q in parts], bs)[0].nbytes   # codes + scales: 4.5 bits each
+    for w, q in zip(ops.unpack_linear(p), parts):
+        assert torch.equal(w, _dq(q))
+    x = torch.randn(5, 96, generator=g).bfloat16()
+    for got, q, b in zip(ops.linear(x, packs), parts, bs):
+        assert torch.equal(got, F.linear(x, _dq(q), b))
+    one = ops.pack_linear([Linear("o", *parts[0])])
+    r = torch.randn(5, 64, generator=g).bfloat16()
+    assert torch.equal(one[0].w, ops.pack_linear([parts[0]])[0].w)
+    assert torch.equal(ops.linear(x, one, residual=(r,))[0], r + F.linear(x, _dq(parts[0])))
+    mixed = ops.pack_linear([parts[0], torch.randn(32, 96, generator=g).bfloat16()])
+    assert [m.nvfp4 for m in mixed] == [True, False]
+
+
+def test_pack_mlp_nvfp4_is_the_dequantised_mlp():
+    """A SwiGLU MLP held as stored (gate, up, down NVFP4, three weight_scale_2): unpack_mlp gives load_swiglu's BF16
+    weights and swiglu_dense on the CPU swiglu_mlp on them, with residuals and swiglu_limit's clamp."""
+    g = torch.Generator().manual_seed(12)
+    gate, up, down = _quant(48, 64, g), _quant(48, 64, g), _quant(64, 48, g)
+    p = ops.pack_mlp((gate, up), down)
+    assert not p.bf16
+    gate_up, dn = ops.unpack_mlp(p)
+    assert torch.equal(gate_up, torch.cat((_dq(gate), _dq(up)))) and torch.equal(dn, _dq(down))
+    x, a, b = ((torch.randn(7, 64, generator=g) * 4).bfloat16() for _ in range(3))
+    assert torch.equal(ops.swiglu_dense(x, p, residual=(a, b)), b + (a + swiglu_mlp(x, gate_up, dn)))
+    assert torch.equal(ops.swiglu_dense(x, p, limit=0.5), swiglu_mlp(x, gate_up, dn, 0.5))
+
+
+@pytest.fixture(scope="module")
+def all_ckpts(tmp_path_factory):
+    """tiny (glm4_moe) and dsa-tiny (GLM-5's MLA) with every Linear NVFP4 as ModelOpt's all-Linears recipe does
+    (lm_head, the routers and the first dense layers excluded)."""
+    from rocket_mpi.checkpoint.make import make_checkpoint
+    out = {}
+    for preset in ("tiny", "dsa-tiny"):
+        out[preset] = str(tmp_path_factory.mktemp(preset + "_all"))
+        make_checkpoint(preset, out[preset], seed=3, nvfp4_all=True)
+    return out
+
+
+def _long_logits(model, device="cpu"):
+    """A prefill of a 20-row stream (past STACK_KERNEL_MAX_ROWS: the dense weights, or the packed ones dequantised)
+    beside a 2-row one, then a decode step; last-position logits of each."""
+    cache = model.new_cache(2, 32)
+    t = (torch.arange(24) * 7 + 3) % model.cfg.vocab_size
+    out = [model.forward(t[:22], cache, [20, 2], _stub_moe).float()]
+    out.append(model.forward(t[22:], cache, [1, 1], _stub_moe).float())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "dsa-tiny"])
+def test_packed_stack_nvfp4_held_as_stored_cpu_same_logits(preset, all_ckpts, one_thread, monkeypatch):
+    """An `:nvfp4-all` stack packed as stored: the NVFP4 linears (glm4_moe's q/k/v/o; MLA's q_a | kv_a, q_b, o) and
+    MLPs in NVFP4 tiles. On the CPU the dense weights stay (bit for bit the loader's logits); where the device holds
+    them as stored (emulated here: layers.holds_stored) the dense fields are released, nbytes counts the packed
+    bytes instead, steps of more than 16 rows dequantise the packed copy, and the logits are still the same bits;
+    a move rebuilds the released fields exactly."""
+    from rocket_mpi.model import layers
+    reader = CheckpointReader(all_ckpts[preset])
+    model = model_class(reader.config.model_type).load(reader)
+    attn = model.layers[0].attn
+    assert attn.stored and any(L.stored for L in model.layers)
+    dense = {k: getattr(attn, k).clone() for k in attn.stored}
+    ref, ref_long, bf16_bytes = _family_logits(model), _long_logits(model), model.nbytes()
+    model.pack_stack()
+    packs = [p for obj, f in layers.packed_copies(model) for v in [getattr(obj, f)]
+             for item in (v.values() if isinstance(v, dict) else [v]) for p in (item if isinstance(item, list) else
+                                                                               [item]) if p is not None]
+    assert any(isinstance(p, ops.PackedLinear) and p.nvfp4 for p in packs)
+    assert any(isinstance(p, ops.PackedExperts) and not p.bf16 for p in packs)
+    assert getattr(attn, next(iter(attn.stored))) is not None              # the CPU keeps its dense weights
+    assert torch.equal(_family_logits(model), ref) and torch.equal(_long_logits(model), ref_long)
+
+    model = model_class(reader.config.model_type).load(reader)
+    monkeypatch.setattr(layers, "holds_stored", lambda device: True)
+    model.pack_stack()
+    attn = model.layers[0].attn
+    assert all(getattr(attn, k) is None for k in attn.stored)
+    assert all(getattr(L, n) == (None, None) for L in model.layers for n in L.stored)
+    assert model.nbytes() < bf16_bytes
+    assert torch.equal(_family_logits(model), ref) and torch.equal(_long_logits(model), ref_long)
+    monkeypatch.undo()
+    model.to("cpu")
+    assert all(torch.equal(getattr(attn, k), w) for k, w in dense.items())
+    assert torch.equal(_family_logits(model), ref) and model.nbytes() == bf16_bytes
+
+
 # ---- GPU (skipped, with the reason printed, where there is no CUDA device or no extension)
 from helpers import gpu  # noqa: E402
 
@@ -356,3 +468,94 @@ def test_gpu_packed_stack_glm5_families_close(ckpt_name, request, monkeypatch):
     err = float((out - ref).abs().max() / ref.abs().max())
     assert err < 0.02, f"packed stack logits rel err {err:.2e} against cuBLAS"
     assert calls["linear"] > 0 and calls["swiglu_dense"] > 0, calls
+
+
+@gpu
+@pytest.mark.parametrize("split", [0, 1, 2, 4])   # K slices per feature group (0: by the output's width)
+@pytest.mark.parametrize("n,k,bias", [((96, 32, 32), 96, True), ((4096,), 1408, False), ((1024, 1024), 4096, True),
+                                      ((48,), 80, True)])
+def test_gpu_nvfp4_linear_matches_reference_and_rows_are_independent(n, k, bias, split):
+    """NVFP4 linears held as stored (W4A16, each part its own weight_scale_2) against dequantise + fp32 matmul at
+    decode sizes and prefill-sized launches (several weight passes); each row bitwise what it is alone; with one
+    part, the residual in the epilogue is torch's add; unpack_linear (the prefill's weights) is the CPU's bit for
+    bit."""
+    g = torch.Generator().manual_seed(sum(n) + k)
+    parts = [_quant(m, k, g) for m in n]
+    bs = [torch.randn(m, generator=g).bfloat16().cuda() if bias else None for m in n]
+    packs = ops.pack_linear(parts, bs, device="cuda")
+    assert all(p.nvfp4 for p in packs)
+    x = torch.randn(70, k, generator=g).bfloat16().cuda()
+    alone = [ops.linear(x[r:r + 1], packs, split=split) for r in range(0, 70, 9)]
+    for rows in (1, 3, 8, 16, 33, 70):
+        outs = ops.linear(x[:rows], packs, split=split)
+        for j, (o, q, b) in enumerate(zip(outs, parts, bs)):
+            assert o.shape == (rows, q[0].shape[0]) and o.is_contiguous()
+            err = _rel(o, _lin_ref(x[:rows], _dq(q, torch.float32).cuda(), b))
+            assert err < TOL, f"rows {rows}, part {j}: rel err {err:.2e}"
+            for a, r in zip(alone, range(0, 70, 9)):
+                if r < rows:
+                    assert torch.equal(o[r], a[j][0]), f"rows {rows}, part {j}: row {r} differs from it alone"
+    cpu = [w for p in ops.pack_linear(parts, [None] * len(n)) for w in ops.unpack_linear(p)]
+    assert all(torch.equal(w.cpu(), c) for w, c in zip((w for p in packs for w in ops.unpack_linear(p)), cpu))
+    if len(n) == 1:
+        r = torch.randn(8, n[0], generator=g).bfloat16().cuda()
+        got = ops.linear(x[:8], packs, residual=(r,), split=split)[0]
+        assert torch.equal(got.view(torch.int16), (r + ops.linear(x[:8], packs, split=split)[0]).view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("split", [0, 2])
+@pytest.mark.parametrize("h,i", [(64, 48), (4096, 1408)])
+def test_gpu_nvfp4_swiglu_dense_matches_reference_and_rows_are_independent(h, i, split):
+    """A SwiGLU MLP held as stored (one NVFP4 expert over dense rows, down's weight_scale_2 in its epilogue) against
+    dequantise + fp32, rows bitwise as alone, residuals as torch's adds, swiglu_limit's clamp; unpack_mlp is the
+    CPU's bit for bit."""
+    g = torch.Generator().manual_seed(h + i)
+    gate, up, down = _quant(i, h, g), _quant(i, h, g), _quant(h, i, g)
+    p = ops.pack_mlp((gate, up), down, device="cuda")
+    gu = torch.cat((_dq(gate, torch.float32), _dq(up, torch.float32))).cuda()
+    dn = _dq(down, torch.float32).cuda()
+    x = torch.randn(70, h, generator=g).bfloat16().cuda()
+    alone = {r: ops.swiglu_dense(x[r:r + 1], p, split=split)[0] for r in (0, 9, 40, 69)}
+    for rows in (1, 3, 8, 16, 33, 70):
+        out = ops.swiglu_dense(x[:rows], p, split=split)
+        gt, u = (x[:rows].float() @ gu.t()).chunk(2, dim=-1)
+        err = _rel(out, (F.silu(gt) * u) @ dn.t())
+        assert err < 4 * TOL, f"rows {rows}: rel err {err:.2e}"
+        for r, a in alone.items():
+            if r < rows:
+                assert torch.equal(out[r], a), f"rows {rows}: row {r} differs from it alone"
+    a, b = (torch.randn(8, h, generator=g).bfloat16().cuda() for _ in range(2))
+    got = ops.swiglu_dense(x[:8], p, residual=(a, b), split=split)
+    assert torch.equal(got.view(torch.int16), (b + (a + ops.swiglu_dense(x[:8], p, split=split))).view(torch.int16))
+    xl = x[:8] * 8
+    gt, u = (xl.float() @ gu.t()).chunk(2, dim=-1)
+    ref = (F.silu(gt.clamp(max=0.5)) * u.clamp(-0.5, 0.5)) @ dn.t()
+    assert _rel(ops.swiglu_dense(xl, p, limit=0.5, split=split), ref) < 4 * TOL
+    want = ops.unpack_mlp(ops.pack_mlp((gate, up), down))
+    assert all(torch.equal(w.cpu(), c) for w, c in zip(ops.unpack_mlp(p), want))
+
+
+@gpu
+@pytest.mark.parametrize("preset", ["tiny", "dsa-tiny"])
+def test_gpu_nvfp4_stack_held_as_stored(preset, all_ckpts, monkeypatch):
+    """An `:nvfp4-all` model moved to the GPU holds its NVFP4 stack weights as stored (dense fields released, nbytes
+    the packed bytes), its decode steps in the NVFP4 kernels (counted) and a 20-row prefill dequantising on the fly:
+    logits within the oracle's bound of the CPU model's; a move back to the CPU rebuilds the loader's weights, so
+    its logits are the CPU model's bit for bit."""
+    reader = CheckpointReader(all_ckpts[preset])
+    ref_model, model = (model_class(reader.config.model_type).load(reader) for _ in range(2))
+    ref, ref_long, cpu_bytes = _family_logits(ref_model), _long_logits(ref_model), ref_model.nbytes()
+    model.to("cuda")
+    attn = model.layers[0].attn
+    assert attn.stored and all(getattr(attn, k) is None for k in attn.stored)
+    assert model.nbytes() < cpu_bytes
+    calls = _count_calls(monkeypatch)
+    out, out_long = _family_logits(model, "cuda").cpu(), _long_logits(model, "cuda").cpu()
+    assert calls["linear"] > 0 and calls["swiglu_dense"] > 0, calls
+    for o, r in ((out, ref), (out_long, ref_long)):
+        err = float((o - r).abs().max() / r.abs().max())
+        assert err < 0.02, f"NVFP4 stack logits rel err {err:.2e} against the CPU's"
+    monkeypatch.undo()
+    model.to("cpu")
+    assert torch.equal(_family_logits(model), ref) and model.nbytes() == cpu_bytes

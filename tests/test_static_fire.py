@@ -71,6 +71,17 @@ def test_static_fire_fixed_shape_path(ranks, fabric, placement, ckpt_name, tmp_p
     assert_really_split(r.stdout, ranks)
 
 
+def test_static_fire_nvfp4_all_stack():
+    """`preset:tiny:nvfp4-all` (attention, dense MLP and shared experts NVFP4 too, as ModelOpt's all-Linears recipe):
+    2 ranks over shm decode the one-rank tokens (the CPU dequantises the stack at load; a GPU holds it as stored,
+    ops/stack.py, each rank with the same kernels)."""
+    r = rocket("static-fire", "--checkpoint", "preset:tiny:nvfp4-all", "--ranks", "2", "--sweep", "1,8", "--tokens",
+               TOKENS, "--fabric", "shm", "--fabric-timeout", "20")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "STATIC FIRE PASS: 0/8 streams mismatched (2 ranks, fabric shm" in r.stdout
+    assert_really_split(r.stdout, 2)
+
+
 def test_static_fire_catches_a_wrong_row(tiny_ckpt):
     """One corrupted row on rank 1 at step 2 must fail the gate, name the step and show the checksums."""
     r = rocket("static-fire", "--checkpoint", tiny_ckpt, "--ranks", "2", "--sweep", "8", "--tokens", TOKENS,

@@ -3,7 +3,8 @@
     python -m rocket_mpi plan --checkpoint DIR --ranks 2 --device-memory 128 --host-memory 0
 
 Prints the architecture, the replicated stack's bytes as the ranks hold it (BF16; NVFP4 layers outside the routed
-experts are decoded at load), the routed experts' bytes (packed for the GPU kernel, or dense BF16 on CPU ranks), and
+experts are decoded at load on CPU ranks, and on GPU ranks most are held as stored, model/layers.py, so for them this
+is an upper bound), the routed experts' bytes (packed for the GPU kernel, or dense BF16 on CPU ranks), and
 per rank: the experts it owns, how many of them the expert cache (moe/cache.py) keeps in device memory under
 --expert-cache, the rest in host memory, and the bytes one decode step reads from each memory (M streams, uniform
 routing: each expert read at most once per layer). The verdict: fits all-resident, fits with a cache, or does not fit.

@@ -8,7 +8,7 @@ step can run the shared expert beside the routing (moe/step.py DeviceMoE).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +17,10 @@ from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import (Rope, load_embed_head, load_ffn, load_swiglu, move_stack, norm_of, pack_linears,
-                                     pack_mlps, prefill_blocks, stack_kernel_enabled, stack_linears, stack_mlp,
-                                     stack_rows, unique_nbytes)
+from rocket_mpi.model.layers import (Rope, held, load_embed_head, load_ffn, load_linear, load_swiglu,
+                                     move_stack, norm_of, pack_linears, pack_mlps, prefill_blocks, release_stored,
+                                     stack_kernel_enabled, stack_linears, stack_mlp, stack_rows, stored_nbytes,
+                                     unique_nbytes)
 
 DT = torch.bfloat16
 SPAN_QUANTUM = 64  # a host-path decode step attends over a multiple of this many cache positions
@@ -30,9 +31,10 @@ class Attention:
     q: torch.Tensor; k: torch.Tensor; v: torch.Tensor; o: torch.Tensor         # noqa: E702
     q_bias: torch.Tensor | None; k_bias: torch.Tensor | None; v_bias: torch.Tensor | None  # noqa: E702
     q_norm: torch.Tensor | None; k_norm: torch.Tensor | None                   # noqa: E702
-    # pack_stack: q/k/v (with their biases, one fused launch) and o in the expert kernel's BF16 tiles too
+    # pack_stack: q/k/v (with their biases, one fused launch) and o in the expert kernel's tiles too
     qkv: list | None = None
     o_packed: list | None = None
+    stored: dict = field(default_factory=dict)             # NVFP4 parts of q/k/v/o (layers: held as stored)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Layer:
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
     mlp_packed: object = None                              # pack_stack: ops.pack_mlp of mlp / shared
     shared_packed: object = None
+    stored: dict = field(default_factory=dict)             # NVFP4 parts of mlp / shared (layers: held as stored)
 
 
 class Glm4MoeModel:
@@ -61,7 +64,8 @@ class Glm4MoeModel:
         self.lm_head = lm_head      # [V, H]
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, DT)
         self.scale = cfg.head_dim ** -0.5
-        self.head_packed = None     # pack_stack: lm_head in BF16 tiles (head)
+        self.head_packed = None     # pack_stack: lm_head in the kernel's tiles (head)
+        self.stored: dict = {}      # an NVFP4 lm_head's parts (layers: held as stored)
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -70,32 +74,32 @@ class Glm4MoeModel:
         h, d = cfg.hidden_size, cfg.head_dim
         nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
 
-        def lin(name, n, k, bias=False):
-            li = reader.linear(name, n, k, bias)
-            return li.dense(DT), li.bias
-
         def vec(name, n):
             return reader.get_float(name, (n,), DT)
 
-        def mlp(prefix, inter):
-            return load_swiglu(reader, prefix, h, inter, DT)
+        def mlp(prefix, inter, stored, key):
+            return load_swiglu(reader, prefix, h, inter, DT, stored, key)
 
         layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
-            q, qb = lin(p + ".self_attn.q_proj", nq * d, h, cfg.attention_bias)
-            k, kb = lin(p + ".self_attn.k_proj", nkv * d, h, cfg.attention_bias)
-            v, vb = lin(p + ".self_attn.v_proj", nkv * d, h, cfg.attention_bias)
-            o, _ = lin(p + ".self_attn.o_proj", h, nq * d)
+            st: dict = {}
+            q, qb = load_linear(reader, p + ".self_attn.q_proj", nq * d, h, cfg.attention_bias, st, "q")
+            k, kb = load_linear(reader, p + ".self_attn.k_proj", nkv * d, h, cfg.attention_bias, st, "k")
+            v, vb = load_linear(reader, p + ".self_attn.v_proj", nkv * d, h, cfg.attention_bias, st, "v")
+            o, _ = load_linear(reader, p + ".self_attn.o_proj", h, nq * d, stored=st, key="o")
             qn = vec(p + ".self_attn.q_norm.weight", d) if cfg.use_qk_norm else None
             kn = vec(p + ".self_attn.k_norm.weight", d) if cfg.use_qk_norm else None
             layer = Layer(vec(p + ".input_layernorm.weight", h), vec(p + ".post_attention_layernorm.weight", h),
-                          Attention(q, k, v, o, qb, kb, vb, qn, kn), None)
-            for name, value in load_ffn(reader, p, i, cfg, mlp).items():
+                          Attention(q, k, v, o, qb, kb, vb, qn, kn, stored=st), None)
+            for name, value in load_ffn(reader, p, i, cfg, mlp, layer.stored).items():
                 setattr(layer, name, value)
             layers.append(layer)
-        embed, head = load_embed_head(reader, cfg, DT)
-        return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
+        stored: dict = {}
+        embed, head = load_embed_head(reader, cfg, DT, stored)
+        model = cls(cfg, embed, layers, vec("model.norm.weight", h), head)
+        model.stored = stored
+        return model
 
     def new_cache(self, streams: int, capacity: int) -> KVCache:
         cfg = self.cfg
@@ -111,31 +115,39 @@ class Glm4MoeModel:
         return self
 
     def pack_stack(self) -> None:
-        """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs, and lm_head, also in BF16 tiles (ops/stack.py),
-        which every decode step takes, and a prefill's streams of at most ops.STACK_KERNEL_MAX_ROWS rows
-        (layers.stack_rows): the kernel computes each row on its own, so a stream's bits do not depend on its batch;
-        the dense weights stay for longer prompts, where cuBLAS is faster. The head's copy adds its bytes to the
-        device (vocab x hidden x 2; air8: 1.2 GB). On the CPU the packed forms run torch's own ops on the unpacked
-        weights, so the logits are the same bits (the tests' check of this glue)."""
+        """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs, and lm_head, also in the kernel's tiles
+        (ops/stack.py), which every decode step takes, and a prefill's streams of at most ops.STACK_KERNEL_MAX_ROWS
+        rows (layers.stack_rows): the kernel computes each row on its own, so a stream's bits do not depend on its
+        batch; the dense weights stay for longer prompts, where cuBLAS is faster. The head's copy adds its bytes to
+        the device (vocab x hidden x 2; air8: 1.2 GB). NVFP4 weights are packed as stored and, on a GPU, their dense
+        copies released (layers: held as stored; longer prompts dequantise them on the fly). On the CPU the packed
+        forms run torch's own ops on the unpacked weights, so the logits are the same bits (the tests' check of
+        this glue)."""
+        dev = self.embed.device
         for L in self.layers:
             a = L.attn
             if a.qkv is None:
-                a.qkv = ops.pack_linear([a.q, a.k, a.v], [a.q_bias, a.k_bias, a.v_bias])
-                a.o_packed = ops.pack_linear([a.o])
-            pack_mlps(L)
+                a.qkv = ops.pack_linear(held(a, "q", "k", "v"), [a.q_bias, a.k_bias, a.v_bias], device=dev)
+                a.o_packed = ops.pack_linear(held(a, "o"), device=dev)
+                release_stored(a, ["q", "k", "v", "o"], dev)
+            pack_mlps(L, dev)
         if self.head_packed is None:
-            self.head_packed = pack_linears([self.lm_head])
+            self.head_packed = pack_linears(held(self, "lm_head"), device=dev)
+            if self.head_packed is not None:
+                release_stored(self, ["lm_head"], dev)
 
     def nbytes(self) -> int:
+        """Bytes a step reads (but the embedding's rows): the dense weights, and where the device holds NVFP4
+        weights as stored, their packed copies instead."""
         ts = [self.embed, self.norm, self.lm_head]
         for L in self.layers:
             a = L.attn
             ts += [L.input_norm, L.post_norm, a.q, a.k, a.v, a.o]
             ts += [a.q_bias, a.k_bias, a.v_bias, a.q_norm, a.k_norm, L.router_w, L.router_b]  # None skipped
-            for pair in (L.mlp, L.shared):  # bytes a step reads: the packed copies hold the same weights
+            for pair in (L.mlp, L.shared):  # bytes a step reads: the packed BF16 copies hold the same weights
                 if pair is not None:
                     ts += list(pair)
-        return unique_nbytes(ts)
+        return unique_nbytes(ts) + stored_nbytes(self)
 
     # -- forward ---------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: KVCache, seqlens: list[int], moe) -> torch.Tensor:

@@ -16,7 +16,7 @@ forward creates follow `self.embed.device`; stream offsets and lengths stay on t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,8 @@ from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
 from rocket_mpi.model.layers import (latent_input_linears, load_swiglu, mlp_forward, move_stack, norm_of,
-                                     pack_linears, pack_mlps, rms_norm, stack_kernel_enabled, unique_nbytes)
+                                     pack_linears, pack_mlps, rms_norm, stack_kernel_enabled, stored_nbytes,
+                                     unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -50,6 +51,7 @@ class Layer:
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
     mlp_packed: object = None                               # pack_stack: ops.pack_mlp of mlp / shared
     shared_packed: object = None
+    stored: dict = field(default_factory=dict)              # NVFP4 parts of mlp / shared (layers: held as stored)
 
 
 class Glm5NextCache:
@@ -130,8 +132,9 @@ class Glm5NextModel:
                     return nm
             raise CheckpointError(f"{reader.dir}: missing tensor '{names[0]}'")
 
-        def mlp(p, inter):
-            return load_swiglu(reader, p, h, inter, DT)
+        def mlp(p, inter, stored):  # the MLPs are held as stored on a GPU (layers); KDA's and MLA's linears dense
+            key = "shared" if p.endswith("shared_experts") else "mlp"
+            return load_swiglu(reader, p, h, inter, DT, stored, key)
 
         nhc = r["hc_mult"]
         nmix = (2 + nhc) * nhc
@@ -190,9 +193,9 @@ class Glm5NextModel:
                 L.router_w = reader.get_float(p + ".mlp.gate.weight", (e, h), torch.float32)
                 L.router_b = reader.get(p + ".mlp.gate.e_score_correction_bias", (e,),
                                         (torch.float32, torch.bfloat16), finite=True).float()
-                L.shared = mlp(p + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
+                L.shared = mlp(p + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts, L.stored)
             else:
-                L.mlp = mlp(p + ".mlp", cfg.intermediate_size)
+                L.mlp = mlp(p + ".mlp", cfg.intermediate_size, L.stored)
             layers.append(L)
         embed = reader.get_float(pre + "embed_tokens.weight", (cfg.vocab_size, h), DT)
         if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
@@ -219,6 +222,7 @@ class Glm5NextModel:
         g_b, o; MLA's q_a | kv_a | indexer wk, the indexer's gate | weights, q_b, wq_b, o; the dense and shared
         SwiGLU MLPs (swiglu_limit's clamp in the kernel's epilogue). On the CPU the packed forms run F.linear on the
         unpacked weights: the same bits."""
+        dev = self.embed.device
         for L in self.layers:
             k, a = L.kda, L.mla
             if k is not None and k.packed is None:
@@ -230,7 +234,7 @@ class Glm5NextModel:
                             "o": pack_linears([a.o], [a.o_bias]),
                             "ix": None if ix is None else pack_linears([ix.gate, ix.weights]),
                             "wq_b": None if ix is None else pack_linears([ix.wq_b])}
-            pack_mlps(L)
+            pack_mlps(L, dev)
 
     def _section(self, *key):
         return NO_TIMER if self.timers is None else self.timers(key)
@@ -246,7 +250,7 @@ class Glm5NextModel:
             for pair in (L.mlp, L.shared):
                 if pair is not None:
                     ts += list(pair)
-        return unique_nbytes(ts)
+        return unique_nbytes(ts) + stored_nbytes(self)
 
     # -- forward ---------------------------------------------------------------------
 

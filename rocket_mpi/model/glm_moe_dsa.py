@@ -21,7 +21,7 @@ Python lists and CPU tensors, so a decode step does not wait on the GPU for them
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +31,10 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
-from rocket_mpi.model.layers import (Rope, distinct_writes, latent_attention, latent_input_linears,
-                                     linear_rows, linears, load_embed_head,
-                                     load_ffn, load_swiglu, matmul_fp32, mlp_forward, move_stack, norm_of,
-                                     pack_linears, pack_mlps, prefill_blocks, rms_norm, stack_kernel_enabled,
+from rocket_mpi.model.layers import (Rope, distinct_writes, held, latent_attention, latent_input_linears,
+                                     linear_rows, linears, load_embed_head, load_ffn, load_linear, load_swiglu,
+                                     matmul_fp32, mlp_forward, move_stack, norm_of, pack_linears, pack_mlps,
+                                     prefill_blocks, release_stored, rms_norm, stack_kernel_enabled, stored_nbytes,
                                      unique_nbytes)
 
 DT = torch.bfloat16
@@ -52,6 +52,7 @@ class Indexer:
     # [index_heads, H] fp32: in transformers' _keep_in_fp32_modules (which it applies to fp16 loads only);
     # index_heads x H floats buy head weights as exact as the fp32 reference's, where top-k ties are decided
     weights_proj: torch.Tensor
+    stored: dict = field(default_factory=dict)   # NVFP4 parts of wq_b / wk (layers: held as stored)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Attention:
     # pack_stack: copies in the expert kernel's BF16 tiles (layers.pack_linears; None where a shape does not fit):
     # "h" q_a | kv_a (| the indexer's wk): the linears of the normed input, one launch; "q_b", "wq_b", "o"
     packed: dict | None = None
+    stored: dict = field(default_factory=dict)   # NVFP4 parts of q_a / kv_a / q_b / o (layers: held as stored)
 
 
 class LatentCache:
@@ -168,38 +170,40 @@ class GlmMoeDsaModel:
         ih, idim = raw["index_n_heads"], raw["index_head_dim"]
         bias = cfg.attention_bias
 
-        def lin(name, n, k, with_bias=False, dtype=DT):
-            li = reader.linear(name, n, k, with_bias)   # BF16 or NVFP4 (dequantised: non-expert)
-            return li.dense(dtype), li.bias
+        def lin(name, n, k, with_bias=False, dtype=DT, stored=None, key=None):
+            # BF16 or NVFP4 (dequantised; where `stored` is given also held as stored on a GPU: layers)
+            return load_linear(reader, name, n, k, with_bias, stored, key, dtype)
 
         def vec(name, n):
             return reader.get_float(name, (n,), DT)
 
-        def mlp(prefix, inter):
-            return load_swiglu(reader, prefix, h, inter, DT)
+        def mlp(prefix, inter, stored, key):
+            return load_swiglu(reader, prefix, h, inter, DT, stored, key)
 
         layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}.self_attn"
-            q_a, q_a_b = lin(p + ".q_a_proj", ql, h, bias)
-            q_b, _ = lin(p + ".q_b_proj", nh * (nope + r), ql)
-            kv_a, kv_a_b = lin(p + ".kv_a_proj_with_mqa", c + r, h, bias)
+            st: dict = {}   # kv_b stays dense: MLA's absorbed form reads its halves per head (w_uk, w_uv)
+            q_a, q_a_b = lin(p + ".q_a_proj", ql, h, bias, stored=st, key="q_a")
+            q_b, _ = lin(p + ".q_b_proj", nh * (nope + r), ql, stored=st, key="q_b")
+            kv_a, kv_a_b = lin(p + ".kv_a_proj_with_mqa", c + r, h, bias, stored=st, key="kv_a")
             kv_b, _ = lin(p + ".kv_b_proj", nh * (nope + v), c)
             kv_b = kv_b.view(nh, nope + v, c)
-            o, o_b = lin(p + ".o_proj", h, nh * v, bias)
+            o, o_b = lin(p + ".o_proj", h, nh * v, bias, stored=st, key="o")
             indexer = None
             if raw["indexer_types"][i] == "full":
-                x = p + ".indexer"
-                indexer = Indexer(lin(x + ".wq_b", ih * idim, ql)[0], lin(x + ".wk", idim, h)[0],
+                x, ist = p + ".indexer", {}
+                indexer = Indexer(lin(x + ".wq_b", ih * idim, ql, stored=ist, key="wq_b")[0],
+                                  lin(x + ".wk", idim, h, stored=ist, key="wk")[0],
                                   vec(x + ".k_norm.weight", idim), vec(x + ".k_norm.bias", idim),
-                                  lin(x + ".weights_proj", ih, h, dtype=torch.float32)[0])
+                                  lin(x + ".weights_proj", ih, h, dtype=torch.float32)[0], ist)
             attn = Attention(q_a, q_a_b, vec(p + ".q_a_layernorm.weight", ql), q_b,
                              kv_a, kv_a_b, vec(p + ".kv_a_layernorm.weight", c),
-                             kv_b[:, :nope].contiguous(), kv_b[:, nope:].contiguous(), o, o_b, indexer)
+                             kv_b[:, :nope].contiguous(), kv_b[:, nope:].contiguous(), o, o_b, indexer, stored=st)
             q = f"model.layers.{i}"
             layer = Layer(vec(q + ".input_layernorm.weight", h), vec(q + ".post_attention_layernorm.weight", h),
                           attn, None)
-            for name, value in load_ffn(reader, q, i, cfg, mlp).items():
+            for name, value in load_ffn(reader, q, i, cfg, mlp, layer.stored).items():
                 setattr(layer, name, value)
             layers.append(layer)
         embed, head = load_embed_head(reader, cfg, DT)
@@ -224,13 +228,20 @@ class GlmMoeDsaModel:
         the SwiGLU MLPs also in BF16 tiles (as glm4_moe.pack_stack), which steps of at most
         ops.STACK_KERNEL_MAX_ROWS rows take: decode steps read the weights at about copy bandwidth with no
         split-K reduce kernels. On the CPU the packed forms run F.linear on the unpacked weights: the same bits."""
+        dev = self.embed.device
         for L in self.layers:
             a, ix = L.attn, L.attn.indexer
             if a.packed is None:
-                a.packed = {"h": pack_linears(*latent_input_linears(a)), "q_b": pack_linears([a.q_b]),
-                            "wq_b": None if ix is None else pack_linears([ix.wq_b]),
-                            "o": pack_linears([a.o], [a.o_bias])}
-            pack_mlps(L)
+                P = a.packed = {"h": pack_linears(*latent_input_linears(a, stored=True), device=dev),
+                                "q_b": pack_linears(held(a, "q_b"), device=dev),
+                                "wq_b": None if ix is None else pack_linears(held(ix, "wq_b"), device=dev),
+                                "o": pack_linears(held(a, "o"), [a.o_bias], device=dev)}
+                # NVFP4 weights packed as stored: their dense copies go where the device holds the packed ones alone
+                for owner, names, key in ((a, ["q_a", "kv_a"], "h"), (ix, ["wk"], "h"), (a, ["q_b"], "q_b"),
+                                          (ix, ["wq_b"], "wq_b"), (a, ["o"], "o")):
+                    if owner is not None and P[key] is not None:
+                        release_stored(owner, names, dev)
+            pack_mlps(L, dev)
 
     def _section(self, *key):
         return NO_TIMER if self.timers is None else self.timers(key)
@@ -247,7 +258,7 @@ class GlmMoeDsaModel:
             for pair in (L.mlp, L.shared):
                 if pair is not None:
                     ts += list(pair)
-        return unique_nbytes(ts)
+        return unique_nbytes(ts) + stored_nbytes(self)
 
     # -- forward ---------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: LatentCache, seqlens: list[int], moe) -> torch.Tensor:

@@ -1,4 +1,12 @@
-"""Small building blocks of the replicated BF16 stack, each the same arithmetic as transformers'."""
+"""Small building blocks of the replicated BF16 stack, each the same arithmetic as transformers'.
+
+NVFP4 linears of the stack (a checkpoint that quantises attention, dense MLPs, shared experts: ModelOpt's all-Linears
+recipe) load as today, dequantised to BF16 (the CPU's weights, bit for bit the transformers reference), and their
+parts as stored go into the owning dataclass's `stored` dict ({field: reader.Linear}, an MLP's field: (gate, up,
+down)). On a GPU with the extension pack_stack packs those parts into the kernel's NVFP4 tiles (ops/stack.py) and
+releases the dense field (release_stored: None, an MLP's (None, None)), so the device holds them as stored, 3.6x
+fewer bytes; steps of more than ops.STACK_KERNEL_MAX_ROWS rows dequantise the packed copy on the fly (dense_linears,
+dense_mlp). A move to another device rebuilds a released field from its parts (move_weights)."""
 from __future__ import annotations
 
 import contextlib
@@ -111,15 +119,27 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.bmm(p.to(values.dtype), values)
 
 
+def dense_linears(weights: list, packs) -> list[torch.Tensor]:
+    """The dense weights of linears, their packed copy (pack_linears' list, in the same order) dequantised on the fly
+    where one of them is held as stored (None: released by pack_stack)."""
+    if packs is None or all(w is not None for w in weights):
+        return weights
+    return [w for p in packs for w in ops.unpack_linear(p)]
+
+
+def dense_mlp(mlp: tuple, packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up, down) of a SwiGLU MLP, its packed copy dequantised on the fly where it is held as stored."""
+    return ops.unpack_mlp(packed) if mlp[0] is None else mlp
+
+
 def mlp_forward(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=None, residual=(),
                 limit: float | None = None) -> torch.Tensor:
     """A dense or shared-expert SwiGLU MLP (gate_up, down; swiglu_mlp's `limit`), then + each of `residual` in
     order (r + y, one bf16 rounding each, as the stack writes x + mlp); with its `packed` copy (pack_mlps), steps
-    of at most ops.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's BF16 tiles, the adds in its
-    epilogue."""
+    of at most ops.STACK_KERNEL_MAX_ROWS rows run in the expert kernel's tiles, the adds in its epilogue."""
     if packed is not None and x.shape[0] <= ops.STACK_KERNEL_MAX_ROWS:
         return ops.swiglu_dense(x, packed, residual, limit)
-    return ops.add_residuals(swiglu_mlp(x, *mlp, limit), residual)
+    return ops.add_residuals(swiglu_mlp(x, *dense_mlp(mlp, packed), limit), residual)
 
 
 @dataclasses.dataclass
@@ -176,7 +196,7 @@ def stack_linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, pac
     biases = biases or [None] * len(weights)
 
     def dense(xs, res):
-        outs = [F.linear(xs, w, b) for w, b in zip(weights, biases)]
+        outs = [F.linear(xs, w, b) for w, b in zip(dense_linears(weights, packs), biases)]
         if res:
             outs[0] = ops.add_residuals(outs[0], res)
         return outs
@@ -191,19 +211,20 @@ def stack_mlp(x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor], packed=No
     """A dense or shared-expert SwiGLU MLP, then + each of `residual` in order, its rows as stack_linears' (its packed
     copy: pack_mlps)."""
     def dense(xs, res):
-        return [ops.add_residuals(swiglu_mlp(xs, *mlp), res)]
+        return [ops.add_residuals(swiglu_mlp(xs, *dense_mlp(mlp, packed)), res)]
 
     if packed is None:
         return dense(x, tuple(residual))[0]
     return _by_rows(x, rows, lambda xs, res: [ops.swiglu_dense(xs, packed, res)], dense, residual)[0]
 
 
-def pack_linears(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
-    """A packed copy (ops.pack_linear: one launch where the parts fuse) of linears that share their input, or
-    None where a shape is not whole tiles of 16 (the tiny test presets' narrow heads): those keep F.linear."""
-    if any(w.shape[0] % TILE_N or w.shape[1] % TILE_N for w in weights):
+def pack_linears(weights: list, biases: list[torch.Tensor | None] | None = None, device=None):
+    """A packed copy (ops.pack_linear: one launch where the parts fuse) of linears that share their input (BF16
+    weights, or NVFP4 parts held as stored: held()), on `device`, or None where a shape is not whole tiles of 16
+    (the tiny test presets' narrow heads): those keep F.linear."""
+    if any(n % TILE_N or k % TILE_N for n, k in (ops.weight_shape(w) for w in weights)):
         return None
-    return ops.pack_linear(list(weights), biases)
+    return ops.pack_linear(list(weights), biases, device=device)
 
 
 def linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, packs=None, residual=()
@@ -213,18 +234,19 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, packs=Non
     only): + each in order (r + y, the stack's x + o), in the kernel's epilogue where it runs."""
     if packs is not None and x.shape[0] <= ops.STACK_KERNEL_MAX_ROWS:
         return ops.linear(x, packs, residual)
-    outs = [F.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
+    outs = [F.linear(x, w, b) for w, b in zip(dense_linears(weights, packs), biases or [None] * len(weights))]
     if residual:
         outs[0] = ops.add_residuals(outs[0], residual)
     return outs
 
 
-def latent_input_linears(a) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+def latent_input_linears(a, stored: bool = False) -> tuple[list, list[torch.Tensor | None]]:
     """An MLA layer's linears over its normed input (GLM-5's Attention, GLM-5.3-Flash's MLA): q_a, kv_a and, where
-    the layer runs its own indexer, the indexer's wk -> (weights, biases); pack_stack packs them as one launch."""
-    ws, bs = [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
+    the layer runs its own indexer, the indexer's wk -> (weights, biases); pack_stack packs them as one launch
+    (stored: the weights as it packs them, held())."""
+    ws, bs = held(a, "q_a", "kv_a") if stored else [a.q_a, a.kv_a], [a.q_a_bias, a.kv_a_bias]
     if a.indexer is not None:
-        ws, bs = ws + [a.indexer.wk], bs + [None]
+        ws, bs = ws + (held(a.indexer, "wk") if stored else [a.indexer.wk]), bs + [None]
     return ws, bs
 
 
@@ -234,12 +256,63 @@ def norm_of(fused: bool):
     return ops.rms_norm if fused else rms_norm
 
 
-def pack_mlps(layer) -> None:
-    """A copy of a layer's dense MLP and shared expert (where it has them) in the expert kernel's BF16 tiles."""
+def pack_mlps(layer, device) -> None:
+    """A copy of a layer's dense MLP and shared expert (where it has them) in the expert kernel's tiles on `device`:
+    BF16, or NVFP4 held as stored (then the dense pair is released where the device holds the packed copy alone)."""
     for name in ("mlp", "shared"):
         m = getattr(layer, name, None)
         if isinstance(m, tuple) and getattr(layer, name + "_packed", None) is None:
-            setattr(layer, name + "_packed", ops.pack_mlp(*m))
+            parts = (getattr(layer, "stored", None) or {}).get(name)
+            packed = ops.pack_mlp(*m, device=device) if parts is None else \
+                ops.pack_mlp(parts[:2], parts[2], device=device)
+            setattr(layer, name + "_packed", packed)
+            release_stored(layer, [name], device)
+
+
+def held(obj, *names) -> list:
+    """Fields of a weights dataclass as pack_stack packs them: NVFP4 parts as stored where obj.stored has them
+    (reader.Linear), else the dense tensors."""
+    st = getattr(obj, "stored", None) or {}
+    return [st.get(n, getattr(obj, n)) for n in names]
+
+
+def holds_stored(device) -> bool:
+    """Whether a device holds NVFP4 stack weights as stored (their packed copy alone): a GPU with the extension."""
+    return stack_kernel_enabled(device)
+
+
+def release_stored(obj, names, device) -> None:
+    """After pack_stack packed fields `names` of obj onto `device`: where the device holds them as stored, the dense
+    weights of those with NVFP4 parts (obj.stored) are dropped (None; an MLP's pair (None, None), so that the field
+    still says the layer has one): the packed copy is what every step reads, and larger steps dequantise it."""
+    st = getattr(obj, "stored", None) or {}
+    if not holds_stored(device):
+        return
+    for n in names:
+        if n in st:
+            setattr(obj, n, (None, None) if isinstance(getattr(obj, n), tuple) else None)
+
+
+def stored_dense(parts, device, dtype=torch.bfloat16):
+    """A released field's dense weights again from its NVFP4 parts (load_linear / load_swiglu's, bit for bit)."""
+    if isinstance(parts, tuple):
+        gate, up, down = parts
+        return torch.cat((gate.dense(dtype), up.dense(dtype)), 0).to(device), down.dense(dtype).to(device)
+    return parts.dense(dtype).to(device)
+
+
+def stored_nbytes(model) -> int:
+    """Bytes of the stack weights a model holds as stored: its NVFP4 packed copies on a device that holds them so
+    (their dense fields are released, so nbytes counts these instead)."""
+    total = 0
+    for obj, f in packed_copies(model):
+        v = getattr(obj, f)
+        for item in (v.values() if isinstance(v, dict) else [v]):
+            for p in (item if isinstance(item, list) else [item]):
+                nv = isinstance(p, ops.PackedLinear) and p.nvfp4 or isinstance(p, ops.PackedExperts) and not p.bf16
+                if nv and holds_stored(p.w.device if isinstance(p, ops.PackedLinear) else p.device):
+                    total += p.nbytes
+    return total
 
 
 def stack_kernel_enabled(device) -> bool:
@@ -282,11 +355,33 @@ class Rope:
         return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
-def load_swiglu(reader, prefix: str, hidden: int, inter: int, dtype=torch.bfloat16):
-    """A SwiGLU MLP at `prefix` as (gate_up [2I, H], down [H, I]), BF16 or NVFP4 dequantised."""
-    gate = reader.linear(prefix + ".gate_proj", inter, hidden).dense(dtype)
-    up = reader.linear(prefix + ".up_proj", inter, hidden).dense(dtype)
-    return torch.cat((gate, up), 0), reader.linear(prefix + ".down_proj", hidden, inter).dense(dtype)
+def host_parts(li):
+    """An NVFP4 reader.Linear's parts in host memory (a synthetic reader draws them on the device); its bias stays
+    with the dense field."""
+    return dataclasses.replace(li, weight=li.weight.cpu(), weight_scale=li.weight_scale.cpu(),
+                               weight_scale_2=li.weight_scale_2.cpu(), bias=None)
+
+
+def load_linear(reader, name: str, n: int, k: int, bias: bool = False, stored: dict | None = None,
+                key: str | None = None, dtype=torch.bfloat16):
+    """A Linear at `name` as (weight [n, k], bias), BF16 or NVFP4 dequantised; an NVFP4 one's parts also go into
+    `stored[key]` where given (the module docstring)."""
+    li = reader.linear(name, n, k, bias)
+    if li.nvfp4 and stored is not None:
+        stored[key] = host_parts(li)
+    return li.dense(dtype), li.bias
+
+
+def load_swiglu(reader, prefix: str, hidden: int, inter: int, dtype=torch.bfloat16, stored: dict | None = None,
+                key: str | None = None):
+    """A SwiGLU MLP at `prefix` as (gate_up [2I, H], down [H, I]), BF16 or NVFP4 dequantised; where all three are
+    NVFP4, their parts also go into `stored[key]` as (gate, up, down) where given."""
+    lis = [reader.linear(prefix + ".gate_proj", inter, hidden), reader.linear(prefix + ".up_proj", inter, hidden),
+           reader.linear(prefix + ".down_proj", hidden, inter)]
+    if stored is not None and all(li.nvfp4 for li in lis):
+        stored[key] = tuple(host_parts(li) for li in lis)
+    gate, up, down = (li.dense(dtype) for li in lis)
+    return torch.cat((gate, up), 0), down
 
 
 def unique_nbytes(tensors) -> int:
@@ -299,31 +394,40 @@ def unique_nbytes(tensors) -> int:
     return total
 
 
-def load_ffn(reader, prefix: str, layer: int, cfg, mlp) -> dict:
+def load_ffn(reader, prefix: str, layer: int, cfg, mlp, stored: dict | None = None) -> dict:
     """The MLP half of layer `layer` at `prefix` (model.layers.L): a dense SwiGLU, or the MoE block's
-    router (fp32 weight and correction bias) and shared expert. `mlp(prefix, inter)` loads a SwiGLU."""
+    router (fp32 weight and correction bias) and shared expert. `mlp(prefix, inter, stored, key)` loads a SwiGLU
+    (load_swiglu); `stored`: the layer's dict of NVFP4 parts."""
     if not cfg.is_moe_layer(layer):
-        return {"mlp": mlp(prefix + ".mlp", cfg.intermediate_size)}
+        return {"mlp": mlp(prefix + ".mlp", cfg.intermediate_size, stored, "mlp")}
     e, h = cfg.n_routed_experts, cfg.hidden_size
     return {"router_w": reader.get_float(prefix + ".mlp.gate.weight", (e, h), torch.float32),
             "router_b": reader.get(prefix + ".mlp.gate.e_score_correction_bias", (e,),
                                    (torch.float32, torch.bfloat16), finite=True).float(),
-            "shared": mlp(prefix + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)}
+            "shared": mlp(prefix + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts, stored,
+                          "shared")}
 
 
-def load_embed_head(reader, cfg, dtype=torch.bfloat16):
-    """(embed [V, H], lm_head [V, H]); a tied head without its own tensor is the embedding itself."""
+def load_embed_head(reader, cfg, dtype=torch.bfloat16, stored: dict | None = None):
+    """(embed [V, H], lm_head [V, H]); a tied head without its own tensor is the embedding itself. An NVFP4 head's
+    parts also go into stored["lm_head"] where given."""
     embed = reader.get_float("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), dtype)
     if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
         return embed, embed
-    return embed, reader.linear("lm_head", cfg.vocab_size, cfg.hidden_size).dense(dtype)
+    return embed, load_linear(reader, "lm_head", cfg.vocab_size, cfg.hidden_size, stored=stored, key="lm_head",
+                              dtype=dtype)[0]
 
 
 def move_weights(obj, device) -> None:
-    """Every tensor of a weights dataclass (nested dataclasses and tuples of tensors too) to `device`, in place."""
+    """Every tensor of a weights dataclass (nested dataclasses and tuples of tensors too) to `device`, in place; a
+    field released by pack_stack (held as stored) gets its dense weights back from obj.stored (pack_stack on
+    `device` releases it again where that device holds it as stored). The NVFP4 parts stay in host memory."""
+    st = getattr(obj, "stored", None) or {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
-        if isinstance(v, torch.Tensor):
+        if f.name in st and (v is None or (isinstance(v, tuple) and v[0] is None)):
+            setattr(obj, f.name, stored_dense(st[f.name], device))
+        elif isinstance(v, torch.Tensor):
             setattr(obj, f.name, v.to(device))
         elif isinstance(v, tuple):
             setattr(obj, f.name, tuple(t.to(device) for t in v))
@@ -356,7 +460,10 @@ def move_stack(model, device) -> None:
         setattr(obj, f, None)
     tied = model.lm_head is model.embed
     model.embed, model.norm = model.embed.to(device), model.norm.to(device)
-    model.lm_head = model.embed if tied else model.lm_head.to(device)
+    head = model.lm_head
+    if head is None:  # released by pack_stack: held as stored (glm4_moe)
+        head = stored_dense(model.stored["lm_head"], device)
+    model.lm_head = model.embed if tied else head.to(device)
     for L in model.layers:
         move_weights(L, device)
     rope = getattr(model, "rope", None)

@@ -1,7 +1,8 @@
 """The fast ops, each a CUDA kernel (rocket_mpi._C, built from csrc/) beside its pure-torch reference.
 
     experts.py   nvfp4_experts: this rank's routed experts (NVFP4 W4A16 or BF16 tiles, batch-invariant)
-    stack.py     linear / swiglu_dense: the replicated stack's linears and MLPs in the same kernel's BF16 tiles
+    stack.py     linear / swiglu_dense: the replicated stack's linears and MLPs in the same kernel's tiles (BF16,
+                 or NVFP4 held as stored)
     route.py     route: the router (sigmoid scores, group-limited top-k) in two kernels
     rows.py      plan_rows: the canonical row order on the host
     plan.py      moe_plan: the same plan on the device, in fixed-capacity slot space
@@ -35,7 +36,7 @@ from rocket_mpi.ops.scatter import (fold_row_sums, moe_scatter_add, moe_scatter_
                                     row_sum)
 from rocket_mpi.ops.select import topk_first  # noqa: F401
 from rocket_mpi.ops.stack import (STACK_KERNEL_MAX_ROWS, PackedLinear, add_residuals, linear, pack_linear,  # noqa: F401
-                                  pack_mlp, swiglu_dense, swiglu_mlp)
+                                  pack_mlp, swiglu_dense, swiglu_mlp, unpack_linear, unpack_mlp, weight_shape)
 
 
 def available() -> bool:

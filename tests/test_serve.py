@@ -160,8 +160,7 @@ def test_gpu_graphed_server_serves_the_decode_commands_tokens(tiny_ckpt, tmp_pat
         _check_staggered(srv, want)
         assert 1 < float(_metrics(srv)["rocket_step_slots"]) <= 4
     finally:
-        code, err = srv.stop()
-    assert code == 0, err[-2000:]
+        _assert_interrupted_cleanly(srv)
 
 
 def test_streaming_clients_draw_what_each_draws_alone(server):
@@ -257,13 +256,23 @@ def test_a_client_that_goes_away_frees_its_slot(server):
         time.sleep(0.2)
 
 
+def _assert_interrupted_cleanly(srv) -> None:
+    """^C to the server's process group: every rank exits and nothing is left behind. MPICH's mpiexec returns the
+    ranks' exit code (0); Open MPI's mpirun returns 1 when it is interrupted, whatever its ranks returned, so there
+    the check is that no rank printed an error."""
+    code, err = srv.stop()
+    exe = launch.launcher()[0]
+    ver = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    allowed = (0, 1) if "Open MPI" in ver or "OpenRTE" in ver else (0,)
+    assert code in allowed and "rocket_mpi: error" not in err, f"exit {code}: {err[-2000:]}"
+    left = subprocess.run(["pgrep", "-s", str(srv.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+
+
 def test_interrupt_shuts_every_rank_down(tiny_ckpt):
     srv = Server(tiny_ckpt)
     srv.client.completions.create(model=None, prompt=[1, 2], max_tokens=3)
-    code, err = srv.stop()
-    assert code == 0, err[-2000:]
-    left = subprocess.run(["pgrep", "-s", str(srv.proc.pid)], capture_output=True, text=True).stdout.split()
-    assert not left, f"processes left behind: {left}"
+    _assert_interrupted_cleanly(srv)
 
 
 def test_a_stalled_rank_ends_the_server_naming_it(tiny_ckpt):

@@ -258,15 +258,21 @@ def test_a_client_that_goes_away_frees_its_slot(server):
 
 def _assert_interrupted_cleanly(srv) -> None:
     """^C to the server's process group: every rank exits and nothing is left behind. MPICH's mpiexec returns the
-    ranks' exit code (0); Open MPI's mpirun returns 1 when it is interrupted, whatever its ranks returned, so there
-    the check is that no rank printed an error."""
+    ranks' exit code (0); Open MPI's mpirun returns 1 when it is interrupted, whatever its ranks returned, and may
+    return before its ranks are gone, so there the check is that no rank printed an error and that the ranks end
+    within 15 s."""
     code, err = srv.stop()
     exe = launch.launcher()[0]
     ver = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
     allowed = (0, 1) if "Open MPI" in ver or "OpenRTE" in ver else (0,)
     assert code in allowed and "rocket_mpi: error" not in err, f"exit {code}: {err[-2000:]}"
-    left = subprocess.run(["pgrep", "-s", str(srv.proc.pid)], capture_output=True, text=True).stdout.split()
-    assert not left, f"processes left behind: {left}"
+    deadline = time.monotonic() + 15  # a rank may still be exiting (a GPU context takes a while to tear down)
+    while True:
+        left = subprocess.run(["pgrep", "-s", str(srv.proc.pid)], capture_output=True, text=True).stdout.split()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"processes left behind 15 s after the launcher exited: {left}"
 
 
 def test_interrupt_shuts_every_rank_down(tiny_ckpt):

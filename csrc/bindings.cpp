@@ -433,26 +433,17 @@ torch::Tensor swiglu_dense_nvfp4(const torch::Tensor& x, const torch::Tensor& q_
   return out;
 }
 
-// y = x W^T (+ bias) for W held as stored: NVFP4 tiles (codes w [n_pad / 16, k_pad / 64, 32, 16], block scales s
-// [.., 8, 8], pack.py pack_codes, K in the logical order) with one weight_scale_2 per output part (w_scale); parts,
-// bias, residuals and split as bf16_linear's.
-std::vector<torch::Tensor> nvfp4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s,
-                                        int64_t n, int64_t k, const std::vector<double>& w_scale,
-                                        const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends,
-                                        const std::vector<torch::Tensor>& residuals, int64_t split) {
-  rocket::check_launch_tuning(rocket::kPdlAuto, tuning_arg(split));
+// What nvfp4_linear and bf16_linear check alike: x [rows, k] bf16, the bias, the residuals (one output part only)
+// and the output parts' ends (`ends`, or one part of n) -> the parts' ends.
+std::vector<int64_t> linear_parts(const torch::Tensor& x, int64_t n, int64_t k,
+                                  const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends,
+                                  const std::vector<torch::Tensor>& residuals) {
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   check_residuals(residuals, x.size(0), n, dev);
   ROCKET_CHECK(residuals.empty() || ends.size() <= 1, "residuals need one output part, not " << ends.size());
-  expect(w, "w", torch::kByte, 4, dev);
-  expect(s, "s", torch::kByte, 4, dev);
   ROCKET_CHECK(x.size(1) == k, "x has " << x.size(1) << " columns, the weight " << k);
-  const int64_t n_pad = w.size(0) * rocket::kTileN, k_pad = w.size(1) * rocket::kTileK;
-  ROCKET_CHECK(w.size(2) == 32 && w.size(3) == 16 && n_pad >= n && n_pad % 32 == 0 && n_pad - n < 32 && k_pad >= k &&
-               k_pad - k < rocket::kTileK, "w " << w.sizes() << " does not hold [" << n << ", " << k << "] in tiles");
-  ROCKET_CHECK(s.sizes() == torch::IntArrayRef({w.size(0), w.size(1), 8, 8}), "s " << s.sizes() << " for w "
-               << w.sizes());
+  ROCKET_CHECK(x.size(0) < (int64_t(1) << 30), x.size(0) << " rows");
   if (bias.has_value()) {
     expect(*bias, "bias", torch::kBFloat16, 1, dev, 2);
     ROCKET_CHECK(bias->numel() == n, "bias has " << bias->numel() << " values for " << n << " features");
@@ -460,12 +451,17 @@ std::vector<torch::Tensor> nvfp4_linear(const torch::Tensor& x, const torch::Ten
   const std::vector<int64_t> parts = ends.empty() ? std::vector<int64_t>{n} : ends;
   ROCKET_CHECK(parts.size() <= rocket::kMaxSegs && parts.back() == n, parts.size() << " output parts ending at "
                << parts.back() << " for " << n << " features");
-  ROCKET_CHECK(w_scale.size() == parts.size(), w_scale.size() << " weight_scale_2 values for " << parts.size()
-               << " output parts");
+  return parts;
+}
+
+// Every field of a linear launch but the weights' (w, s, w_scale): one output tensor per part (returned), the rows'
+// fragment scratch (x_frag, which must live until the launch), rows, bias, shapes and residuals.
+std::vector<torch::Tensor> linear_launch(rocket::LinearLaunch& a, const torch::Tensor& x, int64_t n, int64_t k,
+                                         int64_t n_pad, int64_t k_pad, const std::optional<torch::Tensor>& bias,
+                                         const std::vector<int64_t>& parts,
+                                         const std::vector<torch::Tensor>& residuals, int64_t split,
+                                         torch::Tensor& x_frag) {
   const int64_t rows = x.size(0);
-  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
-  const c10::cuda::CUDAGuard guard(dev);
-  rocket::LinearLaunch a{};
   a.split = tuning_arg(split);
   std::vector<torch::Tensor> outs;
   int64_t start = 0;
@@ -474,15 +470,12 @@ std::vector<torch::Tensor> nvfp4_linear(const torch::Tensor& x, const torch::Ten
     outs.push_back(torch::empty({rows, parts[p] - start}, x.options()));
     a.seg_end[p] = static_cast<int>(parts[p]);
     a.seg_out[p] = outs.back().data_ptr();
-    a.w_scale[p] = static_cast<float>(w_scale[p]);
     start = parts[p];
   }
   const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
-  auto x_frag = torch::empty({tiles, k_pad / 32, 32, 4}, x.options().dtype(torch::kInt));
+  x_frag = torch::empty({tiles, k_pad / 32, 32, 4}, x.options().dtype(torch::kInt));
   a.x = x.data_ptr();
   a.rows = rows;
-  a.w = w.data_ptr();
-  a.s = s.data_ptr();
   a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   a.n = static_cast<int>(n);
   a.k = static_cast<int>(k);
@@ -492,6 +485,35 @@ std::vector<torch::Tensor> nvfp4_linear(const torch::Tensor& x, const torch::Ten
   a.n_segs = static_cast<int>(parts.size());
   a.n_res = static_cast<int>(residuals.size());
   for (size_t r = 0; r < residuals.size(); ++r) a.res[r] = residuals[r].data_ptr();
+  return outs;
+}
+
+// y = x W^T (+ bias) for W held as stored: NVFP4 tiles (codes w [n_pad / 16, k_pad / 64, 32, 16], block scales s
+// [.., 8, 8], pack.py pack_codes, K in the logical order) with one weight_scale_2 per output part (w_scale); parts,
+// bias, residuals and split as bf16_linear's.
+std::vector<torch::Tensor> nvfp4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s,
+                                        int64_t n, int64_t k, const std::vector<double>& w_scale,
+                                        const std::optional<torch::Tensor>& bias, const std::vector<int64_t>& ends,
+                                        const std::vector<torch::Tensor>& residuals, int64_t split) {
+  rocket::check_launch_tuning(rocket::kPdlAuto, tuning_arg(split));
+  const c10::Device dev = x.device();
+  const std::vector<int64_t> parts = linear_parts(x, n, k, bias, ends, residuals);
+  expect(w, "w", torch::kByte, 4, dev);
+  expect(s, "s", torch::kByte, 4, dev);
+  const int64_t n_pad = w.size(0) * rocket::kTileN, k_pad = w.size(1) * rocket::kTileK;
+  ROCKET_CHECK(w.size(2) == 32 && w.size(3) == 16 && n_pad >= n && n_pad % 32 == 0 && n_pad - n < 32 && k_pad >= k &&
+               k_pad - k < rocket::kTileK, "w " << w.sizes() << " does not hold [" << n << ", " << k << "] in tiles");
+  ROCKET_CHECK(s.sizes() == torch::IntArrayRef({w.size(0), w.size(1), 8, 8}), "s " << s.sizes() << " for w "
+               << w.sizes());
+  ROCKET_CHECK(w_scale.size() == parts.size(), w_scale.size() << " weight_scale_2 values for " << parts.size()
+               << " output parts");
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::LinearLaunch a{};
+  torch::Tensor x_frag;
+  auto outs = linear_launch(a, x, n, k, n_pad, k_pad, bias, parts, residuals, split, x_frag);
+  a.w = w.data_ptr();
+  a.s = s.data_ptr();
+  for (size_t p = 0; p < parts.size(); ++p) a.w_scale[p] = static_cast<float>(w_scale[p]);
   rocket::launch_nvfp4_linear(a, c10::cuda::getCurrentCUDAStream().stream());
   return outs;
 }
@@ -504,49 +526,16 @@ std::vector<torch::Tensor> bf16_linear(const torch::Tensor& x, const torch::Tens
                                        const std::vector<torch::Tensor>& residuals, int64_t split) {
   rocket::check_launch_tuning(rocket::kPdlAuto, tuning_arg(split));
   const c10::Device dev = x.device();
-  expect(x, "x", torch::kBFloat16, 2, dev, 4);
-  check_residuals(residuals, x.size(0), n, dev);
-  ROCKET_CHECK(residuals.empty() || ends.size() <= 1, "residuals need one output part, not " << ends.size());
+  const std::vector<int64_t> parts = linear_parts(x, n, k, bias, ends, residuals);
   expect(w, "w", torch::kBFloat16, 4, dev);
-  ROCKET_CHECK(x.size(1) == k, "x has " << x.size(1) << " columns, the weight " << k);
   const int64_t n_pad = w.size(0) * rocket::kTileN, k_pad = w.size(1) * rocket::kTileK;
   ROCKET_CHECK(w.size(2) == 4 && w.size(3) == 256 && n_pad >= n && n_pad % 32 == 0 && n_pad - n < 32 && k_pad >= k &&
                k_pad - k < rocket::kTileK, "w " << w.sizes() << " does not hold [" << n << ", " << k << "] in tiles");
-  if (bias.has_value()) {
-    expect(*bias, "bias", torch::kBFloat16, 1, dev, 2);
-    ROCKET_CHECK(bias->numel() == n, "bias has " << bias->numel() << " values for " << n << " features");
-  }
-  const std::vector<int64_t> parts = ends.empty() ? std::vector<int64_t>{n} : ends;
-  ROCKET_CHECK(parts.size() <= rocket::kMaxSegs && parts.back() == n, parts.size() << " output parts ending at "
-               << parts.back() << " for " << n << " features");
-  const int64_t rows = x.size(0);
-  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
   const c10::cuda::CUDAGuard guard(dev);
   rocket::LinearLaunch a{};
-  a.split = tuning_arg(split);
-  std::vector<torch::Tensor> outs;
-  int64_t start = 0;
-  for (size_t s = 0; s < parts.size(); ++s) {
-    ROCKET_CHECK(parts[s] > start, "output part " << s << " ends at " << parts[s] << ", after " << start);
-    outs.push_back(torch::empty({rows, parts[s] - start}, x.options()));
-    a.seg_end[s] = static_cast<int>(parts[s]);
-    a.seg_out[s] = outs.back().data_ptr();
-    start = parts[s];
-  }
-  const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
-  auto x_frag = torch::empty({tiles, k_pad / 32, 32, 4}, x.options().dtype(torch::kInt));
-  a.x = x.data_ptr();
-  a.rows = rows;
+  torch::Tensor x_frag;
+  auto outs = linear_launch(a, x, n, k, n_pad, k_pad, bias, parts, residuals, split, x_frag);
   a.w = w.data_ptr();
-  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  a.n = static_cast<int>(n);
-  a.k = static_cast<int>(k);
-  a.n_pad = static_cast<int>(n_pad);
-  a.k_pad = static_cast<int>(k_pad);
-  a.x_frag = reinterpret_cast<uint4*>(x_frag.data_ptr<int>());
-  a.n_segs = static_cast<int>(parts.size());
-  a.n_res = static_cast<int>(residuals.size());
-  for (size_t r = 0; r < residuals.size(); ++r) a.res[r] = residuals[r].data_ptr();
   rocket::launch_bf16_linear(a, c10::cuda::getCurrentCUDAStream().stream());
   return outs;
 }

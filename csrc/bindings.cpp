@@ -369,6 +369,37 @@ void nvfp4_experts_into(const torch::Tensor& x, const torch::Tensor& row_index, 
                  false, 0, f);
 }
 
+// swiglu_dense and swiglu_dense_nvfp4 after their weights' checks: x's and the residuals' checks, the rows'
+// fragments and the expert kernels without a plan (direct_k: gate/up's K in direct_k_order; s2_dn: down's
+// weight_scale_2 for NVFP4 tiles, else null).
+torch::Tensor dense_mlp(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
+                        const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn,
+                        int64_t hidden, int64_t inter, const std::vector<torch::Tensor>& residuals,
+                        std::optional<double> swiglu_limit, int64_t pdl, int64_t split, bool direct_k,
+                        const float* s2_dn) {
+  const int64_t rows = x.size(0);
+  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
+  const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
+  const int64_t passes = (tiles + rocket::kMaxRowTiles - 1) / rocket::kMaxRowTiles;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
+  auto out = torch::empty({rows, hidden}, x.options());
+  auto i32 = x.options().dtype(torch::kInt);
+  auto x_frag = torch::empty({tiles, hp / 32, 32, 4}, i32);
+  auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
+  if (rows == 0) return out;
+  launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter,
+                 swiglu_limit, x_frag, h_frag, out, rows, pdl, rows, residuals, direct_k, split, Far{}, s2_dn);
+  return out;
+}
+
+// x of a SwiGLU MLP: bf16 [rows, hidden], and the residuals its output takes.
+void check_mlp_rows(const torch::Tensor& x, int64_t hidden, const std::vector<torch::Tensor>& residuals) {
+  expect(x, "x", torch::kBFloat16, 2, x.device(), 4);
+  check_residuals(residuals, x.size(0), hidden, x.device());
+  ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, the MLP has hidden " << hidden);
+}
+
 // A SwiGLU MLP of the replicated stack (gate/up and down of one expert, BF16 tiles: stack.py pack_mlp, gate/up's K
 // in direct_k_order) over the rows of x in order: the expert kernels without a plan; then + each residual in order.
 // pdl as nvfp4_experts_stages'; split: K slices of both GEMMs (0: by their widths; 1, 2, 4 or 8).
@@ -377,27 +408,12 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
                            const std::vector<torch::Tensor>& residuals, std::optional<double> swiglu_limit,
                            int64_t pdl, int64_t split) {
   rocket::check_launch_tuning(tuning_arg(pdl), tuning_arg(split));
-  const c10::Device dev = x.device();
-  expect(x, "x", torch::kBFloat16, 2, dev, 4);
-  check_residuals(residuals, x.size(0), hidden, dev);
-  ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, the MLP has hidden " << hidden);
+  check_mlp_rows(x, hidden, residuals);
   auto none = torch::empty({1, 0}, x.options().dtype(torch::kByte));
-  ROCKET_CHECK(check_packed(dev, q_gu, none, s2_gu, q_dn, none, hidden, inter) && q_gu.size(0) == 1,
+  ROCKET_CHECK(check_packed(x.device(), q_gu, none, s2_gu, q_dn, none, hidden, inter) && q_gu.size(0) == 1,
                "swiglu_dense takes one BF16 expert, got q_gu " << q_gu.sizes() << " " << q_gu.scalar_type());
-  const int64_t rows = x.size(0);
-  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
-  const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
-  const int64_t passes = (tiles + rocket::kMaxRowTiles - 1) / rocket::kMaxRowTiles;
-  const c10::cuda::CUDAGuard guard(dev);
-  const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
-  auto out = torch::empty({rows, hidden}, x.options());
-  auto i32 = x.options().dtype(torch::kInt);
-  auto x_frag = torch::empty({tiles, hp / 32, 32, 4}, i32);
-  auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
-  if (rows == 0) return out;
-  launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, none, s2_gu, q_dn, none, hidden, inter,
-                 swiglu_limit, x_frag, h_frag, out, rows, pdl, rows, residuals, /*direct_k=*/true, split);
-  return out;
+  return dense_mlp(x, q_gu, none, s2_gu, q_dn, none, hidden, inter, residuals, swiglu_limit, pdl, split,
+                   /*direct_k=*/true, nullptr);
 }
 
 // A SwiGLU MLP of the replicated stack held as stored (NVFP4 tiles of one expert, stack.py pack_mlp): as swiglu_dense,
@@ -408,29 +424,14 @@ torch::Tensor swiglu_dense_nvfp4(const torch::Tensor& x, const torch::Tensor& q_
                                  const std::vector<torch::Tensor>& residuals, std::optional<double> swiglu_limit,
                                  int64_t pdl, int64_t split) {
   rocket::check_launch_tuning(tuning_arg(pdl), tuning_arg(split));
+  check_mlp_rows(x, hidden, residuals);
   const c10::Device dev = x.device();
-  expect(x, "x", torch::kBFloat16, 2, dev, 4);
-  check_residuals(residuals, x.size(0), hidden, dev);
-  ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, the MLP has hidden " << hidden);
   ROCKET_CHECK(!check_packed(dev, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter) && q_gu.size(0) == 1,
                "swiglu_dense_nvfp4 takes one NVFP4 expert, got q_gu " << q_gu.sizes() << " " << q_gu.scalar_type());
   expect(s2_dn, "s2_dn", torch::kFloat, 1, dev, 4);
   ROCKET_CHECK(s2_dn.numel() == 1, "s2_dn " << s2_dn.sizes() << ": one expert's down weight_scale_2");
-  const int64_t rows = x.size(0);
-  ROCKET_CHECK(rows < (int64_t(1) << 30), rows << " rows");
-  const int64_t tiles = (rows + rocket::kRowTile - 1) / rocket::kRowTile;
-  const int64_t passes = (tiles + rocket::kMaxRowTiles - 1) / rocket::kMaxRowTiles;
-  const c10::cuda::CUDAGuard guard(dev);
-  const int64_t hp = round_up(hidden, rocket::kTileK), ip = round_up(inter, rocket::kTileK);
-  auto out = torch::empty({rows, hidden}, x.options());
-  auto i32 = x.options().dtype(torch::kInt);
-  auto x_frag = torch::empty({tiles, hp / 32, 32, 4}, i32);
-  auto h_frag = torch::empty({tiles, ip / 32, 32, 4}, i32);
-  if (rows == 0) return out;
-  launch_experts(x, nullptr, nullptr, nullptr, tiles, passes, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter,
-                 swiglu_limit, x_frag, h_frag, out, rows, pdl, rows, residuals, /*direct_k=*/false, split, Far{},
-                 s2_dn.data_ptr<float>());
-  return out;
+  return dense_mlp(x, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, residuals, swiglu_limit, pdl, split,
+                   /*direct_k=*/false, s2_dn.data_ptr<float>());
 }
 
 // What nvfp4_linear and bf16_linear check alike: x [rows, k] bf16, the bias, the residuals (one output part only)

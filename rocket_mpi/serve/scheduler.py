@@ -133,9 +133,7 @@ class Slots:
     def _static(self, b: int) -> GraphStep:
         st = self.statics.get(b)
         if st is None:
-            share = self.statics.get(self.m)
-            if b != self.m and share is None:
-                share = self._static(self.m)
+            share = None if b == self.m else self._static(self.m)  # the largest step's exchange serves all
             st = GraphStep(self.engine, first_streams(self.cache, b), torch.zeros(b, dtype=torch.long),
                            graph=self.path == "graph", keep_logits=True, ahead=1, share=share)
             self.statics[b] = st

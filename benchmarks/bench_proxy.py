@@ -7,10 +7,12 @@ The main thread stands in for the GPU and for the host thread of a graphed decod
 and writes the ready record (the stage kernel), then waits for the peer's doorbell and gathers (the gather kernel),
 and while it waits it either holds the GIL (`spin`: polling, giving the GIL up only every 1024 polls, as the host's
 wait for a step polls torch's event) or gives it up on every poll (`nap`: a 20 us sleep, what that wait does for a
-proxy that needs the GIL). The proxy that puts the block into the peer's region and rings its doorbells is
-  native          the native thread with shm's native transport (memcpy, release stores): the product's shm path;
-  native+py post  the native thread calling back into Python for each exchange (fabric.send, under the GIL): the
-                  product's verbs path, here over shm's puts;
+proxy that needs the GIL). The proxy that sends the block and rings the peer's doorbells is
+  native          the native thread with shm's native transport: the main thread has put the block into the peer's
+                  region itself (as the stage kernel does on shm) and the proxy only rings (release stores): the
+                  product's shm path;
+  native+py post  the native thread calling back into Python for each exchange (fabric.send, under the GIL, which
+                  puts the block staged in our own region, then rings): the product's verbs path, here over shm;
   python thread   a Python thread polling the ready records and calling fabric.send: the design not taken.
 Prints, per message size, the median us per exchange (both ranks sending that size, each waiting for the other's
 rows) of each; the absolute numbers include the Python stand-in for the GPU, so only the columns' differences are
@@ -30,6 +32,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from rocket_mpi.cli.fabric_bench import parse_sizes
@@ -80,15 +83,15 @@ class FakeStep:
     """The GPU's part of one exchange, done by the main thread (stage, record, wait, gather), as in
     tests/test_proxy.py FakeGpu."""
 
-    def __init__(self, fab: ShmFabric, nap: bool):
-        self.fab, self.nap = fab, nap
+    def __init__(self, fab: ShmFabric, nap: bool, puts: list[int]):
+        self.fab, self.nap, self.puts = fab, nap, puts
         self.base = fab.staging()[0]
         self.rows_out = np.zeros(fab.size * fab.max_rows * ROW, dtype=np.uint8)
 
     def exchange(self, seq: int, nbytes: int) -> None:
         f, slot = self.fab, seq & 1
-        mine = self.base + f.header + f.rank * f.region_bytes + slot * f.slot_bytes
-        ctypes.memmove(mine, self.rows_out.ctypes.data, nbytes)
+        for dst in self.puts:
+            ctypes.memmove(dst + slot * f.slot_bytes, self.rows_out.ctypes.data, nbytes)
         rec = self.base + f.ready_offset + 64 * slot
         ctypes.c_uint64.from_address(rec + 8).value = nbytes // ROW
         ctypes.c_uint64.from_address(rec).value = seq
@@ -112,12 +115,10 @@ class FakeStep:
 
 def start(kind: str, fab: ShmFabric, lib, last: int):
     base = fab.staging()[0]
-    common = dict(ready=base + fab.ready_offset, src=base + fab.header + fab.rank * fab.region_bytes, rank=fab.rank,
-                  size=fab.size, rails=fab.rails, row_bytes=fab.row_bytes, slot_bytes=fab.slot_bytes,
-                  max_rows=fab.max_rows, last=last)
+    common = dict(ready=base + fab.ready_offset, rank=fab.rank, size=fab.size, rails=fab.rails,
+                  row_bytes=fab.row_bytes, slot_bytes=fab.slot_bytes, max_rows=fab.max_rows, last=last)
     if kind == "native":
-        dst, bell = fab.proxy_targets()
-        return proxy.Proxy(lib, dst=dst, bell=bell, **common)
+        return proxy.Proxy(lib, bell=fab.proxy_bells(), **common)
     if kind == "native+py post":
         return proxy.Proxy(lib, post=lambda seq, rows: fab.send(seq, rows * fab.row_bytes, every_rail=True), **common)
     return PythonProxy(fab, last)
@@ -139,7 +140,8 @@ def main() -> None:
         for n in args.sizes:
             for kind, nap in cols:
                 p = start(kind, fab, lib, seq)
-                step = FakeStep(fab, nap)
+                own = [fab.staging()[0] + fab.header + fab.rank * fab.region_bytes]
+                step = FakeStep(fab, nap, fab.device_puts(torch.device("cpu")) if kind == "native" else own)
                 times = []
                 for _ in range(args.reps):
                     comm.Barrier()

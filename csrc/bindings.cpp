@@ -701,11 +701,14 @@ void ipc_exchange_flags(const torch::Tensor& src, const torch::Tensor& meta, con
 
 // ---- doorbell fabrics' graphed exchange (csrc/proxy_bells.cu; the proxy thread: csrc/proxy.cpp) ----
 // out: this rank's block, a view of rows at rank * cap; staging: our staging's device address (host_map): doorbell
-// words in[ranks][rails] at 0, the ready records at ready_offset, region p at header + p * region_bytes.
+// words in[ranks][rails] at 0, the ready records at ready_offset, region p at header + p * region_bytes. puts: the
+// device addresses of our region (slot 0) on each peer's staging, where the stage kernel puts the block itself
+// (shm); empty: it stages the block in our own region, for the transport to put (verbs).
 void bell_exchange(const torch::Tensor& out, const torch::Tensor& rows, const torch::Tensor& meta, int64_t staging,
                    int64_t header, int64_t region_bytes, int64_t slot_bytes, int64_t ready_offset,
                    const torch::Tensor& sync, const torch::Tensor& err, int64_t rank, int64_t rails,
-                   double timeout_s, int64_t layer, int64_t stage_blocks, int64_t gather_blocks) {
+                   double timeout_s, int64_t layer, int64_t stage_blocks, int64_t gather_blocks,
+                   const std::vector<int64_t>& puts) {
   const c10::Device dev = rows.device();
   expect(rows, "rows", torch::kBFloat16, 2, dev, 16);
   ROCKET_CHECK(out.is_cuda() && out.device() == dev && out.scalar_type() == torch::kBFloat16 && out.dim() == 2 &&
@@ -732,7 +735,17 @@ void bell_exchange(const torch::Tensor& out, const torch::Tensor& rows, const to
   char* base = reinterpret_cast<char*>(staging);
   rocket::BellStage s{};
   s.src = reinterpret_cast<const uint4*>(out.data_ptr());
-  s.dst = reinterpret_cast<uint4*>(base + header + rank * region_bytes);
+  ROCKET_CHECK(puts.size() < static_cast<size_t>(n), puts.size() << " puts for " << n << " ranks");
+  if (puts.empty()) {
+    s.dst[0] = reinterpret_cast<uint4*>(base + header + rank * region_bytes);
+    s.n_dst = 1;
+  } else {
+    for (size_t d = 0; d < puts.size(); ++d) {
+      ROCKET_CHECK(puts[d] != 0 && puts[d] % 16 == 0, "put " << d << " at " << puts[d] << ": not 16-byte aligned");
+      s.dst[d] = reinterpret_cast<uint4*>(puts[d]);
+    }
+    s.n_dst = static_cast<int>(puts.size());
+  }
   s.ready = reinterpret_cast<unsigned long long*>(base + ready_offset);
   s.sync = reinterpret_cast<unsigned long long*>(sync.data_ptr<int64_t>());
   s.meta = meta.data_ptr<int64_t>();
@@ -1172,7 +1185,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("rows"), py::arg("meta"), py::arg("staging"), py::arg("header"),
         py::arg("region_bytes"), py::arg("slot_bytes"), py::arg("ready_offset"), py::arg("sync"), py::arg("err"),
         py::arg("rank"), py::arg("rails"), py::arg("timeout_s"), py::arg("layer"), py::arg("stage_blocks"),
-        py::arg("gather_blocks"));
+        py::arg("gather_blocks"), py::arg("puts") = std::vector<int64_t>{});
   m.def("host_map", &host_map, "cudaHostRegister (mapped, portable) -> the device address", py::arg("ptr"),
         py::arg("nbytes"));
   m.def("host_unmap", &host_unmap, "cudaHostUnregister", py::arg("ptr"));

@@ -1,5 +1,5 @@
 // The host-side proxy of the doorbell fabrics' graphed exchange (rocket_mpi/fabric/slots.py DoorbellSlots): one
-// native thread per rank that watches the ready records our GPU writes and, for each new one, puts our block into
+// native thread per rank that watches the ready records our GPU writes and, for each new one, has our block put into
 // every peer's region and rings the peer's doorbell words. Plain C++ (no CUDA, no Python): it is compiled into the
 // extension and called through ctypes (rocket_mpi/fabric/proxy.py); the CPU tests compile this file alone.
 //
@@ -8,14 +8,14 @@
 // (it stages seq+2 only after the peers rang seq+1, which they did only after our doorbell for seq), so two records
 // suffice, and the one with the lower new seq goes first.
 //
-// Transports: native (shm: the peers' segments are mapped in this process; memcpy, then a release store of seq into
-// each doorbell word, so a peer that reads seq also reads the rows, on any CPU), or a callback (verbs: pyverbs posts
-// the RDMA writes; ctypes takes the GIL for each call). Errors stop the thread and are kept for the fabric to raise.
+// Transports: native (shm: the GPU's stage kernel has already put the rows into every peer's segment, before the
+// ready record, so the proxy only rings: a release store of seq into each doorbell word, mapped in this process), or a
+// callback (verbs: pyverbs posts the RDMA writes from our staging, then the doorbells; ctypes takes the GIL for each
+// call). Errors stop the thread and are kept for the fabric to raise.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <new>
 #include <thread>
 
@@ -32,8 +32,6 @@ constexpr int kRecordWords = 8;    // a ready record: 64 bytes
 // Field order and types: rocket_mpi/fabric/proxy.py ProxyArgs.
 struct ProxyArgs {
   uint64_t* ready;                   // [2][8]: {seq, rows, ...} of the last two exchanges our GPU staged
-  const uint8_t* src;                // our region on our staging (slot 0)
-  uint8_t* dst[kMaxRanks];           // native: our region on rank r's staging (slot 0), mapped here; ours null
   uint64_t* bell[kMaxRanks];         // native: our doorbell word of rail 0 on rank r (rails follow it)
   int (*post)(void* ctx, uint64_t seq, int64_t rows);  // callback transport, else null: 0 = done
   void* ctx;
@@ -67,7 +65,7 @@ void fail(Proxy& p, const char* what) {
   p.failed.store(1, std::memory_order_release);
 }
 
-// One exchange: our block of `seq` (rows rows) to every peer, then its doorbells.
+// One exchange: our block of `seq` (rows rows) to every peer (verbs), then its doorbells.
 bool put_and_ring(Proxy& p, uint64_t seq, int64_t rows) {
   const ProxyArgs& a = p.a;
   if (a.post) {
@@ -79,11 +77,8 @@ bool put_and_ring(Proxy& p, uint64_t seq, int64_t rows) {
     }
     return true;
   }
-  const int64_t off = static_cast<int64_t>(seq & 1) * a.slot_bytes;
-  const size_t nbytes = static_cast<size_t>(rows * a.row_bytes);
   for (int k = 1; k < a.n_ranks; ++k) {  // start with the next rank, as DoorbellFabric.send
     const int peer = (a.rank + k) % a.n_ranks;
-    if (nbytes) std::memcpy(a.dst[peer] + off, a.src + off, nbytes);
     for (int rail = 0; rail < a.rails; ++rail) __atomic_store_n(a.bell[peer] + rail, seq, __ATOMIC_RELEASE);
   }
   return true;
@@ -152,12 +147,11 @@ ROCKET_PROXY_API void* rocket_proxy_start(const ProxyArgs* args, char* err, int 
   const char* why = nullptr;
   if (a.n_ranks < 2 || a.n_ranks > kMaxRanks || a.rank < 0 || a.rank >= a.n_ranks)
     why = "rank or rank count out of range (2..64 ranks)";
-  else if (!a.ready || !a.src || a.rails < 1 || a.row_bytes <= 0 || a.max_rows < 0 ||
-           a.slot_bytes < a.max_rows * a.row_bytes)
-    why = "no ready records, no source, no rails, or slots smaller than max_rows rows";
+  else if (!a.ready || a.rails < 1 || a.row_bytes <= 0 || a.max_rows < 0 || a.slot_bytes < a.max_rows * a.row_bytes)
+    why = "no ready records, no rails, or slots smaller than max_rows rows";
   else if (!a.post)
     for (int r = 0; r < a.n_ranks && !why; ++r)
-      if (r != a.rank && (!a.dst[r] || !a.bell[r])) why = "a peer without a mapped region or doorbell words";
+      if (r != a.rank && !a.bell[r]) why = "a peer without mapped doorbell words";
   if (why) {
     std::snprintf(err, static_cast<size_t>(errlen), "%s", why);
     return nullptr;

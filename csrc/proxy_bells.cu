@@ -1,10 +1,13 @@
 // The doorbell fabrics' (shm, verbs) exchange inside the graphed step: two kernels around a host proxy
 // (bell_exchange in bindings.cpp; rocket_mpi/fabric/slots.py DoorbellSlots; the proxy thread: proxy.cpp).
 //
-// stage:  every block copies its share of this rank's block (meta[2] rows of `src`) into our region's slot seq & 1
-//         on our own staging (host memory mapped for the device), fences its stores at system scope and counts
-//         itself done on a device word (sync[0]); the last block writes the ready record: rows, then seq (release,
-//         system scope), and zeroes the count for the next launch. The proxy that reads seq then reads the rows.
+// stage:  every block copies its share of this rank's block (meta[2] rows of `src`) into slot seq & 1 of each
+//         destination (host memory mapped for the device): our region on our own staging for verbs, whose NIC puts
+//         it from there; our region on every peer's staging for shm, so that the proxy only rings (a memcpy by the
+//         proxy from memory the GPU just wrote ran at about 8 GB/s, the largest part of a 64 KiB round trip).
+//         Then it fences its stores at system scope and counts itself done on a device word (sync[0]); the last
+//         block writes the ready record: rows, then seq (release, system scope), and zeroes the count for the next
+//         launch. The proxy that reads seq then reads (verbs) or rings for (shm) the rows.
 // gather: block 0 alone waits (one thread per (peer, rail) word, acquire at system scope) until each peer's
 //         doorbell words in our host memory reach the layer's seq, bounded by a timeout read from %globaltimer; on
 //         expiry it records (1, peer, seq, layer) in `err` (later waits see err set and return at once: a dead peer
@@ -47,9 +50,12 @@ __global__ void bell_stage_kernel(const BellStage a) {
   const int64_t rows = a.meta[2];
   const unsigned long long seq = static_cast<unsigned long long>(a.meta[4]);
   const int64_t words = rows * a.row_words;
-  uint4* dst = a.dst + static_cast<int64_t>(seq & 1) * a.slot_words;
+  const int64_t slot = static_cast<int64_t>(seq & 1) * a.slot_words;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride) dst[i] = a.src[i];
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride) {
+    const uint4 v = a.src[i];
+    for (int d = 0; d < a.n_dst; ++d) a.dst[d][slot + i] = v;
+  }
   __threadfence_system();  // this thread's rows, before the block is counted
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -155,6 +161,7 @@ void launch_bell_exchange(const BellStage& s, const BellGather& g, int stage_blo
   ROCKET_CHECK(g.rails >= 1 && g.n_ranks * g.rails <= 1024, g.rails << " rails for " << g.n_ranks << " ranks");
   ROCKET_CHECK(stage_blocks >= 1 && stage_blocks <= 1024 && gather_blocks >= 1 && gather_blocks <= 1024,
                "blocks " << stage_blocks << ", " << gather_blocks);
+  ROCKET_CHECK(s.n_dst >= 1 && s.n_dst < g.n_ranks, s.n_dst << " destinations for " << g.n_ranks << " ranks");
   ROCKET_CHECK(s.meta == g.meta && s.row_words == g.row_words && s.slot_words == g.slot_words,
                "stage and gather of one exchange disagree on meta, rows or slots");
   ROCKET_CHECK(g.region_words >= 2 * g.slot_words && g.slot_words >= g.cap_words,

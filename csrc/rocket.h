@@ -256,7 +256,10 @@ void launch_ipc_exchange_flags(const IpcPush& a, const IpcWait& w, int blocks, c
 // ---- doorbell fabrics' graphed exchange (proxy_bells.cu; the host proxy between its two kernels: proxy.cpp) ----
 struct BellStage {
   const uint4* src;                  // this rank's block (the expert kernel's out), device memory
-  uint4* dst;                        // our region on our staging, slot 0 (host memory mapped for the device)
+  uint4* dst[kPlanMaxRanks];         // slot 0 of each place the block goes (host memory mapped for the device): our
+                                     // region on our own staging (verbs: the NIC puts it from there), or on every
+                                     // peer's staging (shm: the stage kernel puts it, the proxy only rings)
+  int n_dst;
   unsigned long long* ready;         // the two ready records [2][8]: {seq, rows, ...} (host memory)
   unsigned long long* sync;          // device words: [0] blocks done (zero between launches: the grid's last block
                                      // writes the record), [1] the last seq the gather's block 0 saw rung

@@ -80,6 +80,53 @@ def test_gpu_bell_kernels_one_process():
 
 
 @gpu
+def test_gpu_bell_stage_puts_into_the_peers():
+    """shm's puts: rank 1 of 3 stages its 21 rows into its region's slot 0 (seq 6) on both peers' segments (host
+    memory registered apart, as each peer's segment is), not on its own staging; gather then takes the rows ranks 0
+    and 2 put on ours. More puts than peers is refused."""
+    C = ops._ext.require()
+    dev = torch.device("cuda")
+    cap, h, n = 24, 64, 3
+    row = 2 * h
+    slot = cap * row
+    region, header, ready = 2 * slot, PAGE, 64
+    segs = [aligned(header + n * region) for _ in range(n)]
+    dptrs = [C.host_map(m.ctypes.data, m.nbytes) for _, m in segs]
+    try:
+        regions = [m[header:].view(np.int16).reshape(n, 2, cap, h) for _, m in segs]  # [sender][slot][rows][h]
+        rows = torch.zeros(n * cap, h, dtype=torch.bfloat16, device=dev)
+        out = rows[cap:2 * cap]
+        out[:21] = torch.randn(21, h, device=dev).to(torch.bfloat16)
+        ours = segs[1][1]
+        ours[:24].view(np.uint64)[:] = 6  # every peer rang seq 6 (one rail)
+        sent = {p: block_for(p, 5 + p, h, 6) for p in (0, 2)}
+        for p, blk in sent.items():
+            regions[1][p, 0, :5 + p] = blk.view(torch.int16).numpy()
+        sync = torch.zeros(2, dtype=torch.long, device=dev)
+        err = torch.zeros(4, dtype=torch.long, device=dev)
+        meta = torch.tensor([0, 0, 21, 0, 6, 0, 5, 21, 7], device=dev)
+        puts = [dptrs[p] + header + 1 * region for p in (2, 0)]
+        C.bell_exchange(out, rows, meta, dptrs[1], header, region, slot, ready, sync, err, 1, 1, 5.0, 0, 16, 3, puts)
+        torch.cuda.synchronize()
+        assert err.tolist() == [0, 0, 0, 0]
+        mine = out[:21].cpu().view(torch.int16).numpy()
+        for p in (0, 2):
+            assert np.array_equal(regions[p][1, 0, :21], mine) and not regions[p][1, 0, 21:].any()
+            assert not regions[p][1, 1].any()
+            assert torch.equal(rows[p * cap:p * cap + 5 + p].cpu().view(torch.int16), sent[p].view(torch.int16))
+        assert not regions[1][1].any()  # our own region: nothing staged there
+        assert ours[ready:ready + 16].view(np.uint64).tolist() == [6, 21]
+        with pytest.raises(RuntimeError, match="3 puts for 3 ranks"):
+            C.bell_exchange(out, rows, meta, dptrs[1], header, region, slot, ready, sync, err, 1, 1, 5.0, 0, 16, 3,
+                            puts + [puts[0]])
+    finally:
+        torch.cuda.synchronize()
+        for _, m in segs:
+            C.host_unmap(m.ctypes.data)
+    del segs
+
+
+@gpu
 def test_gpu_extension_carries_the_proxy():
     lib = proxy.library()  # binds and checks the ProxyArgs layout against the native code's
     assert lib.rocket_proxy_args_size() > 0

@@ -2,8 +2,9 @@
 the CPU: ranks are threads, the proxy's native code is built from csrc/proxy.cpp alone, and FakeGpu stands in for
 the two kernels (csrc/proxy_bells.cu: stage, then wait and gather) on the same addresses and words.
 
-- shm: the native transport (memcpy into the peers' mapped regions, release stores of seq into every rail's word),
-  seq gaps where host-path exchanges ran between, the ready records of an earlier run, a stray record.
+- shm: the stage puts the block into every peer's mapped region itself and the native transport only rings (release
+  stores of seq into every rail's word); seq gaps where host-path exchanges ran between, the ready records of an
+  earlier run, a stray record.
 - verbs (the fake NIC of test_verbs.py): the callback transport, the rail split and a doorbell on every rail, a
   completion error that stops the proxy and is raised by name.
 - A dead or stalled peer: the gather's timeout record, raised naming rank, peer, layer and step.
@@ -55,20 +56,22 @@ def lib(proxy_path):
 
 
 class FakeGpu:
-    """bell_exchange (csrc/proxy_bells.cu) on the CPU: stage our block into our region's slot seq & 1 on our staging
-    and write the ready record (rows, then seq); wait on our doorbell words (every peer, every rail) with the timeout,
+    """bell_exchange (csrc/proxy_bells.cu) on the CPU: stage our block into slot seq & 1 of our region on every
+    peer (puts: addresses of slot 0 there) or, without puts, on our own staging; write the ready record (rows, then
+    seq); wait on our doorbell words (every peer, every rail) with the timeout,
     recording (1, peer, seq, layer) in err on expiry; copy every peer's block from its region into the rows."""
 
     def __init__(self):
         self.stage_only = False
 
     def bell_exchange(self, out, rows, meta, staging, header, region_bytes, slot_bytes, ready_offset, sync, err,
-                      rank, rails, timeout, layer, stage_blocks, gather_blocks):
+                      rank, rails, timeout, layer, stage_blocks, gather_blocks, puts=()):
         m = meta.tolist()
         ranks, cap, row = len(m) - META_HEAD, out.shape[0], out.shape[1] * 2
         mine, seq = m[2], m[4]
         slot = seq & 1
-        ctypes.memmove(staging + header + rank * region_bytes + slot * slot_bytes, out.data_ptr(), mine * row)
+        for dst in puts or [staging + header + rank * region_bytes]:
+            ctypes.memmove(dst + slot * slot_bytes, out.data_ptr(), mine * row)
         rec = staging + ready_offset + 64 * slot
         ctypes.c_uint64.from_address(rec + 8).value = mine
         ctypes.c_uint64.from_address(rec).value = seq
@@ -134,11 +137,14 @@ def close_all(fabs):
 
 
 def test_shm_proxy_puts_rings_every_rail_and_follows_gaps(lib):
-    """Three ranks, two virtual rails: the native proxy puts each block and rings every rail; seqs 4 and 5 run the
-    host path in between (the proxy takes seq 6 next), then more graphed exchanges, empty blocks included."""
+    """Three ranks, two virtual rails: the stage puts each block into both peers, the native proxy rings every rail;
+    seqs 4 and 5 run the host path in between (the proxy takes seq 6 next), then more graphed exchanges, empty
+    blocks included."""
     fabs, xs = shm_slots(lib)
     try:
         assert all(not x.host_gil for x in xs)  # native transport: the proxy never takes the GIL
+        for r, (f, x) in enumerate(zip(fabs, xs)):  # our region on the next rank, then the one after
+            assert x.puts == [f.address((r + k) % 3, f.header + r * f.region_bytes) for k in (1, 2)]
         plan = [(1, [8, 3, 0]), (2, [0, 0, 5]), (3, [1, 8, 8]), (4, None), (5, None), (6, [2, 0, 7]), (7, [8, 8, 8])]
         run_exchanges(xs, plan)
         for r, (f, x) in enumerate(zip(fabs, xs)):
@@ -180,7 +186,8 @@ def test_the_host_path_waits_for_the_proxy(lib):
                 time.sleep(0.3)
             send(seq, nbytes, every_rail)
         fabs[0].send = slow
-        fabs[0].proxy_targets = lambda: None  # rank 0's proxy posts through send, as verbs does
+        fabs[0].proxy_bells = lambda: None  # rank 0 stages in its own region and its proxy posts through send, as
+        fabs[0].device_puts = lambda device: None  # verbs does
         xs = [DoorbellSlots(f, 8, torch.device("cpu"), lib=lib, kernels=FakeGpu()) for f in fabs]
         run_exchanges(xs, [(1, [3, 4]), (2, None), (3, [5, 6]), (4, None)])
     finally:
@@ -246,8 +253,8 @@ def test_two_pending_records_go_in_seq_order(lib):
     mem[8], mem[9] = top, 3   # record 1: seq 2**64 - 1
     mem[0], mem[1] = 0, 5     # record 0: seq 2**64, wrapped to 0
     seen = []
-    p = proxy_mod.Proxy(lib, ready=ctypes.addressof(mem), src=ctypes.addressof(mem) + 4096, rank=0, size=2, rails=1,
-                        row_bytes=64, slot_bytes=512, max_rows=8, last=top - 1, post=lambda s, r: seen.append((s, r)))
+    p = proxy_mod.Proxy(lib, ready=ctypes.addressof(mem), rank=0, size=2, rails=1, row_bytes=64, slot_bytes=512,
+                        max_rows=8, last=top - 1, post=lambda s, r: seen.append((s, r)))
     deadline = time.monotonic() + 10
     while len(seen) < 2 and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -256,11 +263,11 @@ def test_two_pending_records_go_in_seq_order(lib):
 
 
 def test_proxy_rejects_bad_arguments(lib):
-    with pytest.raises(FabricError, match="cannot start the proxy: a peer without a mapped region"):
-        proxy_mod.Proxy(lib, ready=8, src=8, rank=0, size=2, rails=1, row_bytes=128, slot_bytes=1024, max_rows=8,
-                        last=0, dst=[None, None], bell=[None, None])
+    with pytest.raises(FabricError, match="cannot start the proxy: a peer without mapped doorbell words"):
+        proxy_mod.Proxy(lib, ready=8, rank=0, size=2, rails=1, row_bytes=128, slot_bytes=1024, max_rows=8,
+                        last=0, bell=[None, None])
     with pytest.raises(FabricError, match="at most 64 ranks"):
-        proxy_mod.Proxy(lib, ready=8, src=8, rank=0, size=65, rails=1, row_bytes=128, slot_bytes=1024, max_rows=8,
+        proxy_mod.Proxy(lib, ready=8, rank=0, size=65, rails=1, row_bytes=128, slot_bytes=1024, max_rows=8,
                         last=0, post=lambda s, r: None)
 
 
@@ -273,8 +280,8 @@ from rocket_mpi.fabric import proxy
 lib = proxy.bind(ctypes.CDLL({proxy_path!r}))
 mem = (ctypes.c_uint64 * 1024)()
 seen = []
-p = proxy.Proxy(lib, ready=ctypes.addressof(mem), src=ctypes.addressof(mem) + 4096, rank=0, size=2, rails=1,
-                row_bytes=64, slot_bytes=128, max_rows=2, last=0, post=lambda s, r: seen.append((s, r)))
+p = proxy.Proxy(lib, ready=ctypes.addressof(mem), rank=0, size=2, rails=1, row_bytes=64, slot_bytes=128, max_rows=2,
+                last=0, post=lambda s, r: seen.append((s, r)))
 mem[9], mem[8] = 2, 1  # record 1: seq 1, 2 rows
 while not seen:
     time.sleep(0.001)

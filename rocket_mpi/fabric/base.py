@@ -216,7 +216,8 @@ class DoorbellFabric(Fabric):
         self.region_bytes = 2 * self.slot_bytes
         self._rows_out: torch.Tensor | None = None  # the gathered row set of the host path (allocated on first use)
         self._slots = None    # the graphed step's exchange in use (fabric/slots.py), its proxy running
-        self._mapped = None   # (address, device address) of our staging registered with CUDA
+        self._mapped: dict[int, int] = {}  # host address -> device address of memory registered with CUDA (our
+                                            # staging; shm: the peers' segments too)
 
     def _pieces(self, nbytes: int, rails: int | None = None) -> list[tuple[int, int]]:
         return split_rails(nbytes, rails or self.rails, self.split_min)
@@ -271,23 +272,33 @@ class DoorbellFabric(Fabric):
         """(address, bytes) of this rank's staging: doorbell words at 0, ready records, regions from `header`."""
         raise NotImplementedError
 
-    def proxy_targets(self) -> tuple[list, list] | None:
-        """Where the proxy puts and rings natively (per rank: our region and our rail-0 doorbell word there, mapped
-        in this process; None for us), or None: the proxy calls send() instead (verbs)."""
+    def proxy_bells(self) -> list | None:
+        """Where the proxy rings natively (per rank: our rail-0 doorbell word there, mapped in this process; None for
+        us), or None: the proxy calls send() instead, which puts and rings (verbs)."""
         return None
 
-    def device_staging(self, device: torch.device) -> int:
-        """Our staging's address for the device's kernels: registered with CUDA (mapped, portable) once."""
+    def device_puts(self, device: torch.device) -> list[int] | None:
+        """Where the graphed step's stage kernel puts our block itself (per peer: our region, slot 0, as the device
+        sees it), or None: it stages the block in our own region for the transport to put (verbs)."""
+        return None
+
+    def device_address(self, device: torch.device, addr: int, nbytes: int, what: str) -> int:
+        """Host memory [addr, addr + nbytes) as the device's kernels see it: registered with CUDA (mapped,
+        portable) once, until close_slots."""
         if device.type != "cuda":
-            return self.staging()[0]
-        if self._mapped is None:
-            addr, nbytes = self.staging()
+            return addr
+        if addr not in self._mapped:
             try:
-                self._mapped = (addr, int(_ext.require().host_map(addr, nbytes)))
+                self._mapped[addr] = int(_ext.require().host_map(addr, nbytes))
             except RuntimeError as e:
-                raise FabricError(f"rank {self.rank}: fabric {self.name}: registering its {nbytes}-byte staging with "
+                raise FabricError(f"rank {self.rank}: fabric {self.name}: registering {what} ({nbytes} bytes) with "
                                   f"CUDA failed: {e}") from None
-        return self._mapped[1]
+        return self._mapped[addr]
+
+    def device_staging(self, device: torch.device) -> int:
+        """Our staging's address for the device's kernels."""
+        addr, nbytes = self.staging()
+        return self.device_address(device, addr, nbytes, "its staging")
 
     def attach_slots(self, slots) -> None:
         """The graphed step's exchange now in use; a former one (an earlier run's) sends what it has, then stops."""
@@ -310,10 +321,11 @@ class DoorbellFabric(Fabric):
                 pass
             finally:
                 slots.close()
-        if self._mapped is not None:
+        if self._mapped:
             torch.cuda.synchronize()
-            _ext.require().host_unmap(self._mapped[0])
-            self._mapped = None
+            for addr in self._mapped:
+                _ext.require().host_unmap(addr)
+            self._mapped = {}
 
     # -- streaming, for fabric-bench's oneway and duplex columns -----------------------------
     def stream(self, peer: int, nbytes: int, count: int, send: bool, recv: bool, seq0: int,

@@ -2,13 +2,13 @@
 through ctypes.
 
 Our GPU writes a ready record {seq, rows} into host memory once this rank's block of an exchange is staged; the
-proxy sees it and puts the block into every peer's region, then rings the peer's doorbell words. Where it runs was
+proxy sees it, has the block put into every peer's region and rings the peer's doorbell words. Where it runs was
 the choice that set the exchange's latency: a Python thread would hold the GIL while it polls and fight the main
 thread, which spends a graphed decode polling the step's completion (benchmarks/bench_proxy.py measures the two
-side by side on the CPU). So the loop is native and polls without the GIL. shm's puts and rings are native too
-(memcpy into the peers' mapped segments, release stores of seq); verbs posts its RDMA writes through pyverbs, so
-the native loop calls back into Python for each exchange (ctypes takes the GIL for the call; the step's wait gives
-it up, runtime/graph.py).
+side by side on the CPU). So the loop is native and polls without the GIL. On shm the GPU has already put the rows
+into the peers' segments (csrc/proxy_bells.cu) and the native loop only rings (release stores of seq into the
+doorbell words, mapped here); verbs posts its RDMA writes through pyverbs, so the native loop calls back into Python
+for each exchange (ctypes takes the GIL for the call; the step's wait gives it up, runtime/graph.py).
 
 The thread stops with the fabric (close) or at interpreter exit (atexit), whichever comes first, and dies with the
 process on any other ending: it never outlives the job.
@@ -29,8 +29,7 @@ POST = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c
 
 class ProxyArgs(ctypes.Structure):
     """csrc/proxy.cpp ProxyArgs, field for field."""
-    _fields_ = [("ready", ctypes.c_void_p), ("src", ctypes.c_void_p), ("dst", ctypes.c_void_p * MAX_RANKS),
-                ("bell", ctypes.c_void_p * MAX_RANKS), ("post", POST), ("ctx", ctypes.c_void_p),
+    _fields_ = [("ready", ctypes.c_void_p), ("bell", ctypes.c_void_p * MAX_RANKS), ("post", POST), ("ctx", ctypes.c_void_p),
                 ("row_bytes", ctypes.c_int64), ("slot_bytes", ctypes.c_int64), ("max_rows", ctypes.c_int64),
                 ("last", ctypes.c_uint64), ("rank", ctypes.c_int32), ("n_ranks", ctypes.c_int32),
                 ("rails", ctypes.c_int32), ("idle_sleep_us", ctypes.c_int32)]
@@ -72,21 +71,21 @@ def _stop_all() -> None:
 
 
 class Proxy:
-    """One rank's proxy thread. ready: address of the two ready records (host memory our GPU writes); src: our region
-    on our staging (slot 0); last: every seq up to it is done. Transport: dst/bell (native: per rank, the address
-    of our region and of our rail-0 doorbell word on that rank, mapped in this process; None for us), or post
-    (callback: post(seq, rows) puts and rings, raising on failure)."""
+    """One rank's proxy thread. ready: address of the two ready records (host memory our GPU writes); last: every
+    seq up to it is done. Transport: bell (native, the rows already put: per rank, the address of our rail-0 doorbell
+    word on that rank, mapped in this process; None for us), or post (callback: post(seq, rows) puts and rings,
+    raising on failure)."""
 
-    def __init__(self, lib: ctypes.CDLL, *, ready: int, src: int, rank: int, size: int, rails: int, row_bytes: int,
-                 slot_bytes: int, max_rows: int, last: int, dst: list[int | None] | None = None,
-                 bell: list[int | None] | None = None, post=None, who: str = ""):
+    def __init__(self, lib: ctypes.CDLL, *, ready: int, rank: int, size: int, rails: int, row_bytes: int,
+                 slot_bytes: int, max_rows: int, last: int, bell: list[int | None] | None = None, post=None,
+                 who: str = ""):
         if size > MAX_RANKS:
             raise FabricError(f"{who}the proxy takes at most {MAX_RANKS} ranks, got {size}")
         self.lib, self.who = lib, who
         self.error: str | None = None  # the callback's exception, where it raised
         self._final: tuple[int, int, str | None] = (last, 0, None)  # status() once stopped
         self._handle = None
-        a = ProxyArgs(ready=ready, src=src, ctx=None, row_bytes=row_bytes, slot_bytes=slot_bytes, max_rows=max_rows,
+        a = ProxyArgs(ready=ready, ctx=None, row_bytes=row_bytes, slot_bytes=slot_bytes, max_rows=max_rows,
                       last=last & ((1 << 64) - 1), rank=rank, n_ranks=size, rails=rails, idle_sleep_us=IDLE_SLEEP_US)
         if post is not None:
             self._post = POST(self._callback(post))  # kept alive as long as the thread may call it
@@ -94,8 +93,7 @@ class Proxy:
         else:
             self._post = None
             for r in range(size):
-                a.dst[r] = dst[r] if dst[r] is not None else None
-                a.bell[r] = bell[r] if bell[r] is not None else None
+                a.bell[r] = bell[r]
         err = ctypes.create_string_buffer(512)
         self._handle = lib.rocket_proxy_start(ctypes.byref(a), err, len(err))
         if not self._handle:

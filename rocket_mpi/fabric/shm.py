@@ -6,7 +6,8 @@
 A sender copies its rows into its region of the peer's segment, then stores seq into the peer's doorbell word for
 (sender, rail). On x86-64 stores become visible in program order (TSO), so a doorbell that reads seq means that
 payload is there. The receiver polls only its own segment. The ready records are the graphed step's (GPU ranks:
-fabric/slots.py DoorbellSlots, where the proxy thread does the copies and stores with release order).
+fabric/slots.py DoorbellSlots: the GPU writes the rows into the peers' segments, registered with CUDA, and the proxy
+thread rings with release order).
 
 The segments have no name: each is a memfd that peers open through /proc/PID/fd/FD during set-up, and the creator
 closes its descriptor once every peer has mapped it. So nothing of ours is left in /dev/shm whatever way a rank
@@ -114,11 +115,15 @@ class ShmFabric(DoorbellFabric):
     def staging(self):
         return self.address(self.rank), self.nbytes
 
-    def proxy_targets(self):
-        dst = [None if p == self.rank else self.address(p, self.header + self.rank * self.region_bytes)
-               for p in range(self.size)]
-        bell = [None if p == self.rank else self.address(p, 8 * self.rank * self.rails) for p in range(self.size)]
-        return dst, bell
+    def proxy_bells(self):
+        return [None if p == self.rank else self.address(p, 8 * self.rank * self.rails) for p in range(self.size)]
+
+    def device_puts(self, device):
+        # every peer's segment, mapped in this process, registered with CUDA: the stage kernel writes our block into
+        # our region there (host memory over the host link), so the proxy has nothing to copy
+        return [self.device_address(device, self.address(p), self.nbytes, f"rank {p}'s segment")
+                + self.header + self.rank * self.region_bytes
+                for k in range(1, self.size) for p in [(self.rank + k) % self.size]]
 
     def slot_exchange(self, cap, device):
         if device.type == "cpu" or self.size == 1:

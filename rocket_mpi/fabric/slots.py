@@ -2,11 +2,12 @@
 
 Per MoE layer, inside the captured step, two kernels around a host proxy (csrc/proxy_bells.cu, csrc/proxy.cpp):
 
-  stage   (GPU)   this rank's block (the expert kernel's `out`, meta rows) -> our region's slot seq & 1 on our own
-                  staging (host memory mapped for the device: shm's segment, verbs' registered staging), then the
-                  ready record {seq, rows} with release order (the grid's last block writes it);
-  proxy   (host)  a native thread sees the record, puts the block into our region on every peer and rings each
-                  peer's doorbell words (every rail): shm by memcpy and release stores, verbs by pyverbs RDMA writes
+  stage   (GPU)   this rank's block (the expert kernel's `out`, meta rows) -> slot seq & 1 of our region on every
+                  peer's segment (shm: each segment mapped here and registered with CUDA) or on our own staging
+                  (verbs: registered with the NIC and CUDA), then the ready record {seq, rows} with release order
+                  (the grid's last block writes it);
+  proxy   (host)  a native thread sees the record and rings each peer's doorbell words (every rail): shm by
+                  release stores, verbs by pyverbs RDMA writes of the block and then of the doorbells
                   (fabric/proxy.py);
   gather  (GPU)   its block 0 waits on our own doorbell words in host memory (a spin with a clock timeout: a dead
                   peer is recorded in `err` as (1, peer, seq, layer) and raised by the host after the step, as
@@ -71,17 +72,17 @@ class DoorbellSlots(SlotExchange):
         self.ready = (ctypes.c_uint64 * 16).from_address(base + fab.ready_offset)
         last = serial_max(self.ready[0], self.ready[8])  # records a former exchange left: done (drained)
         who = f"rank {fab.rank}: fabric {fab.name}: "
-        common = dict(ready=base + fab.ready_offset, src=base + fab.header + fab.rank * fab.region_bytes,
-                      rank=fab.rank, size=fab.size, rails=fab.rails, row_bytes=fab.row_bytes,
+        common = dict(ready=base + fab.ready_offset, rank=fab.rank, size=fab.size, rails=fab.rails, row_bytes=fab.row_bytes,
                       slot_bytes=fab.slot_bytes, max_rows=fab.max_rows, last=last, who=who)
-        targets = fab.proxy_targets()
+        self.puts = fab.device_puts(device) or []  # empty: the stage kernel writes our own staging
+        bells = fab.proxy_bells()
         lib = lib if lib is not None else library()
-        if targets is not None:
-            self.proxy = Proxy(lib, dst=targets[0], bell=targets[1], **common)
+        if bells is not None:
+            self.proxy = Proxy(lib, bell=bells, **common)
         else:
             self.proxy = Proxy(lib, post=lambda seq, rows: fab.send(seq, rows * fab.row_bytes, every_rail=True),
                                **common)
-        self.host_gil = targets is None  # the callback needs this process's GIL while the step runs
+        self.host_gil = bells is None  # the callback needs this process's GIL while the step runs
         cpus = os.sched_getaffinity(0)
         if len(cpus) < 2:
             log.warning(f"fabric {fab.name}: this rank may run on one CPU only ({sorted(cpus)[0]}): the proxy thread shares it with "
@@ -94,7 +95,7 @@ class DoorbellSlots(SlotExchange):
         f = self.fabric
         self.kernels.bell_exchange(self.out, self.rows, meta, self.staging, f.header, f.region_bytes, f.slot_bytes,
                                    f.ready_offset, self.sync, self.err, f.rank, f.rails, f.timeout, layer,
-                                   STAGE_BLOCKS, self.gather_blocks)
+                                   STAGE_BLOCKS, self.gather_blocks, self.puts)
         return self.rows
 
     def check(self, words, step):

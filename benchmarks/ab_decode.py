@@ -14,7 +14,7 @@ Each variant is NAME[:KEY=VALUE[,KEY=VALUE...]], set in code for its runs (and u
     mlp_split     swiglu_dense's split
     old_attention =1: GLM-4.x decode attention as before ops.decode_attention (two matmuls over the span around
                   ops.decode_softmax; not batch-invariant: cuBLAS picks its sums by the span and the streams)
-    old_head      =1: GLM-4.x lm_head in cuBLAS (F.linear) instead of its packed copy
+    old_head      =1: the lm_head in cuBLAS (F.linear) instead of its packed copy (any family)
     old_stack     =1: GLM-4.x steps of more than 16 rows through cuBLAS instead of the packed linears
 
 A bare NAME runs the defaults (e.g. `main`); `old:old_attention=1,old_head=1,old_stack=1` is the GLM-4.x step before
@@ -37,7 +37,6 @@ import types
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
 from rocket_mpi import ops
 from rocket_mpi.model import glm4_moe
@@ -52,7 +51,7 @@ SPLIT = (0, 1, 2, 4, 8)
 KNOBS = {"steps_ahead": (None, 0), "graph_spans": (None, 1), "experts_pdl": (PDL, None), "mlp_pdl": (PDL, None),
          "linear_split": (SPLIT, None), "mlp_split": (SPLIT, None), "old_attention": ((0, 1), None),
          "old_head": ((0, 1), None), "old_stack": ((0, 1), None)}
-GLM4_ONLY = ("old_attention", "old_head", "old_stack")
+GLM4_ONLY = ("old_attention", "old_stack")
 # the extension's entry points each launch-argument key is forced on: (function, its keyword)
 FORCED = {"experts_pdl": (("nvfp4_experts", "pdl"), ("nvfp4_experts_into", "pdl")),
           "mlp_pdl": (("swiglu_dense", "pdl"),),
@@ -130,13 +129,13 @@ def applied(eng: Engine, knobs: dict[str, int]):
             if knobs.get("old_attention"):
                 undo.append((delattr, model, "decode_attention"))
                 model.decode_attention = types.MethodType(matmul_attention, model)
-            if knobs.get("old_head"):
-                undo.append((delattr, model, "head"))
-                model.head = lambda h: F.linear(h, model.lm_head)
             if knobs.get("old_stack"):
                 for name, packed in (("stack_linears", "packs"), ("stack_mlp", "packed")):
                     undo.append((setattr, glm4_moe, name, getattr(glm4_moe, name)))
                     setattr(glm4_moe, name, cublas_above_16(getattr(glm4_moe, name), packed))
+        if knobs.get("old_head"):  # layers.head_logits falls back to F.linear
+            undo.append((setattr, eng.model, "head_packed", eng.model.head_packed))
+            eng.model.head_packed = None
         per_fn: dict[str, dict[str, int]] = {}
         for key, targets in FORCED.items():
             if key in knobs:

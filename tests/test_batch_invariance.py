@@ -197,20 +197,28 @@ def test_topk_first_batched_dims_and_nan():
 @pytest.mark.parametrize("preset", ["default", "dsa-tiny", "glm5-tiny"])
 @pytest.mark.parametrize("path", ["host", "graph"])
 def test_gpu_every_stream_alone_equals_batched(preset, path):
-    """On a GPU, host path and graphed step: each of 6 streams (one 12x longer) alone gets the tokens it gets in
-    the batch, greedy and sampled (the graphed step attends over a span set by the longest stream: this is where a
-    span-dependent sum would show)."""
+    """On a GPU, host path and graphed step: each of 6 streams (one 12x longer) alone gets the logits (bitwise, every
+    step) and tokens it gets in the batch, greedy, and the tokens sampled (the graphed step attends over a span set
+    by the longest stream: this is where a span-dependent sum would show; the lm_head takes the packed kernel, whose
+    row sums do not depend on the row count, as cuBLAS's do)."""
     ckpt = f"preset:{preset}:nvfp4"
     e = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
     assert e.set_decode_path(path, "local") == path
+    assert e.model.head_packed is not None
     p = default_prompts(6, e.cfg.vocab_size)
     p[1] = p[1] * 12
     sp = [Sampling(temperature=0.9, top_p=0.95, seed=40 + s) for s in range(6)]
     n = 12
-    greedy, sampled = e.generate(p, n), e.generate(p, n, sampling=sp)
+    batch = []
+    greedy = e.generate(p, n, on_step=lambda step, lg: batch.append(lg.clone()))
+    sampled = e.generate(p, n, sampling=sp)
     assert greedy.path == path and not greedy.note, greedy.note
     for s in range(6):
-        assert e.generate([p[s]], n).tokens[0] == greedy.tokens[s], f"{preset} {path}: stream {s} greedy"
+        alone = []
+        assert e.generate([p[s]], n, on_step=lambda step, lg: alone.append(lg[0].clone())).tokens[0] == \
+            greedy.tokens[s], f"{preset} {path}: stream {s} greedy"
+        differ = [t for t in range(n) if not torch.equal(alone[t], batch[t][s])]
+        assert not differ, f"{preset} {path}: stream {s} alone vs in 6: logits differ at steps {differ}"
         assert e.generate([p[s]], n, sampling=[sp[s]]).tokens[0] == sampled.tokens[s], f"{preset} {path}: stream {s}"
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import (Rope, held, load_embed_head, load_ffn, load_linear, load_swiglu,
-                                     move_stack, norm_of, pack_linears, pack_mlps, prefill_blocks, release_stored,
+from rocket_mpi.model.layers import (Rope, head_logits, held, load_embed_head, load_ffn, load_linear, load_swiglu,
+                                     move_stack, norm_of, pack_head, pack_mlps, prefill_blocks, release_stored,
                                      stack_kernel_enabled, stack_linears, stack_mlp, stack_rows, stored_nbytes,
                                      unique_nbytes)
 
@@ -131,10 +130,7 @@ class Glm4MoeModel:
                 a.o_packed = ops.pack_linear(held(a, "o"), device=dev)
                 release_stored(a, ["q", "k", "v", "o"], dev)
             pack_mlps(L, dev)
-        if self.head_packed is None:
-            self.head_packed = pack_linears(held(self, "lm_head"), device=dev)
-            if self.head_packed is not None:
-                release_stored(self, ["lm_head"], dev)
+        pack_head(self, dev)
 
     def nbytes(self) -> int:
         """Bytes a step reads (but the embedding's rows): the dense weights, and where the device holds NVFP4
@@ -220,12 +216,7 @@ class Glm4MoeModel:
         return self.head(h)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """lm_head over the final normed rows -> bf16 logits: its packed copy where pack_stack made one (each row on
-        its own, at any row count: cuBLAS picks its kernel, and with it a row's sums, by how many rows there are),
-        else F.linear."""
-        if self.head_packed is not None:
-            return ops.linear(h, self.head_packed)[0]
-        return F.linear(h, self.lm_head)
+        return head_logits(self, h)
 
     def decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor, span: int,
                          rows: torch.Tensor | None) -> torch.Tensor:

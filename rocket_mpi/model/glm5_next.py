@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader
@@ -29,8 +28,9 @@ from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_p
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
-from rocket_mpi.model.layers import (latent_input_linears, load_swiglu, mlp_forward, move_stack, norm_of,
-                                     pack_linears, pack_mlps, rms_norm, stack_kernel_enabled, stored_nbytes,
+from rocket_mpi.model.layers import (head_logits, latent_input_linears, load_swiglu, mlp_forward, move_stack,
+                                     norm_of, pack_head, pack_linears, pack_mlps, rms_norm, stack_kernel_enabled,
+                                     stored_nbytes,
                                      unique_nbytes)
 
 DT = torch.bfloat16
@@ -99,6 +99,7 @@ class Glm5NextModel:
         r = cfg.raw
         self.cfg = cfg
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+        self.head_packed = None     # pack_stack: lm_head in the kernel's tiles (layers.pack_head)
         self.hc_args = HcArgs(r["hc_mult"], r["hc_sinkhorn_iters"], r["hc_eps"], cfg.rms_norm_eps)
         self.kda_args = KdaArgs(r["linear_num_heads"], r["linear_head_dim"], r["linear_conv_kernel_dim"],
                                 r["linear_lower_bound"], cfg.rms_norm_eps)
@@ -220,8 +221,8 @@ class Glm5NextModel:
         """The stack's linears also in BF16 tiles (as glm4_moe.pack_stack), which steps of at most
         ops.STACK_KERNEL_MAX_ROWS rows take: KDA's qkv | f_a | g_a (one launch over the normed input), b, f_b,
         g_b, o; MLA's q_a | kv_a | indexer wk, the indexer's gate | weights, q_b, wq_b, o; the dense and shared
-        SwiGLU MLPs (swiglu_limit's clamp in the kernel's epilogue). On the CPU the packed forms run F.linear on the
-        unpacked weights: the same bits."""
+        SwiGLU MLPs (swiglu_limit's clamp in the kernel's epilogue); the lm_head, which every step and prefill
+        takes. On the CPU the packed forms run F.linear on the unpacked weights: the same bits."""
         dev = self.embed.device
         for L in self.layers:
             k, a = L.kda, L.mla
@@ -235,6 +236,7 @@ class Glm5NextModel:
                             "ix": None if ix is None else pack_linears([ix.gate, ix.weights]),
                             "wq_b": None if ix is None else pack_linears([ix.wq_b])}
             pack_mlps(L, dev)
+        pack_head(self, dev)
 
     def _section(self, *key):
         return NO_TIMER if self.timers is None else self.timers(key)
@@ -289,7 +291,7 @@ class Glm5NextModel:
         with self._section("head"):
             last = (torch.tensor(offs[1:]) - 1).to(dev)
             h = rms_norm(streams[last].mean(dim=1), self.norm, cfg.rms_norm_eps)
-            return F.linear(h, self.lm_head).float()
+            return head_logits(self, h).float()
 
     def forward_static(self, tokens: torch.Tensor, pos: torch.Tensor, cache: Glm5NextCache, moe,
                        span: int | None = None) -> torch.Tensor:
@@ -335,4 +337,4 @@ class Glm5NextModel:
                 y = moe(i, h, L, shared=lambda: mlp_forward(hs, L.shared, L.shared_packed, limit=self.limit))
             streams = hc_post(post, comb, y, streams, fuse)
         h = norm(streams.mean(dim=1), self.norm, eps)
-        return F.linear(h, self.lm_head)  # bf16, as glm4_moe.forward_static
+        return head_logits(self, h)  # bf16, as glm4_moe.forward_static

@@ -31,9 +31,9 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
-from rocket_mpi.model.layers import (Rope, distinct_writes, held, latent_attention, latent_input_linears,
+from rocket_mpi.model.layers import (Rope, distinct_writes, head_logits, held, latent_attention, latent_input_linears,
                                      linear_rows, linears, load_embed_head, load_ffn, load_linear, load_swiglu,
-                                     matmul_fp32, mlp_forward, move_stack, norm_of, pack_linears, pack_mlps,
+                                     matmul_fp32, mlp_forward, move_stack, norm_of, pack_head, pack_linears, pack_mlps,
                                      prefill_blocks, release_stored, rms_norm, stack_kernel_enabled, stored_nbytes,
                                      unique_nbytes)
 
@@ -150,6 +150,7 @@ class GlmMoeDsaModel:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head      # [V, H]
+        self.head_packed = None     # pack_stack: lm_head in the kernel's tiles (layers.pack_head)
         self.heads = cfg.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"], raw["v_head_dim"]
         self.latent = raw["kv_lora_rank"]
@@ -227,7 +228,8 @@ class GlmMoeDsaModel:
         """Every layer's q_a | kv_a | indexer wk (one launch over the normed input), q_b, the indexer's wq_b, o and
         the SwiGLU MLPs also in BF16 tiles (as glm4_moe.pack_stack), which steps of at most
         ops.STACK_KERNEL_MAX_ROWS rows take: decode steps read the weights at about copy bandwidth with no
-        split-K reduce kernels. On the CPU the packed forms run F.linear on the unpacked weights: the same bits."""
+        split-K reduce kernels; the lm_head too, which every step and prefill takes. On the CPU the packed forms
+        run F.linear on the unpacked weights: the same bits."""
         dev = self.embed.device
         for L in self.layers:
             a, ix = L.attn, L.attn.indexer
@@ -242,6 +244,7 @@ class GlmMoeDsaModel:
                     if owner is not None and P[key] is not None:
                         release_stored(owner, names, dev)
             pack_mlps(L, dev)
+        pack_head(self, dev)
 
     def _section(self, *key):
         return NO_TIMER if self.timers is None else self.timers(key)
@@ -286,7 +289,7 @@ class GlmMoeDsaModel:
         with self._section("head"):
             last = (torch.tensor(seqlens).cumsum(0) - 1).to(dev)
             h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
-            return F.linear(h, self.lm_head).float()
+            return head_logits(self, h).float()
 
     def _indexer_k(self, ix: Indexer, wk_h, cos, sin):
         """wk_h: the indexer's wk over the normed input [T, index_dim] -> its keys [T, index_dim] (BF16, layer-normed
@@ -483,4 +486,4 @@ class GlmMoeDsaModel:
                 x, h = moe(i, h, L, shared=shared, residual=x), None
         if h is None:
             h = norm(x, self.norm, eps)
-        return F.linear(h, self.lm_head)  # bf16, as glm4_moe.forward_static
+        return head_logits(self, h)  # bf16, as glm4_moe.forward_static

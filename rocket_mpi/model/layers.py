@@ -269,6 +269,25 @@ def pack_mlps(layer, device) -> None:
             release_stored(layer, [name], device)
 
 
+def pack_head(model, device) -> None:
+    """model.lm_head also in the kernel's tiles (model.head_packed, once; as stored where it is NVFP4, its dense copy
+    then released): every head() takes it, so a stream's logits do not depend on how many rows share the launch
+    (cuBLAS picks its kernel, and with it a row's sums, by the row count). The copy adds vocab x hidden x 2 bytes to
+    the device where the head is BF16."""
+    if model.head_packed is None:
+        model.head_packed = pack_linears(held(model, "lm_head"), device=device)
+        if model.head_packed is not None:
+            release_stored(model, ["lm_head"], device)
+
+
+def head_logits(model, h: torch.Tensor) -> torch.Tensor:
+    """lm_head over the final normed rows -> bf16 logits: its packed copy where pack_head made one (each row on its
+    own, at any row count), else F.linear."""
+    if model.head_packed is not None:
+        return ops.linear(h, model.head_packed)[0]
+    return F.linear(h, model.lm_head)
+
+
 def held(obj, *names) -> list:
     """Fields of a weights dataclass as pack_stack packs them: NVFP4 parts as stored where obj.stored has them
     (reader.Linear), else the dense tensors."""

@@ -131,7 +131,8 @@ class ShmFabric(DoorbellFabric):
         return DoorbellSlots(self, cap, device)
 
     def address(self, rank: int, offset: int = 0) -> int:
-        """The address of byte `offset` of rank `rank`'s segment in this process (the proxy's puts and rings)."""
+        """The address of byte `offset` of rank `rank`'s segment in this process (the proxy's rings; registered with
+        CUDA, the stage kernel's puts)."""
         return np.frombuffer(self.maps[rank], dtype=np.uint8, count=1, offset=offset).ctypes.data
 
     def close(self):

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from rocket_mpi import ops
 from rocket_mpi.model.layers import linear_rows

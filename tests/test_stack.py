@@ -270,11 +270,11 @@ def test_pack_mlp_nvfp4_is_the_dequantised_mlp():
 
 @pytest.fixture(scope="module")
 def all_ckpts(tmp_path_factory):
-    """tiny (glm4_moe) and dsa-tiny (GLM-5's MLA) with every Linear NVFP4 as ModelOpt's all-Linears recipe does
-    (lm_head, the routers and the first dense layers excluded)."""
+    """tiny (glm4_moe), dsa-tiny (GLM-5's MLA) and glm5-tiny (GLM-5.3-Flash: KDA and MLA) with every Linear NVFP4
+    as ModelOpt's all-Linears recipe does (lm_head and the routers excluded)."""
     from rocket_mpi.checkpoint.make import make_checkpoint
     out = {}
-    for preset in ("tiny", "dsa-tiny"):
+    for preset in ("tiny", "dsa-tiny", "glm5-tiny"):
         out[preset] = str(tmp_path_factory.mktemp(preset + "_all"))
         make_checkpoint(preset, out[preset], seed=3, nvfp4_all=True)
     return out
@@ -290,17 +290,24 @@ def _long_logits(model, device="cpu"):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "dsa-tiny"])
+def _attention(model):
+    """The first layer's attention that holds NVFP4 linears as stored (glm4_moe's, GLM-5's MLA; GLM-5.3-Flash:
+    its first MLA layer, whose indexer too)."""
+    return next(L.attn if hasattr(L, "attn") else L.mla for L in model.layers
+                if getattr(L, "attn", None) is not None or getattr(L, "mla", None) is not None)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "dsa-tiny", "glm5-tiny"])
 def test_packed_stack_nvfp4_held_as_stored_cpu_same_logits(preset, all_ckpts, one_thread, monkeypatch):
-    """An `:nvfp4-all` stack packed as stored: the NVFP4 linears (glm4_moe's q/k/v/o; MLA's q_a | kv_a, q_b, o) and
-    MLPs in NVFP4 tiles. On the CPU the dense weights stay (bit for bit the loader's logits); where the device holds
+    """An `:nvfp4-all` stack packed as stored: the NVFP4 linears (glm4_moe's q/k/v/o; MLA's q_a | kv_a, q_b, o and
+    the indexer's wk, wq_b) and MLPs in NVFP4 tiles (GLM-5.3-Flash's KDA linears stay BF16). On the CPU the dense weights stay (bit for bit the loader's logits); where the device holds
     them as stored (emulated here: layers.holds_stored) the dense fields are released, nbytes counts the packed
     bytes instead, steps of more than 16 rows dequantise the packed copy, and the logits are still the same bits;
     a move rebuilds the released fields exactly."""
     from rocket_mpi.model import layers
     reader = CheckpointReader(all_ckpts[preset])
     model = model_class(reader.config.model_type).load(reader)
-    attn = model.layers[0].attn
+    attn = _attention(model)
     assert attn.stored and any(L.stored for L in model.layers)
     dense = {k: getattr(attn, k).clone() for k in attn.stored}
     ref, ref_long, bf16_bytes = _family_logits(model), _long_logits(model), model.nbytes()
@@ -316,8 +323,10 @@ def test_packed_stack_nvfp4_held_as_stored_cpu_same_logits(preset, all_ckpts, on
     model = model_class(reader.config.model_type).load(reader)
     monkeypatch.setattr(layers, "holds_stored", lambda device: True)
     model.pack_stack()
-    attn = model.layers[0].attn
+    attn = _attention(model)
     assert all(getattr(attn, k) is None for k in attn.stored)
+    ix = getattr(attn, "indexer", None)
+    assert ix is None or (ix.stored and all(getattr(ix, k) is None for k in ix.stored))
     assert all(getattr(L, n) == (None, None) for L in model.layers for n in L.stored)
     assert model.nbytes() < bf16_bytes
     assert torch.equal(_family_logits(model), ref) and torch.equal(_long_logits(model), ref_long)
@@ -537,7 +546,7 @@ def test_gpu_nvfp4_swiglu_dense_matches_reference_and_rows_are_independent(h, i,
 
 
 @gpu
-@pytest.mark.parametrize("preset", ["tiny", "dsa-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "dsa-tiny", "glm5-tiny"])
 def test_gpu_nvfp4_stack_held_as_stored(preset, all_ckpts, monkeypatch):
     """An `:nvfp4-all` model moved to the GPU holds its NVFP4 stack weights as stored (dense fields released, nbytes
     the packed bytes), its decode steps in the NVFP4 kernels (counted) and a 20-row prefill dequantising on the fly:
@@ -547,7 +556,7 @@ def test_gpu_nvfp4_stack_held_as_stored(preset, all_ckpts, monkeypatch):
     ref_model, model = (model_class(reader.config.model_type).load(reader) for _ in range(2))
     ref, ref_long, cpu_bytes = _family_logits(ref_model), _long_logits(ref_model), ref_model.nbytes()
     model.to("cuda")
-    attn = model.layers[0].attn
+    attn = _attention(model)
     assert attn.stored and all(getattr(attn, k) is None for k in attn.stored)
     assert model.nbytes() < cpu_bytes
     calls = _count_calls(monkeypatch)

@@ -28,10 +28,9 @@ from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_p
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
-from rocket_mpi.model.layers import (head_logits, latent_input_linears, load_swiglu, mlp_forward, move_stack,
-                                     norm_of, pack_head, pack_linears, pack_mlps, rms_norm, stack_kernel_enabled,
-                                     stored_nbytes,
-                                     unique_nbytes)
+from rocket_mpi.model.layers import (head_logits, load_linear, load_swiglu, mlp_forward, move_stack, norm_of,
+                                     pack_head, pack_linears, pack_mla, pack_mlps, rms_norm, stack_kernel_enabled,
+                                     stored_nbytes, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -118,8 +117,9 @@ class Glm5NextModel:
         cfg, r = reader.config, reader.config.raw
         h, pre = cfg.hidden_size, _prefix(reader)
 
-        def lin(name, n, k):
-            return reader.linear(name, n, k).dense(DT)
+        def lin(name, n, k, stored=None, key=None):
+            # BF16 or NVFP4 (dequantised; where `stored` is given also held as stored on a GPU: layers)
+            return load_linear(reader, name, n, k, False, stored, key, DT)[0]
 
         def bias(name, n, on):
             return reader.get_float(name, (n,), DT) if on else None
@@ -133,7 +133,7 @@ class Glm5NextModel:
                     return nm
             raise CheckpointError(f"{reader.dir}: missing tensor '{names[0]}'")
 
-        def mlp(p, inter, stored):  # the MLPs are held as stored on a GPU (layers); KDA's and MLA's linears dense
+        def mlp(p, inter, stored):  # the MLPs are held as stored on a GPU (layers), as MLA's linears; KDA's dense
             key = "shared" if p.endswith("shared_experts") else "mlp"
             return load_swiglu(reader, p, h, inter, DT, stored, key)
 
@@ -164,19 +164,19 @@ class Glm5NextModel:
         def mla(p, full):
             a, ab = cfg.num_attention_heads, cfg.attention_bias
             ql, kl, dq, dv = r["q_lora_rank"], r["kv_lora_rank"], r["qk_nope_head_dim"], r["v_head_dim"]
-            ix = None
+            ix, st, ist = None, {}, {}  # the NVFP4 parts of the linears the GPU holds as stored (GLM-5's as well)
             if full:
                 ih, d, kp = r["index_n_heads"], r["index_head_dim"], r["index_kpool"]
                 q = f"{p}.indexer"
-                ix = Indexer(lin(f"{q}.wq_b", ih * d, ql), lin(f"{q}.wk", d, h), vec(f"{q}.k_norm.weight", d),
-                             vec(f"{q}.k_norm.bias", d), lin(f"{q}.weights_proj", ih, h),
+                ix = Indexer(lin(f"{q}.wq_b", ih * d, ql, ist, "wq_b"), lin(f"{q}.wk", d, h, ist, "wk"),
+                             vec(f"{q}.k_norm.weight", d), vec(f"{q}.k_norm.bias", d), lin(f"{q}.weights_proj", ih, h),
                              reader.get_float(f"{q}.index_kpool_compress_ape", (kp, d), DT).float(),
-                             reader.get_float(f"{q}.index_kpool_compress_gate", (d, h), DT))
-            return MLA(lin(f"{p}.q_a_proj", ql, h), bias(f"{p}.q_a_proj.bias", ql, ab),
-                       vec(f"{p}.q_a_layernorm.weight", ql), lin(f"{p}.q_b_proj", a * dq, ql),
-                       lin(f"{p}.kv_a_proj_with_mqa", kl, h), bias(f"{p}.kv_a_proj_with_mqa.bias", kl, ab),
+                             reader.get_float(f"{q}.index_kpool_compress_gate", (d, h), DT), stored=ist)
+            return MLA(lin(f"{p}.q_a_proj", ql, h, st, "q_a"), bias(f"{p}.q_a_proj.bias", ql, ab),
+                       vec(f"{p}.q_a_layernorm.weight", ql), lin(f"{p}.q_b_proj", a * dq, ql, st, "q_b"),
+                       lin(f"{p}.kv_a_proj_with_mqa", kl, h, st, "kv_a"), bias(f"{p}.kv_a_proj_with_mqa.bias", kl, ab),
                        vec(f"{p}.kv_a_layernorm.weight", kl), lin(f"{p}.kv_b_proj", a * (dq + dv), kl),
-                       lin(f"{p}.o_proj", h, a * dv), bias(f"{p}.o_proj.bias", h, ab), ix)
+                       lin(f"{p}.o_proj", h, a * dv, st, "o"), bias(f"{p}.o_proj.bias", h, ab), ix, stored=st)
 
         layers = []
         types, idx = r["layer_types"], r["indexer_types"]
@@ -220,9 +220,10 @@ class Glm5NextModel:
     def pack_stack(self) -> None:
         """The stack's linears also in BF16 tiles (as glm4_moe.pack_stack), which steps of at most
         ops.STACK_KERNEL_MAX_ROWS rows take: KDA's qkv | f_a | g_a (one launch over the normed input), b, f_b,
-        g_b, o; MLA's q_a | kv_a | indexer wk, the indexer's gate | weights, q_b, wq_b, o; the dense and shared
-        SwiGLU MLPs (swiglu_limit's clamp in the kernel's epilogue); the lm_head, which every step and prefill
-        takes. On the CPU the packed forms run F.linear on the unpacked weights: the same bits."""
+        g_b, o; MLA's q_a | kv_a | indexer wk, the indexer's gate | weights, q_b, wq_b, o (NVFP4 ones held as
+        stored, as the MLPs: layers.pack_mla); the dense and shared SwiGLU MLPs (swiglu_limit's clamp in the kernel's
+        epilogue); the lm_head, which every step and prefill takes. On the CPU the packed forms run F.linear on the
+        unpacked weights: the same bits."""
         dev = self.embed.device
         for L in self.layers:
             k, a = L.kda, L.mla
@@ -231,10 +232,7 @@ class Glm5NextModel:
                             "f_b": pack_linears([k.f_b]), "g_b": pack_linears([k.g_b]), "o": pack_linears([k.o])}
             if a is not None and a.packed is None:
                 ix = a.indexer
-                a.packed = {"h": pack_linears(*latent_input_linears(a)), "q_b": pack_linears([a.q_b]),
-                            "o": pack_linears([a.o], [a.o_bias]),
-                            "ix": None if ix is None else pack_linears([ix.gate, ix.weights]),
-                            "wq_b": None if ix is None else pack_linears([ix.wq_b])}
+                a.packed = {**pack_mla(a, dev), "ix": None if ix is None else pack_linears([ix.gate, ix.weights])}
             pack_mlps(L, dev)
         pack_head(self, dev)
 

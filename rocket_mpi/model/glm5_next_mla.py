@@ -20,13 +20,13 @@ the previous (full) layer's selection instead of running its own indexer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from rocket_mpi.model.layers import (distinct_writes, latent_attention, latent_input_linears, linear_rows, linears,
-                                     matmul_fp32, norm_of, prefill_blocks, rms_norm)
+from rocket_mpi.model.layers import (dense_linears, distinct_writes, latent_attention, latent_input_linears,
+                                     linear_rows, linears, matmul_fp32, norm_of, prefill_blocks, rms_norm)
 from rocket_mpi.ops.select import topk_first
 
 DT = torch.bfloat16
@@ -41,6 +41,7 @@ class Indexer:
     weights: torch.Tensor       # [ih, H] per-head weights of the score
     ape: torch.Tensor           # [kpool, d] fp32 (BF16 values): per-slot bias of the pool softmax
     gate: torch.Tensor          # [d, H] pool softmax logits
+    stored: dict = field(default_factory=dict)  # NVFP4 parts of wq_b / wk (layers: held as stored)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class MLA:
     # does not fit): "h" q_a | kv_a (| the indexer's wk), "ix" the indexer's gate | weights (each one launch over
     # the normed input), "q_b", "wq_b", "o"
     packed: dict | None = None
+    stored: dict = field(default_factory=dict)  # NVFP4 parts of q_a / kv_a / q_b / o (layers: held as stored)
 
 
 @dataclass(frozen=True)
@@ -245,15 +247,20 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
         return mla_decode(a, h, c, torch.tensor([starts[s] for s in live], device=h.device),
                           max(starts[s] for s in live) + 1, args, shared, streams=torch.tensor(live, device=h.device))
     t = h.shape[0]
-    q_resid = rms_norm(F.linear(h, a.q_a, a.q_a_bias), a.q_a_norm, args.eps)          # [T, q_lora]
-    q = F.linear(q_resid, a.q_b).view(t, args.heads, args.qk_dim)
-    latent = rms_norm(F.linear(h, a.kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)        # [T, kv_lora]
+    # the dense weights: as loaded, or where the device holds NVFP4 ones as stored (pack_stack released them), their
+    # packed copies dequantised for this prefill (the same bits)
+    P = a.packed or {}
+    q_a, kv_a, *wk = dense_linears(latent_input_linears(a)[0], P.get("h"))
+    q_resid = rms_norm(F.linear(h, q_a, a.q_a_bias), a.q_a_norm, args.eps)             # [T, q_lora]
+    q = F.linear(q_resid, dense_linears([a.q_b], P.get("q_b"))[0]).view(t, args.heads, args.qk_dim)
+    latent = rms_norm(F.linear(h, kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)           # [T, kv_lora]
     ix, iq, iw = a.indexer, None, None
     if ix is not None:
-        ik = F.layer_norm(F.linear(h, ix.wk), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
+        ik = F.layer_norm(F.linear(h, wk[0]), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
         ig = F.linear(h, ix.gate)
         if any((p0 + n) // args.kpool > args.index_topk // args.kpool for p0, n in zip(starts, seqlens)):
-            iq = F.linear(q_resid, ix.wq_b).view(t, args.index_heads, args.index_dim)  # some rows pick pools
+            wq_b = dense_linears([ix.wq_b], P.get("wq_b"))[0]
+            iq = F.linear(q_resid, wq_b).view(t, args.index_heads, args.index_dim)      # some rows pick pools
             iw = linear_rows(h, ix.weights).float() * args.index_heads ** -0.5         # [T, ih]
     sels, outs, off = [], [], 0
     for s, (p0, n) in enumerate(zip(starts, seqlens)):
@@ -271,7 +278,7 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
         sels.append(sel)
         outs += _prefill_attention(a, q[off:off + n], c.latent[s], sel, args)
         off += n
-    return F.linear(torch.cat(outs), a.o, a.o_bias), sels
+    return F.linear(torch.cat(outs), dense_linears([a.o], P.get("o"))[0], a.o_bias), sels
 
 
 def _prefill_attention(a: MLA, q: torch.Tensor, latents: torch.Tensor, sel: PoolSelection,

@@ -31,11 +31,10 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
-from rocket_mpi.model.layers import (Rope, distinct_writes, head_logits, held, latent_attention, latent_input_linears,
+from rocket_mpi.model.layers import (Rope, distinct_writes, head_logits, latent_attention, latent_input_linears,
                                      linear_rows, linears, load_embed_head, load_ffn, load_linear, load_swiglu,
-                                     matmul_fp32, mlp_forward, move_stack, norm_of, pack_head, pack_linears, pack_mlps,
-                                     prefill_blocks, release_stored, rms_norm, stack_kernel_enabled, stored_nbytes,
-                                     unique_nbytes)
+                                     matmul_fp32, mlp_forward, move_stack, norm_of, pack_head, pack_mla, pack_mlps,
+                                     prefill_blocks, rms_norm, stack_kernel_enabled, stored_nbytes, unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -232,17 +231,8 @@ class GlmMoeDsaModel:
         run F.linear on the unpacked weights: the same bits."""
         dev = self.embed.device
         for L in self.layers:
-            a, ix = L.attn, L.attn.indexer
-            if a.packed is None:
-                P = a.packed = {"h": pack_linears(*latent_input_linears(a, stored=True), device=dev),
-                                "q_b": pack_linears(held(a, "q_b"), device=dev),
-                                "wq_b": None if ix is None else pack_linears(held(ix, "wq_b"), device=dev),
-                                "o": pack_linears(held(a, "o"), [a.o_bias], device=dev)}
-                # NVFP4 weights packed as stored: their dense copies go where the device holds the packed ones alone
-                for owner, names, key in ((a, ["q_a", "kv_a"], "h"), (ix, ["wk"], "h"), (a, ["q_b"], "q_b"),
-                                          (ix, ["wq_b"], "wq_b"), (a, ["o"], "o")):
-                    if owner is not None and P[key] is not None:
-                        release_stored(owner, names, dev)
+            if L.attn.packed is None:
+                L.attn.packed = pack_mla(L.attn, dev)
             pack_mlps(L, dev)
         pack_head(self, dev)
 

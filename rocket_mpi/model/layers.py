@@ -269,6 +269,22 @@ def pack_mlps(layer, device) -> None:
             release_stored(layer, [name], device)
 
 
+def pack_mla(a, device) -> dict:
+    """An MLA layer's linears (GLM-5's Attention, GLM-5.3-Flash's MLA) in the kernel's tiles: "h" q_a | kv_a (| the
+    indexer's wk; one launch over the normed input), "q_b", "wq_b" (the indexer's, where the layer runs one), "o";
+    NVFP4 ones held as stored (held()), their dense copies released where the device holds the packed ones alone."""
+    ix = a.indexer
+    P = {"h": pack_linears(*latent_input_linears(a, stored=True), device=device),
+         "q_b": pack_linears(held(a, "q_b"), device=device),
+         "wq_b": None if ix is None else pack_linears(held(ix, "wq_b"), device=device),
+         "o": pack_linears(held(a, "o"), [a.o_bias], device=device)}
+    for owner, names, key in ((a, ["q_a", "kv_a"], "h"), (ix, ["wk"], "h"), (a, ["q_b"], "q_b"),
+                              (ix, ["wq_b"], "wq_b"), (a, ["o"], "o")):
+        if owner is not None and P[key] is not None:
+            release_stored(owner, names, device)
+    return P
+
+
 def pack_head(model, device) -> None:
     """model.lm_head also in the kernel's tiles (model.head_packed, once; as stored where it is NVFP4, its dense copy
     then released): every head() takes it, so a stream's logits do not depend on how many rows share the launch

@@ -226,7 +226,7 @@ def test_gpu_graph_steps_launched_ahead_change_nothing(streams, preset, monkeypa
 
 
 @gpu
-@pytest.mark.parametrize("preset", ["default", "dsa-tiny"])
+@pytest.mark.parametrize("preset", ["default", "dsa-tiny", "glm5-tiny"])
 def test_gpu_graph_decode_nvfp4_all_equals_eager_device_step(preset):
     """`:nvfp4-all`: the stack held as stored on the GPU (NVFP4 attention projections, dense MLPs and shared experts
     in the expert kernel's NVFP4 tiles, their dense copies released) in the captured step: the graph replays the
@@ -240,7 +240,8 @@ def test_gpu_graph_decode_nvfp4_all_equals_eager_device_step(preset):
                        (f"preset:{preset}:nvfp4-all", "graph")):
         eng = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
         stack[ckpt] = eng.stack_read_bytes()
-        attn = eng.model.layers[0].attn
+        attn = next(L.attn if hasattr(L, "attn") else L.mla for L in eng.model.layers   # GLM-5.3-Flash: its first
+                    if getattr(L, "attn", None) is not None or getattr(L, "mla", None) is not None)  # MLA layer
         assert all(getattr(attn, k) is None for k in attn.stored) and bool(attn.stored) == (path is not None)
         if path is None:
             continue

@@ -300,10 +300,11 @@ def _attention(model):
 @pytest.mark.parametrize("preset", ["tiny", "dsa-tiny", "glm5-tiny"])
 def test_packed_stack_nvfp4_held_as_stored_cpu_same_logits(preset, all_ckpts, one_thread, monkeypatch):
     """An `:nvfp4-all` stack packed as stored: the NVFP4 linears (glm4_moe's q/k/v/o; MLA's q_a | kv_a, q_b, o and
-    the indexer's wk, wq_b) and MLPs in NVFP4 tiles (GLM-5.3-Flash's KDA linears stay BF16). On the CPU the dense weights stay (bit for bit the loader's logits); where the device holds
-    them as stored (emulated here: layers.holds_stored) the dense fields are released, nbytes counts the packed
-    bytes instead, steps of more than 16 rows dequantise the packed copy, and the logits are still the same bits;
-    a move rebuilds the released fields exactly."""
+    the indexer's wk, wq_b; KDA's q | k | v, f_a | g_a, b, f_b, g_b, o) and MLPs in NVFP4 tiles. On the CPU the
+    dense weights stay (bit for bit the loader's logits); where the device holds them as stored (emulated here:
+    layers.holds_stored) the dense fields are released, nbytes counts the packed bytes instead, steps of more than
+    16 rows dequantise the packed copy, and the logits are still the same bits; a move rebuilds the released fields
+    exactly."""
     from rocket_mpi.model import layers
     reader = CheckpointReader(all_ckpts[preset])
     model = model_class(reader.config.model_type).load(reader)
@@ -327,6 +328,13 @@ def test_packed_stack_nvfp4_held_as_stored_cpu_same_logits(preset, all_ckpts, on
     assert all(getattr(attn, k) is None for k in attn.stored)
     ix = getattr(attn, "indexer", None)
     assert ix is None or (ix.stored and all(getattr(ix, k) is None for k in ix.stored))
+    for kda in [L.kda for L in model.layers if getattr(L, "kda", None) is not None]:  # GLM-5.3-Flash's KDA layers
+        assert set(kda.stored) == {"qkv", "f_a", "f_b", "b", "g_a", "g_b", "o"}
+        for name in kda.stored:  # released where packed (tiny shapes not whole tiles of 16 keep F.linear)
+            packed = kda.packed["h" if name in ("qkv", "f_a", "g_a") else name] is not None
+            assert (getattr(kda, name) is None) == packed, name
+        h = kda.packed["h"]  # q | k | v in one launch, then f_a | g_a (apart where f_a does not end on 32 features)
+        assert len(h[0].ends) == 3 and sum(len(p.ends) for p in h) == 5
     assert all(getattr(L, n) == (None, None) for L in model.layers for n in L.stored)
     assert model.nbytes() < bf16_bytes
     assert torch.equal(_family_logits(model), ref) and torch.equal(_long_logits(model), ref_long)

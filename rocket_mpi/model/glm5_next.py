@@ -25,7 +25,7 @@ from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import CheckpointError
 from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_pre
-from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward
+from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward, pack_kda
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
 from rocket_mpi.model.layers import (head_logits, load_linear, load_swiglu, mlp_forward, move_stack, norm_of,
@@ -133,7 +133,7 @@ class Glm5NextModel:
                     return nm
             raise CheckpointError(f"{reader.dir}: missing tensor '{names[0]}'")
 
-        def mlp(p, inter, stored):  # the MLPs are held as stored on a GPU (layers), as MLA's linears; KDA's dense
+        def mlp(p, inter, stored):  # the MLPs are held as stored on a GPU (layers), as MLA's and KDA's linears
             key = "shared" if p.endswith("shared_experts") else "mlp"
             return load_swiglu(reader, p, h, inter, DT, stored, key)
 
@@ -149,17 +149,21 @@ class Glm5NextModel:
         def kda(p):
             nh, dk, kk = r["linear_num_heads"], r["linear_head_dim"], r["linear_conv_kernel_dim"]
             d = nh * dk
-            qkv = torch.cat([lin(f"{p}.{x}_proj", d, h) for x in "qkv"])
+            st, parts = {}, {}  # the NVFP4 parts of the linears the GPU holds as stored
+            qkv = torch.cat([lin(f"{p}.{x}_proj", d, h, parts, x) for x in "qkv"])
+            if len(parts) == 3:
+                st["qkv"] = [parts[x] for x in "qkv"]
             if f"{p}.q_conv1d.weight" in reader:
                 conv = torch.cat([reader.get_float(f"{p}.{x}_conv1d.weight", (d, 1, kk), torch.float32) for x in "qkv"])
             else:
                 conv = reader.get_float(f"{p}.conv1d.weight", (3 * d, 1, kk), torch.float32)
             fg = "" if f"{p}.f_a_proj.weight" in reader else ".forget_gate"
             return KDA(qkv, conv[:, 0, :].contiguous(),
-                       lin(f"{p}{fg}.f_a_proj", dk, h), lin(f"{p}{fg}.f_b_proj", d, dk),
+                       lin(f"{p}{fg}.f_a_proj", dk, h, st, "f_a"), lin(f"{p}{fg}.f_b_proj", d, dk, st, "f_b"),
                        vec(f"{p}{fg}.dt_bias", d, torch.float32), vec(f"{p}{fg}.A_log", nh, torch.float32),
-                       lin(f"{p}.b_proj", nh, h), lin(f"{p}.g_a_proj", dk, h), lin(f"{p}.g_b_proj", d, dk),
-                       vec(f"{p}.o_norm.weight", dk).float(), lin(f"{p}.o_proj", h, d))
+                       lin(f"{p}.b_proj", nh, h, st, "b"), lin(f"{p}.g_a_proj", dk, h, st, "g_a"),
+                       lin(f"{p}.g_b_proj", d, dk, st, "g_b"), vec(f"{p}.o_norm.weight", dk).float(),
+                       lin(f"{p}.o_proj", h, d, st, "o"), stored=st)
 
         def mla(p, full):
             a, ab = cfg.num_attention_heads, cfg.attention_bias
@@ -218,18 +222,17 @@ class Glm5NextModel:
         return self
 
     def pack_stack(self) -> None:
-        """The stack's linears also in BF16 tiles (as glm4_moe.pack_stack), which steps of at most
+        """The stack's linears also in the kernel's tiles (as glm4_moe.pack_stack), which steps of at most
         ops.STACK_KERNEL_MAX_ROWS rows take: KDA's qkv | f_a | g_a (one launch over the normed input), b, f_b,
-        g_b, o; MLA's q_a | kv_a | indexer wk, the indexer's gate | weights, q_b, wq_b, o (NVFP4 ones held as
-        stored, as the MLPs: layers.pack_mla); the dense and shared SwiGLU MLPs (swiglu_limit's clamp in the kernel's
-        epilogue); the lm_head, which every step and prefill takes. On the CPU the packed forms run F.linear on the
-        unpacked weights: the same bits."""
+        g_b, o (glm5_next_kda.pack_kda); MLA's q_a | kv_a | indexer wk, the indexer's gate | weights, q_b, wq_b, o
+        (layers.pack_mla); the dense and shared SwiGLU MLPs (swiglu_limit's clamp in the kernel's epilogue); NVFP4
+        ones held as stored; the lm_head, which every step and prefill takes. On the CPU the packed forms run
+        F.linear on the unpacked weights: the same bits."""
         dev = self.embed.device
         for L in self.layers:
             k, a = L.kda, L.mla
             if k is not None and k.packed is None:
-                k.packed = {"h": pack_linears([k.qkv, k.f_a, k.g_a]), "b": pack_linears([k.b]),
-                            "f_b": pack_linears([k.f_b]), "g_b": pack_linears([k.g_b]), "o": pack_linears([k.o])}
+                k.packed = pack_kda(k, dev)
             if a is not None and a.packed is None:
                 ix = a.indexer
                 a.packed = {**pack_mla(a, dev), "ix": None if ix is None else pack_linears([ix.gate, ix.weights])}

@@ -18,13 +18,13 @@ decode.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from rocket_mpi import ops
-from rocket_mpi.model.layers import linears
+from rocket_mpi.model.layers import held, linears, pack_linears, release_stored
 
 DT = torch.bfloat16
 
@@ -42,9 +42,11 @@ class KDA:
     g_b: torch.Tensor           # [D, dk]
     o_norm: torch.Tensor        # [dk] fp32 (BF16 values)
     o: torch.Tensor             # [H, D]
-    # Glm5NextModel.pack_stack: copies in the expert kernel's BF16 tiles (layers.pack_linears; None where a shape
-    # does not fit): "h" qkv | f_a | g_a (one launch over the normed input), "b", "f_b", "g_b", "o"
+    # Glm5NextModel.pack_stack: copies in the expert kernel's tiles (layers.pack_linears; None where a shape does not
+    # fit): "h" qkv | f_a | g_a (one launch over the normed input; held as stored: q | k | v, then f_a | g_a), "b",
+    # "f_b", "g_b", "o"
     packed: dict | None = None
+    stored: dict = field(default_factory=dict)  # NVFP4 parts (layers: held as stored): "qkv" [q, k, v], f_a, f_b, ...
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,23 @@ def kda_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch
     return state, (state * q[..., None]).sum(dim=-2)
 
 
+def pack_kda(a: KDA, device) -> dict:
+    """KDA's linears in the kernel's tiles (KDA.packed): BF16, or NVFP4 held as stored, whose dense copies are
+    released where the device holds the packed ones alone. q | k | v held as stored are three parts of one launch
+    (each its own weight_scale_2) and f_a | g_a a second, where the BF16 weights take one launch for all five."""
+    st = a.stored
+    if "qkv" in st:
+        qkv, gates = pack_linears(st["qkv"], device=device), pack_linears(held(a, "f_a", "g_a"), device=device)
+        h = None if qkv is None or gates is None else qkv + gates
+    else:
+        h = pack_linears([a.qkv, a.f_a, a.g_a], device=device)
+    P = {"h": h, **{n: pack_linears(held(a, n), device=device) for n in ("b", "f_b", "g_b", "o")}}
+    for key, names in (("h", ["qkv", "f_a", "g_a"]), ("b", ["b"]), ("f_b", ["f_b"]), ("g_b", ["g_b"]), ("o", ["o"])):
+        if P[key] is not None:
+            release_stored(a, names, device)
+    return P
+
+
 def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                 segments: list[tuple[int, int, int]], args: KdaArgs, idx: torch.Tensor | None = None,
                 fuse: bool = False) -> torch.Tensor:
@@ -94,7 +113,12 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     t = h.shape[0]
     nh, dk, kk = args.heads, args.head_dim, args.conv_kernel
     P = a.packed or {}
-    mixed, f_ah, g_ah = linears(h, [a.qkv, a.f_a, a.g_a], packs=P.get("h"))  # [T, 3D] BF16 pre-conv; gates' low rank
+    if P.get("h") is not None and "qkv" in a.stored:  # q, k, v held as stored: three parts, then concatenated
+        qkv = a.qkv.chunk(3) if a.qkv is not None else (None,) * 3   # None: released (the packed copy dequantised)
+        *parts, f_ah, g_ah = linears(h, [*qkv, a.f_a, a.g_a], packs=P["h"])
+        mixed = torch.cat(parts, dim=-1)
+    else:
+        mixed, f_ah, g_ah = linears(h, [a.qkv, a.f_a, a.g_a], packs=P.get("h"))  # [T, 3D] pre-conv; gates' low rank
     if fuse and (idx is not None or segments):  # ~35 torch kernels, the recurrent state read ~10 times: here one
         counts = None
         if idx is None:  # a prefill or a host-path step: each stream's tokens in order, in the launch

@@ -329,10 +329,14 @@ def release_stored(obj, names, device) -> None:
 
 
 def stored_dense(parts, device, dtype=torch.bfloat16):
-    """A released field's dense weights again from its NVFP4 parts (load_linear / load_swiglu's, bit for bit)."""
+    """A released field's dense weights again from its NVFP4 parts (load_linear / load_swiglu's, bit for bit): an
+    MLP's (gate, up, down) tuple, a list of linears stored as one fused weight (GLM-5.3-Flash's KDA q | k | v), or
+    one linear's."""
     if isinstance(parts, tuple):
         gate, up, down = parts
         return torch.cat((gate.dense(dtype), up.dense(dtype)), 0).to(device), down.dense(dtype).to(device)
+    if isinstance(parts, list):
+        return torch.cat([p.dense(dtype) for p in parts], 0).to(device)
     return parts.dense(dtype).to(device)
 
 

@@ -121,9 +121,9 @@ class ShmFabric(DoorbellFabric):
     def device_puts(self, device):
         # every peer's segment, mapped in this process, registered with CUDA: the stage kernel writes our block into
         # our region there (host memory over the host link), so the proxy has nothing to copy
+        peers = [(self.rank + k) % self.size for k in range(1, self.size)]  # the next rank first, as send()
         return [self.device_address(device, self.address(p), self.nbytes, f"rank {p}'s segment")
-                + self.header + self.rank * self.region_bytes
-                for k in range(1, self.size) for p in [(self.rank + k) % self.size]]
+                + self.header + self.rank * self.region_bytes for p in peers]
 
     def slot_exchange(self, cap, device):
         if device.type == "cpu" or self.size == 1:

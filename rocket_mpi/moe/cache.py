@@ -73,12 +73,9 @@ class Policy:
     def resident(self) -> set[int]:
         return set(self.ids[self.mask].tolist())
 
-    def score(self, e: int) -> float:
-        return float(self.scores[self.owned.index(e)])
-
     def carry(self, old: "Policy") -> None:
         """Take the scores of the experts `old` also owns."""
-        both, i, j = np.intersect1d(self.ids, old.ids, assume_unique=True, return_indices=True)
+        _, i, j = np.intersect1d(self.ids, old.ids, assume_unique=True, return_indices=True)
         self.scores[i] = old.scores[j]
 
     def observe(self, active: np.ndarray, steps: int = 1) -> None:

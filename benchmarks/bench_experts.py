@@ -26,7 +26,9 @@ Checks first (ours against the bf16 path on the same weights and the same gather
 either side is reported by side), then one table: rows/expert, ours us (median, CUDA events: the three
 kernels, plan and row_index already on the device), ours GB/s (packed weight bytes / time), % of copy BW,
 grouped_mm us (including its x[tokens] gather, as ExpertStore's torch path gathers too), speed-up;
-plus the whole engine call with its host plan and upload ("op us"); then a second table for BF16 weights:
+plus the whole engine call with its host plan and upload ("op us"), and each of the NVFP4 kernel's two instances
+forced (narrow: 3 blocks per SM; wide: 2, for 17-32 rows of one expert; "auto" picks by the launch, rocket.h kWide*;
+their outputs are checked bitwise against auto's); then a second table for BF16 weights:
 ours (BF16 tiles) us, GB/s of its bf16 bytes, % of copy BW, grouped_mm us, speed-up. Copy BW is a torch
 device-to-device copy of a few GB, counting read + write. torch's grouped GEMM is the baseline only: the
 engine runs every expert in this kernel on a GPU.
@@ -47,7 +49,7 @@ from rocket_mpi.ops.pack import PackedExperts
 from rocket_mpi.ops.rows import plan_rows
 
 HIDDEN, INTER, LIMIT = 4096, 2048, 10.0
-TARGET_PCT, TARGET_SPEEDUP, TARGET_MAX_ROWS = 85.0, 4.0, 16
+TARGET_PCT, TARGET_SPEEDUP, TARGET_MAX_ROWS = 85.0, 4.0, 32
 
 
 def median_us(fn, reps: int, warmup: int = 3) -> float:
@@ -305,6 +307,7 @@ def main():
         # correctness first: the same weights, the same SwiGLU, the same rows (canonical order: expert,
         # token); only the fp32 summation order differs
         a = ops.nvfp4_experts_planned(*launch, pdl=args.pdl)
+        a_bits = a.view(torch.int16)
         a_op = compute(x, tokens, segs, lo)
         if not torch.equal(a.view(torch.int16), a_op.view(torch.int16)):
             print(f"rows/expert {rows}: the engine call and the planned launch DIFFER bitwise")
@@ -322,6 +325,14 @@ def main():
             if not err < 2.0 ** -6:
                 print(f"rows/expert {rows}: ours vs {base_name}: relative error {err:.2e} EXCEEDS {2.0 ** -6:.2e}")
         t_ours = median_us(functools.partial(ops.nvfp4_experts_planned, *launch, pdl=args.pdl), args.reps)
+        # both kernel instances (rocket.h kWide*): the same bits, each one's time
+        t_inst = []
+        for wide in (0, 1):
+            w = ops.nvfp4_experts_planned(*launch, pdl=args.pdl, wide=wide)
+            if not torch.equal(w.view(torch.int16), a_bits):
+                print(f"rows/expert {rows}: wide={wide} and the auto instance DIFFER bitwise")
+            t_inst.append(median_us(functools.partial(ops.nvfp4_experts_planned, *launch, pdl=args.pdl, wide=wide),
+                                    args.reps))
         t_op = median_us(functools.partial(compute, x, tokens, segs, lo), args.reps)
         t_base = median_us(lambda: base_fn(x[tokens[lo:hi]]), args.reps)
         # the same bf16 weights in our kernel's BF16 tiles
@@ -332,17 +343,18 @@ def main():
                   f"{2.0 ** -6:.2e}")
         t_bf16 = median_us(functools.partial(ops.nvfp4_experts_planned, *launch[:6], pb, LIMIT, pdl=args.pdl),
                            args.reps)
-        results.append((rows, t_ours, t_op, t_base, err, t_bf16, err_b))
+        results.append((rows, t_ours, t_op, t_base, err, t_bf16, err_b, t_inst))
         del x, xb, a, b, a_op
 
     print()
     print(f"| rows/expert | ours us | ours GB/s | % of copy BW | {base_name if rows_list else 'bf16'} us | speed-up | "
-          "op us | rel err |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for rows, t_ours, t_op, t_base, err, _, _ in results:
+          "op us | rel err | narrow us (%) | wide us (%) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rows, t_ours, t_op, t_base, err, _, _, t_inst in results:
         gbs = wbytes / (t_ours * 1e-6) / 1e9
+        inst = " | ".join(f"{t:.1f} ({100 * wbytes / (t * 1e-6) / 1e9 / copy_bw:.1f})" for t in t_inst)
         print(f"| {rows} | {t_ours:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | {t_base:.1f} | "
-              f"{t_base / t_ours:.2f}x | {t_op:.1f} | {err:.1e} |")
+              f"{t_base / t_ours:.2f}x | {t_op:.1f} | {err:.1e} | {inst} |")
     if rows_list:
         print(f"\ncopy BW {copy_bw:.0f} GB/s; roofline {roof_us:.0f} us for {wbytes / 1e6:.0f} MB. Targets: >= "
               f"{TARGET_PCT:.0f}% of copy BW up to {TARGET_MAX_ROWS} rows/expert, >= {TARGET_SPEEDUP:.0f}x {base_name}.")
@@ -350,11 +362,11 @@ def main():
         print(f"\nBF16 weights ({bbytes / 1e6:.0f} MB, the same values) in our kernel's BF16 tiles vs {base_name}:")
         print(f"| rows/expert | ours BF16 us | GB/s | % of copy BW | {base_name} us | speed-up | rel err |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
-        for rows, _, _, t_base, _, t_bf16, err_b in results:
+        for rows, _, _, t_base, _, t_bf16, err_b, _ in results:
             gbs = bbytes / (t_bf16 * 1e-6) / 1e9
             print(f"| {rows} | {t_bf16:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.1f} | {t_base:.1f} | "
                   f"{t_base / t_bf16:.2f}x | {err_b:.1e} |")
-    for rows, t_ours, _, t_base, _, _, _ in results:
+    for rows, t_ours, _, t_base, _, _, _, _ in results:
         pct = 100 * wbytes / (t_ours * 1e-6) / 1e9 / copy_bw
         if rows > TARGET_MAX_ROWS:
             print(f"  rows/expert {rows:>3}: no target ({pct:.1f}% of copy BW, {t_base / t_ours:.2f}x)")

@@ -134,8 +134,9 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
                     int64_t inter, std::optional<double> swiglu_limit, torch::Tensor& x_frag, torch::Tensor& h_frag,
                     torch::Tensor& out, int64_t out_rows, int64_t pdl, int64_t dense_rows = 0,
                     const std::vector<torch::Tensor>& residuals = {}, bool direct_k = false, int64_t split = 0,
-                    const Far& far = Far{}, const float* s2_dn = nullptr) {
+                    const Far& far = Far{}, const float* s2_dn = nullptr, int64_t wide = rocket::kWideAuto) {
   rocket::ExpertsLaunch a{};
+  a.wide = tuning_arg(wide);
   a.s2_dn = s2_dn;
   if (far.slots > 0) {
     a.q_gu_far = far.q_gu;
@@ -182,16 +183,16 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
 }
 
 // Returns {out, x_frag, h_frag}: the scratch fragments are kept for the tests' stage-by-stage checks. pdl: how down
-// follows gate/up (rocket.h kPdl*: -1 auto, 0 off, 3 each pass of down waits for its own pass of gate/up); it never
-// changes the bits.
+// follows gate/up (rocket.h kPdl*: -1 auto, 0 off, 3 each pass of down waits for its own pass of gate/up); wide: the
+// kernel instance (rocket.h kWide*: -1 auto, 0 off, 1 on). Neither ever changes the bits.
 std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const std::optional<torch::Tensor>& row_index,
                                                 const torch::Tensor& plan, int64_t n_tiles, int64_t n_groups,
                                                 int64_t n_rows, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                                                 const torch::Tensor& s2_gu, const torch::Tensor& q_dn,
                                                 const torch::Tensor& s_dn, int64_t hidden, int64_t inter,
                                                 std::optional<double> swiglu_limit, int64_t pdl,
-                                                const std::optional<std::vector<torch::Tensor>>& far) {
-  rocket::check_launch_tuning(tuning_arg(pdl), 0);
+                                                const std::optional<std::vector<torch::Tensor>>& far, int64_t wide) {
+  rocket::check_launch_tuning(tuning_arg(pdl), 0, tuning_arg(wide));
   const c10::Device dev = x.device();
   expect(x, "x", torch::kBFloat16, 2, dev, 4);
   ROCKET_CHECK(x.size(1) == hidden, "x has " << x.size(1) << " columns, experts have hidden " << hidden);
@@ -218,7 +219,7 @@ std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const st
   if (n_tiles == 0 || n_groups == 0) return {out, x_frag, h_frag};
   launch_experts(x, ri, plan.data_ptr<int>(), plan.data_ptr<int>() + n_tiles * rocket::kRowTile, n_tiles, n_groups,
                  q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, swiglu_limit, x_frag, h_frag, out, n_rows, pdl, 0, {},
-                 false, 0, f);
+                 false, 0, f, nullptr, wide);
   return {out, x_frag, h_frag};
 }
 
@@ -227,9 +228,9 @@ torch::Tensor nvfp4_experts(const torch::Tensor& x, const std::optional<torch::T
                             const torch::Tensor& q_gu, const torch::Tensor& s_gu, const torch::Tensor& s2_gu,
                             const torch::Tensor& q_dn, const torch::Tensor& s_dn, int64_t hidden, int64_t inter,
                             std::optional<double> swiglu_limit, int64_t pdl,
-                            const std::optional<std::vector<torch::Tensor>>& far) {
+                            const std::optional<std::vector<torch::Tensor>>& far, int64_t wide) {
   return nvfp4_experts_stages(x, row_index, plan, n_tiles, n_groups, n_rows, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden,
-                              inter, swiglu_limit, pdl, far)[0];
+                              inter, swiglu_limit, pdl, far, wide)[0];
 }
 
 torch::Tensor dequant_packed(const torch::Tensor& q, const torch::Tensor& s) {
@@ -1140,15 +1141,16 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kc, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rocket_mpi CUDA kernels (csrc/): NVFP4 routed experts, moe_scatter_add";
   m.def("nvfp4_experts", &nvfp4_experts, "NVFP4 routed experts of one rank (batch-invariant); pdl: -1 auto, 0 off, "
-        "3 down waits for each pass of gate/up (never changes the bits)", py::arg("x"), py::arg("row_index"),
-        py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"), py::arg("n_rows"), py::arg("q_gu"), py::arg("s_gu"),
-        py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"), py::arg("inter"),
-        py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto, py::arg("far") = py::none());
+        "3 down waits for each pass of gate/up; wide: -1 auto, 0 off, 1 on (neither changes the bits)", py::arg("x"),
+        py::arg("row_index"), py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"), py::arg("n_rows"),
+        py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
+        py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto, py::arg("far") = py::none(),
+        py::arg("wide") = rocket::kWideAuto);
   m.def("nvfp4_experts_stages", &nvfp4_experts_stages, "nvfp4_experts returning {out, x_frag, h_frag} (tests)",
         py::arg("x"), py::arg("row_index"), py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"),
         py::arg("n_rows"), py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"),
         py::arg("hidden"), py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto,
-        py::arg("far") = py::none());
+        py::arg("far") = py::none(), py::arg("wide") = rocket::kWideAuto);
   m.def("swiglu_dense", &swiglu_dense, "a SwiGLU MLP (one BF16 expert) over dense rows in the expert kernels "
         "(gate and up clamped to swiglu_limit where given), then + each residual in order; pdl as nvfp4_experts', "
         "split: K slices (0 by shape, 1, 2, 4, 8)", py::arg("x"), py::arg("q_gu"), py::arg("s2_gu"), py::arg("q_dn"),

@@ -76,10 +76,17 @@ constexpr int kRowsRing = 3, kRowsGroup = 4;
 // can get there (every gate/up block has started before any down block does), and a trap is an error, not a hang.
 constexpr uint64_t kReadyTimeoutNs = 10ull * 1000 * 1000 * 1000;
 constexpr int kRowsTileBytes = 2 * 32 * 16;
-constexpr int kRowsStage = 2 * kRowsGroup * kRowsTileBytes;
-constexpr int kRowsRingBytes = kRowsRing * kRowsStage + 2 * kRowsRing * 8;
-template <int S, bool kBf16, int W>
-__host__ __device__ constexpr int block_smem() { return W * warp_smem<S, kBf16>() + (kBf16 ? 0 : kRowsRingBytes); }
+// The wide instance (kWide: 2 blocks per SM, 128 registers; launches whose passes average more than 2 row tiles,
+// i.e. prefill chunks, launch_gemm) takes every row-tile count through the unrolled loop with groups of kRowsGroup
+// k-tiles, so its stage holds 4 row tiles.
+template <bool kWide>
+__host__ __device__ constexpr int rows_stage() { return (kWide ? 4 : 2) * kRowsGroup * kRowsTileBytes; }
+template <bool kWide>
+__host__ __device__ constexpr int rows_ring_bytes() { return kRowsRing * rows_stage<kWide>() + 2 * kRowsRing * 8; }
+template <int S, bool kBf16, int W, bool kWide = false>
+__host__ __device__ constexpr int block_smem() {
+  return W * warp_smem<S, kBf16>() + (kBf16 ? 0 : rows_ring_bytes<kWide>());
+}
 // The blocks per SM that the launch bounds ask for fit the H200's shared memory (228 KiB per SM, 1 KiB of it
 // reserved per block). (GB10, sm_121, has about 100 KiB per SM: one block of either instance there; not measured.)
 static_assert(kBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "NVFP4 blocks per SM");
@@ -88,9 +95,11 @@ static_assert(kBf16BlocksPerSm * (block_smem<kBf16Ring, true, kBf16Warps>() + 10
 // launch bounds leave the L1 rows' prefetch its registers (128), as the BF16 instances'. (Not measured yet.)
 constexpr int kSplitBlocksPerSm = 2;
 static_assert(kSplitBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "split NVFP4 blocks");
+constexpr int kWideBlocksPerSm = 2;
+static_assert(kWideBlocksPerSm * (block_smem<kRing, false, kWarps, true>() + 1024) <= 228 * 1024, "wide NVFP4 blocks");
 
 struct RowsRing {
-  char* data;       // kRowsRing stages of kRowsStage bytes
+  char* data;       // kRowsRing stages of rows_stage<kWide>() bytes
   uint64_t* full;   // stage filled (one arrival with its bytes)
   uint64_t* empty;  // stage read by every warp of the block that has a feature group
 };
@@ -211,7 +220,7 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
 // k-tile at a time (fewer live registers, less spilling under the 80-register bound).
 // kL1Rows (NVFP4 tiles with K split: dense launches of the stack held as stored): the rows through L1 as the BF16
 // instances read them, since the block's warps walk different k-tiles and so cannot share the rows ring.
-template <int RT, int S, int L, bool kBf16, bool kWaitPass = false, bool kL1Rows = false>
+template <int RT, int S, int L, bool kBf16, bool kWaitPass = false, bool kL1Rows = false, bool kWide = false>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4], int kt0, int nk, const RowsRing& rr) {
   // k-tiles kt0 .. kt0 + nk - 1 (all of K, or one warp's slice of a split launch)
@@ -373,7 +382,9 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // releases the stage after the group's mmas. Every warp loading the same rows through L1 cost the decode step a
   // good part of its time; the ring wins most of that back, and at 17-32 rows it keeps the rows out of the smaller
   // L1 its shared memory leaves.
-  constexpr int G = RT <= 2 ? kRowsGroup : 2;
+  constexpr bool kUnrolled = kRing && (kPrefetch || kWide);  // the unrolled ring loop below, a group per pass
+  constexpr int kRowsStage = rows_stage<kWide>();
+  constexpr int G = kUnrolled ? kRowsGroup : 2;
   constexpr int kRowTileStride = G * kRowsTileBytes;  // a stage: [row tile][k-tile of the group][lane's uint4]
   static_assert(RT * kRowTileStride <= kRowsStage, "a group's rows fit a stage");
   const bool producer = threadIdx.x == 0;
@@ -416,7 +427,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   if constexpr (kRing) {
     if (producer) rows_issue(0);
   }
-  if constexpr (kPrefetch && kRing) {
+  if constexpr (kUnrolled) {
     static_assert(S == kRowsGroup, "the unrolled loop walks one group per pass");
     // k-tile j = u past where qp / sp point: weights in ring slot st, the k-tile L on (if `more`) into st_next;
     // `first` / `last`: j opens / closes its group
@@ -616,7 +627,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
 // then the group's first warp adds the others' partial sums in slice order (fp32) and runs the epilogue. The split
 // depends on the launch's shape alone (launch_bf16_linear), so a row's bits still do not depend on the other rows.
 // A warp whose group is past the last (`active` false) still meets the block's barriers and stores nothing.
-template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
+template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
                                           int lane, const RowsRing& rr, bool active = true) {
   float acc[kFT][RT][4];
@@ -628,7 +639,8 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
   char* smem_warp = smem + warp * warp_smem<S, kBf16>();
   if constexpr (!kSplit) {
-    mainloop<RT, S, L, kBf16, !kSwiglu && !kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk, rr);
+    mainloop<RT, S, L, kBf16, !kSwiglu && !kBf16, false, kWide>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk,
+                                                                  rr);
   } else {
     const int P = p.split_k, slice = warp % P;
     const int kt0 = slice * p.nk / P, kt1 = (slice + 1) * p.nk / P;
@@ -669,14 +681,14 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   }
 }
 
-template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit>
+template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide = false>
 __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg, char* smem, int warp, int lane,
                                          const RowsRing& rr, bool active = true) {
   switch (grp.z) {
-    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr, active); break;
-    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr, active); break;
-    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr, active); break;
-    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -686,7 +698,7 @@ __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, i
 // split K; with several passes the grid is pass-major). Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was slower on the H200.)
 // kSplitK: the NVFP4 instance of dense launches with K split (the stack held as stored), its rows through L1.
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false>
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false>
 __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   // gate/up: the down kernel (launched as its programmatic dependent) may take SM slots this grid's last
@@ -704,7 +716,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   if constexpr (!kBf16 && !kSplitK) {  // NVFP4: the block's rows ring (expert launches)
     char* ring = smem + W * warp_smem<S, kBf16>();
     rr.data = ring;
-    rr.full = reinterpret_cast<uint64_t*>(ring + kRowsRing * kRowsStage);
+    rr.full = reinterpret_cast<uint64_t*>(ring + kRowsRing * rows_stage<kWide>());
     rr.empty = rr.full + kRowsRing;
     if (threadIdx.x == 0) {
       const int active = min(W, p.n_fgroups - fblock * W);  // warps with a feature group: each releases a stage
@@ -731,7 +743,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
       return;
     }
   }
-  run_pass<kSwiglu, S, L, kBf16, W, false>(p, grp, fg, smem, warp, lane, rr);
+  run_pass<kSwiglu, S, L, kBf16, W, false, kWide>(p, grp, fg, smem, warp, lane, rr);
 }
 
 // One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.
@@ -803,11 +815,11 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
 
 // pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up), so its blocks
 // can start while that kernel's last wave runs (the wait is in mainloop).
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false>
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
-  constexpr int bytes = block_smem<S, kBf16, W>();
-  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK>;
+  constexpr int bytes = block_smem<S, kBf16, W, kWide>();
+  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK, kWide>;
   set_smem_attr(kernel, bytes, done);
   cudaLaunchConfig_t cfg{};
   const int per_block = p.split_k ? W / p.split_k : W;  // feature groups per block
@@ -827,9 +839,10 @@ void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
 }
 
 template <bool kSwiglu>
-void launch_gemm(const GemmParams& p, bool bf16, bool pdl, cudaStream_t stream) {
+void launch_gemm(const GemmParams& p, bool bf16, bool pdl, bool wide, cudaStream_t stream) {
   if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, pdl, stream);
   else if (p.split_k) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kSplitBlocksPerSm, false, kWarps, true>(p, pdl, stream);
+  else if (wide) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kWideBlocksPerSm, false, kWarps, false, true>(p, pdl, stream);
   else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, pdl, stream);
 }
 
@@ -863,6 +876,19 @@ int dense_split(int split, int n_fgroups) {
   return n_fgroups >= kSplit4Groups ? 4 : kBf16Warps;
 }
 
+void check_wide(int wide) {
+  ROCKET_CHECK(wide == kWideAuto || wide == kWideOff || wide == kWideOn, "wide " << wide << ": expected "
+               << kWideAuto << " (auto), " << kWideOff << " (off) or " << kWideOn << " (on)");
+}
+
+// kWideAuto: the wide instance when the passes average more than this many row tiles (launch_plan's counts are
+// exact; a device plan's are capacities, a pass per expert and tile, so decode steps stay off).
+constexpr int kWideTilesPerPass = 2;
+bool wide_for(int wide, int n_tiles, int n_groups) {
+  if (wide != kWideAuto) return wide == kWideOn;
+  return int64_t(n_tiles) > int64_t(kWideTilesPerPass) * n_groups;
+}
+
 // Rows and passes of an expert launch: its plan's, or dense rows (pass-major when there are several passes).
 void pass_params(GemmParams& p, const ExpertsLaunch& a) {
   p.pad_rows = a.pad_rows;
@@ -884,14 +910,16 @@ bool rows_direct(const void* x, int64_t rows, int k) {
 
 }  // namespace
 
-void check_launch_tuning(int pdl, int split) {
+void check_launch_tuning(int pdl, int split, int wide) {
   check_pdl(pdl);
   check_split(split);
+  check_wide(wide);
 }
 
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   check_pdl(a.pdl);
   check_split(a.split);
+  check_wide(a.wide);
   ROCKET_CHECK(a.split == 0 || a.pad_rows == nullptr, "split " << a.split << ": dense rows only (expert launches: 0)");
   ROCKET_CHECK(a.hidden % 16 == 0 && a.inter % 16 == 0, "hidden " << a.hidden << ", inter " << a.inter
                << ": NVFP4 needs multiples of 16");
@@ -907,6 +935,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && (dense || a.n_groups <= 65535), "groups " << a.n_groups);
   if (a.n_tiles == 0 || a.n_groups == 0) return;
   const int pdl = pdl_for(a.pdl, dense ? a.dense_rows : a.x_rows);
+  const bool wide = !dense && wide_for(a.wide, a.n_tiles, a.n_groups);  // dense NVFP4 rows: the split instance
   // per-pass readiness: NVFP4 expert launches (their down kernel reads h_frag only through the rows ring)
   const bool ready = pdl == kPdlPerPass && !dense && !a.bf16 && a.ready != nullptr;
   ROCKET_CHECK(!ready || a.n_groups <= a.n_tiles, "groups " << a.n_groups << " > tiles " << a.n_tiles);
@@ -949,7 +978,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.h_pairs = a.inter_pad / 32;
     p.ready = ready ? a.ready : nullptr;
     pass_params(p, a);
-    launch_gemm<true>(p, a.bf16 != 0, false, stream);
+    launch_gemm<true>(p, a.bf16 != 0, false, wide, stream);
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
@@ -974,7 +1003,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.s2_out = a.s2_dn;
     p.n_res = a.n_res;
     for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-    launch_gemm<false>(p, a.bf16 != 0, pdl == kPdlPerPass, stream);
+    launch_gemm<false>(p, a.bf16 != 0, pdl == kPdlPerPass, wide, stream);
   }
 }
 
@@ -1034,7 +1063,7 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   }
   p.n_res = a.n_res;
   for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-  launch_gemm<false>(p, !nvfp4, false, stream);
+  launch_gemm<false>(p, !nvfp4, false, false, stream);
 }
 
 }  // namespace

@@ -84,6 +84,13 @@ constexpr int kMaxResiduals = 2;
 constexpr int kPdlAuto = -1;
 constexpr int kPdlOff = 0;
 constexpr int kPdlPerPass = 3;
+// The NVFP4 expert launch's kernel instance (ExpertsLaunch::wide). kWideOn: 2 blocks per SM, 128 registers, every
+// pass through the unrolled loop (17-32 rows of one expert: no spills); kWideOff: 3 blocks per SM, 80 registers (more
+// warps for the passes of 1-16 rows); kWideAuto: on when the launch's passes average more than kWideTilesPerPass
+// row tiles (a prefill chunk's). Never changes the bits: each row's mma sequence is the same in both.
+constexpr int kWideAuto = -1;
+constexpr int kWideOff = 0;
+constexpr int kWideOn = 1;
 
 struct ExpertsLaunch {
   // rows
@@ -125,6 +132,7 @@ struct ExpertsLaunch {
   // split sets the order of each output's fp32 sums (a row's bits still depend on no other row).
   int pdl = kPdlAuto;          // kPdlAuto, kPdlOff or kPdlPerPass (above)
   int split = 0;               // dense rows: K slices, 1, 2, 4 or 8; 0: by the output's width. Expert launches: 0
+  int wide = kWideAuto;        // expert launches of NVFP4 tiles: kWideAuto, kWideOff or kWideOn (above)
   const float* s2_dn = nullptr;  // dense rows of NVFP4 tiles (a stack MLP held as stored): down's weight_scale_2 [1],
                                  // applied in down's epilogue (expert launches: null, the scatter applies it)
 };
@@ -133,7 +141,7 @@ struct ExpertsLaunch {
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream);
 // Throws unless pdl is kPdlAuto, kPdlOff or kPdlPerPass and split is 0, 1, 2, 4 or 8. The launchers check the same;
 // the bindings call it first, so that a launch with no rows rejects a bad value too.
-void check_launch_tuning(int pdl, int split);
+void check_launch_tuning(int pdl, int split, int wide = kWideAuto);
 
 // y = x W^T (+ bias) with W in BF16 tiles, K in direct_k_order (pack.py pack_bf16_direct): the expert kernel's
 // down GEMM over dense rows (up to 16 read from x itself, more through a prep launch), for

@@ -7,7 +7,7 @@ GPU tests (skip, with the reason, without a GPU or the extension):
   - nvfp4_experts against nvfp4_experts_ref within TOL_KERNEL (small odd shapes, GLM-5.3 shape);
   - batch invariance: every row's output is bitwise the same as when computed alone, with 1..64 rows
     per expert, other experts present, shuffled expert order, different launch sizes, row_index;
-  - the launch's scheduling (pdl) keeps the bits, per-pass waits across waves included;
+  - the launch's scheduling (pdl) and kernel instance (wide) keep the bits, per-pass waits across waves included;
   - BF16 experts (pack_experts_bf16, the same kernel without the decode): against the F.linear SwiGLU MLP
     of ExpertStore.compute within TOL_STORE, against nvfp4_experts_ref within TOL_KERNEL, and batch
     invariant as above.
@@ -153,9 +153,10 @@ def _check_batch_invariance(p, seed):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_gpu_scheduling_switches_keep_bits(bf16):
     """Programmatic dependent launch (the launch argument pdl, csrc/nvfp4_experts.cu) only moves when the weight
-    copies and the rows start (3: each pass of down waits for its own pass of gate/up; -1: by the launch's rows):
-    every mode gives the same bits, on every row-tile path (1-4 tiles, a second weight pass), and a bad value is
-    one clear error."""
+    copies and the rows start (3: each pass of down waits for its own pass of gate/up; -1: by the launch's rows),
+    and the NVFP4 kernel instance (wide: 0 the 3-blocks-per-SM one, 1 the 2-blocks-per-SM one with every row-tile
+    count unrolled, -1 by the launch's passes; the BF16 tiles have one instance): every combination gives the same
+    bits, on every row-tile path (1-4 tiles, a second weight pass), and a bad value is one clear error."""
     h, i = 4096, 2048
     counts = {0: 1, 1: 5, 2: 8, 3: 13, 4: 24, 5: 32, 6: 40}
     ids = sorted(counts)
@@ -168,11 +169,15 @@ def test_gpu_scheduling_switches_keep_bits(bf16):
         torch.bfloat16).cuda()
     outs = {}
     for v in (0, 3, -1, 0, 3, -1):
-        outs[(len(outs), v)] = ops.nvfp4_experts(x, segs, p, pdl=v)
+        for w in (-1, 0, 1):
+            outs[(len(outs), v, w)] = ops.nvfp4_experts(x, segs, p, pdl=v, wide=w)
     torch.cuda.synchronize()
     for bad in (1, 2, 4):
         with pytest.raises(RuntimeError, match=f"pdl {bad}"):
             ops.nvfp4_experts(x, segs, p, pdl=bad)
+    for bad in (2, -2):
+        with pytest.raises(RuntimeError, match=f"wide {bad}"):
+            ops.nvfp4_experts(x, segs, p, wide=bad)
     first = next(iter(outs))
     for k, v in outs.items():
         assert torch.equal(v.view(torch.int16), outs[first].view(torch.int16)), f"knobs {k} differ from {first}"
@@ -183,7 +188,8 @@ def test_gpu_scheduling_switches_keep_bits(bf16):
 def test_gpu_per_pass_wait_across_waves():
     """pdl=3: a pass of down starts once its own gate/up warps have published h_frag (counters, not
     the whole grid). With more blocks than the GPU holds at once (several waves of both kernels, passes finishing
-    out of order), launches give exactly the bits of launches with no overlap at all (mode 0). Two inputs
+    out of order), launches give exactly the bits of launches with no overlap at all (mode 0), in both kernel
+    instances (wide 0 and 1). Two inputs
     alternate, so the scratch a launch reuses holds the other input's h_frag: a pass read before its rows were
     complete would differ."""
     h, i, n_exp = 512, 1024, 64
@@ -195,8 +201,8 @@ def test_gpu_per_pass_wait_across_waves():
     gen = torch.Generator().manual_seed(8)
     xs = [(torch.randn(sum(counts.values()), h, generator=gen) * 2).to(torch.bfloat16).cuda() for _ in range(2)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    refs = [ops.nvfp4_experts(x, segs, p, pdl=0) for x in xs]
-    outs = [ops.nvfp4_experts(xs[k % 2], segs, p, pdl=3) for k in range(6)]
+    refs = [ops.nvfp4_experts(x, segs, p, pdl=0, wide=0) for x in xs]
+    outs = [ops.nvfp4_experts(xs[k % 2], segs, p, pdl=3, wide=k // 2 % 2) for k in range(6)]
     assert not torch.equal(refs[0], refs[1])
     passes = sum((c + 31) // 32 for c in counts.values())
     for k, out in enumerate(outs):

@@ -9,7 +9,9 @@ and from the kernel only in the order of the fp32 sums.
 
 The GPU entry points take `pdl` (how the kernel launches down after gate/up: -1 auto, 0 off, 3 each pass of down
 waits for its own pass of gate/up, csrc/rocket.h kPdl*). It only moves when the weight copies and the rows start,
-never the bits, so the CPU reference ignores it.
+never the bits, so the CPU reference ignores it. The host-planned ones also take `wide` (the NVFP4 kernel instance:
+-1 auto, the wide one when the passes average more than 2 row tiles, as a prefill chunk's; 0 off; 1 on; rocket.h
+kWide*), which never changes the bits either.
 """
 from __future__ import annotations
 
@@ -84,13 +86,14 @@ def launch_plan(segments: list[tuple[int, int, int]], base: int, slot: dict[int,
 
 def nvfp4_experts(x: torch.Tensor, segments: list[tuple[int, int, int]], packed: PackedExperts, base: int = 0,
                   row_index: torch.Tensor | None = None, swiglu_limit: float | None = None, *,
-                  pdl: int = -1) -> torch.Tensor:
+                  pdl: int = -1, wide: int = -1) -> torch.Tensor:
     """This rank's expert rows: [end - base, H] bf16, without down's weight_scale_2.
 
     x [*, H] bf16: the block's rows in canonical order (rows of one expert contiguous), or, with
     `row_index` [end - base] int64, any rows (e.g. the tokens' hidden states) gathered through it.
     segments: (expert, start, end) in canonical row indices starting at `base`, contiguous.
-    pdl: the launch's scheduling (module docstring); the same bits whatever it is, ignored on the CPU."""
+    pdl, wide: the launch's scheduling and kernel instance (module docstring); the same bits whatever they are,
+    ignored on the CPU."""
     if x.dim() != 2 or x.shape[1] != packed.hidden:
         raise ValueError(f"nvfp4_experts: x {tuple(x.shape)}, experts have hidden {packed.hidden}")
     if not x.is_cuda:
@@ -109,23 +112,25 @@ def nvfp4_experts(x: torch.Tensor, segments: list[tuple[int, int, int]], packed:
         raise ValueError(f"nvfp4_experts: segments cover {n_rows} rows, x has {x.shape[0]}")
     # pinned, so the copy is stream-ordered and async: the host never waits for the GPU here
     plan = plan.pin_memory().to(x.device, non_blocking=True) if n_tiles else plan.to(x.device)
-    return nvfp4_experts_planned(x, row_index, plan, n_tiles, n_groups, n_rows, packed, swiglu_limit, pdl=pdl)
+    return nvfp4_experts_planned(x, row_index, plan, n_tiles, n_groups, n_rows, packed, swiglu_limit, pdl=pdl,
+                                 wide=wide)
 
 def nvfp4_experts_planned(x: torch.Tensor, row_index: torch.Tensor | None, plan: torch.Tensor, n_tiles: int,
                           n_groups: int, n_rows: int, packed: PackedExperts,
-                          swiglu_limit: float | None = None, *, pdl: int = -1) -> torch.Tensor:
+                          swiglu_limit: float | None = None, *, pdl: int = -1, wide: int = -1) -> torch.Tensor:
     """nvfp4_experts with the launch plan (launch_plan) already on the device: just the kernels."""
     return _ext.require().nvfp4_experts(x.contiguous(), row_index, plan, n_tiles, n_groups, n_rows, packed.q_gu,
                                         packed.s_gu, packed.s2_gu, packed.q_dn, packed.s_dn, packed.hidden,
-                                        packed.inter, swiglu_limit, pdl=pdl, far=packed.far_args())
+                                        packed.inter, swiglu_limit, pdl=pdl, far=packed.far_args(), wide=wide)
 
 def nvfp4_experts_stages(x: torch.Tensor, segments: list[tuple[int, int, int]], packed: PackedExperts, base: int = 0,
                          row_index: torch.Tensor | None = None, swiglu_limit: float | None = None, *,
-                         pdl: int = -1):
+                         pdl: int = -1, wide: int = -1):
     """nvfp4_experts returning (out, x_frag, h_frag): the rows and SwiGLU output in the kernels' fragment
     layout (int32 words of bf16 pairs), for the tests' stage-by-stage comparisons."""
     plan, n_tiles, n_groups, n_rows = launch_plan(segments, base, packed.slot)
     ri = None if row_index is None else row_index.to(device=x.device, dtype=torch.int64).contiguous()
     return tuple(_ext.require().nvfp4_experts_stages(
         x.contiguous(), ri, plan.to(x.device), n_tiles, n_groups, n_rows, packed.q_gu, packed.s_gu, packed.s2_gu,
-        packed.q_dn, packed.s_dn, packed.hidden, packed.inter, swiglu_limit, pdl=pdl, far=packed.far_args()))
+        packed.q_dn, packed.s_dn, packed.hidden, packed.inter, swiglu_limit, pdl=pdl, far=packed.far_args(),
+        wide=wide))

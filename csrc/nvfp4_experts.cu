@@ -17,8 +17,7 @@
 // the GPU. NVFP4 stack weights held as stored take the NVFP4 tiles the same way (launch_nvfp4_linear, the dense
 // rows of launch_nvfp4_experts): K split as the BF16 tiles', so their rows come through L1 (an instance of its own,
 // kSplitK: the expert launches' ring instances stay as they were), each output part's weight_scale_2 in the down
-// epilogue (GemmParams seg_mul, s2_out); up to 16 rows they read x itself in the logical k order (load_b_logical),
-// with no prep launch.
+// epilogue (GemmParams seg_mul, s2_out).
 //
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
 // launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
@@ -158,10 +157,9 @@ struct GemmParams {
                              // launches leave it to the scatter)
   const __nv_bfloat16* res[kMaxResiduals];  // down epilogue, dense rows: residuals added in order (see rocket.h)
   int n_res;
-  // Dense rows read straight from x (at most 2 row tiles), the same two uint4 per k-tile that x_frag holds after a
-  // prep launch. BF16 tiles with K in direct_k_order (pack.py): lane (g, t) of row tile T reads row 8T + g at k-tile
-  // kt from x_rows + row * x_ld4 + 8 kt + 2 t (uint4 units). NVFP4 tiles (the split instance, K in the logical
-  // order): four words of that row's k-tile per uint4 (load_b_logical). Null: x_frag.
+  // Dense rows read straight from x (BF16 tiles with K in direct_k_order, pack.py; at most 2 row tiles): lane
+  // (g, t) of row tile T reads row 8T + g at k-tile kt from x_rows + row * x_ld4 + 8 kt + 2 t (uint4 units), the
+  // same two uint4 per k-tile that x_frag holds after a prep launch. Null: x_frag.
   const uint4* x_rows;
   int64_t x_ld4;
   // Per-pass readiness (kPdlPerPass, NVFP4 expert launches): prep zeroes ready[pass]; each gate/up warp adds
@@ -211,21 +209,6 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
   for (int rt = 0; rt < RT; ++rt) {
 #pragma unroll
     for (int pp = 0; pp < 2; ++pp) b[rt][pp] = __ldg(fr[rt] + off + pp * pp_stride);
-  }
-}
-
-// The same rows read from x itself in the logical k order (NVFP4 dense rows, up to 16): fr[rt] + off is the k-tile's
-// first uint4 of the row, and lane (g, t)'s uint4 of k-steps 2 pp, 2 pp + 1 is the words t, t + 4, t + 8, t + 12 of its
-// k-pair pp (pp_stride uint4 on): k = 32 pp + 2 t + {0, 8, 16, 24}, the words prep_rows_kernel writes to x_frag.
-template <int RT>
-__device__ __forceinline__ void load_b_logical(uint4 (&b)[RT][2], const uint4* const (&fr)[RT], int off, int t) {
-#pragma unroll
-  for (int rt = 0; rt < RT; ++rt) {
-#pragma unroll
-    for (int pp = 0; pp < 2; ++pp) {
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(fr[rt] + off + pp * 4) + t;
-      b[rt][pp] = make_uint4(__ldg(w), __ldg(w + 4), __ldg(w + 8), __ldg(w + 12));
-    }
   }
 }
 
@@ -328,26 +311,21 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   bool valid[RT];
   // the rows' uint4 of one k-tile: pp_stride apart, the next k-tile kt_stride on (x_frag: 32, 64; x itself: 1, 8)
   int pp_stride = 32, kt_stride = 64;
-  bool direct = false, logical = false;  // BF16 rows in direct_k_order / NVFP4 rows in the logical order, from x
+  bool direct = false;
   if constexpr (kBf16 && kPrefetch) direct = x_rows != nullptr;
-  if constexpr (kL1Rows && kPrefetch) logical = x_rows != nullptr;
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
     const int tile_row = (tile0 + rt) * kRowTile;
     valid[rt] = pad_row(p, tile_row + (lane >> 2)) >= 0;
     if (rt < kPtrs) {
-      if (direct || logical)  // a padding row reads its tile's row 0, as below
-        fr[rt] = x_rows + int64_t(valid[rt] ? tile_row + (lane >> 2) : tile_row) * p.x_ld4 + kt0 * 8 +
-                 (direct ? 2 * (lane & 3) : 0);
+      if (direct)  // a padding row reads its tile's row 0, as below
+        fr[rt] = x_rows + int64_t(valid[rt] ? tile_row + (lane >> 2) : tile_row) * p.x_ld4 + kt0 * 8 + 2 * (lane & 3);
       else
         fr[rt] = frag + (int64_t(tile0 + rt) * nk_all + kt0) * 2 * 32 + (valid[rt] ? lane : (lane & 3));
     }
   }
   if (direct) {
     pp_stride = 1;
-    kt_stride = 8;
-  } else if (logical) {
-    pp_stride = 4;
     kt_stride = 8;
   }
   // The mmas of one k-tile: weights from ring slot st, rows of k-steps 2 pp, 2 pp + 1 from rows_half(bh, pp).
@@ -479,12 +457,8 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     // ring slots and pointer offsets are constants and the prefetched rows change registers without copies
     // (209 -> 146 instructions per k-tile at one row tile, with the decode below). The last S + L - 1
     // k-tiles or fewer run one by one; the same mma sequence either way.
-    auto load_rows = [&](uint4 (&b)[RT][2], int off) {
-      if (logical) load_b_logical<RT>(b, fr, off, lane & 3);
-      else load_b<RT>(b, fr, off, pp_stride);
-    };
     uint4 bn[RT][2];
-    load_rows(bn, 0);
+    load_b<RT>(bn, fr, 0, pp_stride);
     auto step = [&](int u, int st, int st_next, bool more, bool next) {
       uint4 b[RT][2];
 #pragma unroll
@@ -492,7 +466,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
         b[rt][0] = bn[rt][0];
         b[rt][1] = bn[rt][1];
       }
-      if (next) load_rows(bn, (u + 1) * kt_stride);
+      if (next) load_b<RT>(bn, fr, (u + 1) * kt_stride, pp_stride);
       dev::cp_async_wait<L - 1>();  // this k-tile has landed (one group per k-tile)
       if (more) issue(st_next, u);
       dev::cp_async_commit();
@@ -968,10 +942,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
 
   ROCKET_CHECK(!a.direct_k || (dense && a.bf16 && a.row_index == nullptr),
                "direct_k_order: dense rows of x, BF16 tiles only");
-  // up to 16 dense rows read from x itself: BF16 tiles packed in direct_k_order, NVFP4 tiles (the split instance, in
-  // the logical order)
-  const bool direct = dense && a.row_index == nullptr && (a.direct_k || !a.bf16) &&
-                      rows_direct(a.x, a.dense_rows, a.hidden);
+  const bool direct = a.direct_k && rows_direct(a.x, a.dense_rows, a.hidden);
   if (!direct) {  // rows -> fragments
     const int pairs = a.hidden_pad / 32;
     const int64_t n = int64_t(a.n_tiles) * pairs * 32;
@@ -1038,9 +1009,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
 
 namespace {
 
-// One linear of the stack over dense rows: BF16 tiles (K in direct_k_order) or NVFP4 tiles (K in the logical order,
-// each part's weight_scale_2 in the epilogue's multiplier); up to 16 rows read from x itself, more through a prep
-// launch; K split by the output's width either way (dense_split).
+// One linear of the stack over dense rows: BF16 tiles (K in direct_k_order: up to 16 rows read from x itself) or
+// NVFP4 tiles (rows through a prep launch, each part's weight_scale_2 in the epilogue's multiplier); K split by
+// the output's width either way (dense_split).
 void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   check_split(a.split);
   ROCKET_CHECK(a.k % 16 == 0 && a.k_pad % kTileK == 0 && a.k_pad >= a.k && a.n % 16 == 0 &&
@@ -1054,9 +1025,8 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
                  << " ends at feature " << a.seg_end[s] << ": parts end at multiples of " << kFT * kTileN);
   if (a.rows == 0) return;
   const int n_tiles = int((a.rows + kRowTile - 1) / kRowTile);
-  // BF16: the weights are in direct_k_order (stack.py pack_linear), NVFP4 tiles in the logical order; either way up
-  // to 16 rows are read from x itself
-  const bool direct = rows_direct(a.x, a.rows, a.k);
+  // BF16: the weights are in direct_k_order (stack.py pack_linear); NVFP4 tiles in the logical order
+  const bool direct = !nvfp4 && rows_direct(a.x, a.rows, a.k);
   if (!direct) {  // rows -> fragments
     const int pairs = a.k_pad / 32;
     const int64_t n = int64_t(n_tiles) * pairs * 32;

@@ -170,32 +170,6 @@ def test_lane_emulation_matches_reference(limit):
     assert torch.equal(got.view(torch.int16), got2.view(torch.int16))
 
 
-def test_logical_rows_read_from_x_are_the_prep_fragments():
-    """NVFP4 dense rows of up to 16 read from x itself (load_b_logical in csrc/nvfp4_experts.cu: lane (g, t) takes
-    words t, t + 4, t + 8, t + 12 of k-pair pp of its row, pp_stride 4 and kt_stride 8 uint4) give exactly the uint4
-    the prep launch writes to x_frag, for every lane, k-pair and row, so the GEMM sees the same B fragments."""
-    h = 192                                               # 3 k-tiles, no padding in K (the direct path's condition)
-    rows = 13                                             # 2 row tiles, the second with padding rows
-    x = (torch.randn(rows, h, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
-    xw = _words(x.view(torch.uint8))                      # [rows, h/2] words
-    n_tiles = (rows + 7) // 8
-    for tile in range(n_tiles):
-        for kt in range(h // 64):
-            for pp in range(2):
-                for lane in range(32):
-                    g, t = lane // 4, lane % 4
-                    row = tile * 8 + g
-                    if row >= rows:
-                        continue                          # a padding row: the kernel reads its tile's row 0 instead
-                    # the kernel: uint4 base of the row's k-tile + pp * 4 uint4, as words, + t + {0, 4, 8, 12}
-                    base = kt * 32 + pp * 16 + t
-                    got = [int(xw[row, base + 4 * e]) for e in range(4)]
-                    # prep_rows_kernel: word e of pair 2 kt + pp is x's k = 32 (2 kt + pp) + 16 (e >> 1) + 8 (e & 1) + 2 t
-                    want = [int(xw[row, (32 * (2 * kt + pp) + 16 * (e >> 1) + 8 * (e & 1) + 2 * t) // 2])
-                            for e in range(4)]
-                    assert got == want, f"row {row}, k-tile {kt}, pair {pp}, lane {lane}: {got} != {want}"
-
-
 def _frag_values(words: torch.Tensor) -> torch.Tensor:
     """Fragment words (bf16 pairs) -> fp32 values [..., 2]."""
     w = words.long() & _U32

@@ -34,8 +34,8 @@ as stored: pack_linear and pack_mlp take their parts (weight, weight_scale, weig
 tuple) instead of a BF16 weight and pack the codes and block scales into the kernel's NVFP4 tiles (pack.py), 3.6x
 fewer bytes than BF16 tiles, and the decode step reads those (weight-only W4A16: the rows stay BF16). The kernel
 decodes each code to the exact bf16 E2M1 x scale x 2^-8 and applies 2^8 x weight_scale_2 (one per output part,
-a fused q/k/v has three) to the fp32 sum in the epilogue; up to 16 rows are read from x itself in the logical k
-order (more through a prep launch), through L1, K split as the BF16 tiles' (`split`), so a row's bits depend on no other row either. Larger steps and
+a fused q/k/v has three) to the fp32 sum in the epilogue; its rows come through a prep launch and L1, K split as
+the BF16 tiles' (`split`), so a row's bits depend on no other row either. Larger steps and
 prefill dequantise on the fly (unpack_linear / unpack_mlp: a transient BF16 copy per call, the weights
 checkpoint.reader.Linear.dense gives, bit for bit) and take F.linear. On the CPU the references are F.linear /
 swiglu_mlp on those same dequantised weights, so they are what the BF16-dequantising loader computes, bit for bit.

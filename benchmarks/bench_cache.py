@@ -1,16 +1,19 @@
 """The expert cache's policy replayed on a recorded routing trace, against LRU and Belady's optimum.
 
     python -m rocket_mpi decode --checkpoint preset:default:skew=1.5 --streams 8 --tokens 200 --telemetry trace.npz
-    python benchmarks/bench_cache.py --trace trace.npz --capacity 0.25,0.5
+    python benchmarks/bench_cache.py --trace trace.npz --capacity 0.25,0.5 [--interval 8] [--margins 0.5,1] [--first 48]
 
 Each MoE layer is one cache of `capacity` x (experts the rank owns) slots. A step's requests are the experts with rows
 (each is read once however many rows it has); the hit rate counts those reads. The policies:
     ours    rocket_mpi.moe.cache.Policy as the engine runs it: decayed firing frequency, at most PROMOTIONS swaps per
-            layer after each step (a swap copies the expert in: bytes a demand cache would not move, shown as copies)
+            layer at each upkeep, every --interval steps (the graphed engine's: 8), starting from the lowest ids (a
+            swap copies the expert in: bytes a demand cache would not move); --margins adds it at other promotion
+            margins and swap limits (ours@H or ours@H/P)
     LRU     demand caching: a miss is brought in, the least recently read expert goes
     Belady  demand caching with bypass and the future known: a miss is brought in only if it is read again before
             the cached expert read last, which goes (the most hits any demand cache can have)
-Prints one table: per capacity, each policy's hit rate, ours as a fraction of Belady's, and the copies per step.
+Prints per window (all steps; with --first N also the first N, a cold start) one table: per capacity, each policy's
+hit rate, ours as a fraction of Belady's, and each policy's expert transfers per step (misses read + copies in).
 """
 from __future__ import annotations
 
@@ -32,18 +35,23 @@ def requests(rows: np.ndarray, owned: list[int]) -> list[set[int]]:
     return [set(own[rows[t, own] > 0].tolist()) for t in range(rows.shape[0])]
 
 
-def replay_ours(reqs: list[set[int]], owned: list[int], cap: int) -> tuple[int, int, int]:
-    """(hits, reads, copies) of the engine's policy."""
-    pol = Policy(owned, cap, first_resident(owned, cap))
+def replay_ours(reqs: list[set[int]], owned: list[int], cap: int, interval: int = 1, **policy) -> tuple[int, int, int]:
+    """(hits, reads, copies) of the engine's policy, its upkeep every `interval` steps (the graphed engine's: 8) with
+    the steps' firing counts; policy: Policy's keyword arguments (hysteresis, promotions)."""
+    pol = Policy(owned, cap, first_resident(owned, cap), **policy)
     hits = reads = copies = 0
     n = max(owned) + 1
-    for req in reqs:
-        hits += len(req & pol.resident)
+    active = np.zeros(n)
+    resident = pol.resident
+    for t, req in enumerate(reqs):
+        hits += len(req & resident)
         reads += len(req)
-        active = np.zeros(n)
-        active[list(req)] = 1
-        pol.observe(active, 1)
-        copies += len(pol.swaps())
+        active[list(req)] += 1
+        if (t + 1) % interval == 0 or t + 1 == len(reqs):
+            pol.observe(active, interval)
+            copies += len(pol.swaps())
+            resident = pol.resident
+            active = np.zeros(n)
     return hits, reads, copies
 
 
@@ -102,6 +110,10 @@ def main() -> int:
     ap.add_argument("--trace", required=True, help=".npz from decode --telemetry")
     ap.add_argument("--capacity", default="0.25,0.5", help="fractions of each layer's owned experts kept resident")
     ap.add_argument("--rank", type=int, default=0, help="whose experts (the trace's placement)")
+    ap.add_argument("--interval", type=int, default=1, help="ours: steps between upkeeps (the graphed engine's: 8)")
+    ap.add_argument("--margins", default="", help="ours: also replayed at these promotion margins (Policy hysteresis), "
+                    "each H or H/P (P: swaps per upkeep, Policy promotions)")
+    ap.add_argument("--first", type=int, default=0, help="also the first N steps alone (a cold start)")
     a = ap.parse_args()
     z = np.load(a.trace)
     rows, layers = z["rows"], z["layers"]
@@ -112,27 +124,38 @@ def main() -> int:
         mine = z["owners"] == a.rank
     steps = rows.shape[0]
     print(f"{a.trace}: {steps} decode steps, {len(layers)} MoE layers, {rows.shape[2]} experts; rank {a.rank}'s "
-          f"experts ({int(mine.sum())} over all layers)")
-    print(f"{'capacity':>9} {'ours':>7} {'LRU':>7} {'Belady':>7} {'ours/Belady':>12} {'copies/step ours':>17} "
-          f"{'LRU':>6} {'Belady':>7}")
-    for frac in (float(x) for x in a.capacity.split(",")):
-        tot = {k: [0, 0, 0] for k in ("ours", "lru", "belady")}
-        for i in range(len(layers)):
-            owned = [int(e) for e in np.nonzero(mine[i])[0]]
-            if not owned:
-                continue
-            cap = int(frac * len(owned))
-            reqs = requests(rows[:, i], owned)
-            for k, fn in (("ours", replay_ours), ("lru", replay_lru), ("belady", replay_belady)):
-                h, r, c = fn(reqs, owned, cap)
-                tot[k][0] += h
-                tot[k][1] += r
-                tot[k][2] += c
-        rate = {k: v[0] / v[1] if v[1] else 1.0 for k, v in tot.items()}
-        cps = {k: v[2] / max(steps, 1) for k, v in tot.items()}
-        print(f"{frac:>9.0%} {rate['ours']:>7.1%} {rate['lru']:>7.1%} {rate['belady']:>7.1%} "
-              f"{rate['ours'] / rate['belady'] if rate['belady'] else 1.0:>12.1%} {cps['ours']:>17.1f} "
-              f"{cps['lru']:>6.1f} {cps['belady']:>7.1f}")
+          f"experts ({int(mine.sum())} over all layers); ours: upkeep every {a.interval} step(s)")
+    pols = [("ours", replay_ours, {})]
+    for m in (m for m in a.margins.split(",") if m):  # H or H/P: margin H, at most P swaps per upkeep
+        h, _, n = m.partition("/")
+        pols.append((f"ours@{m}", replay_ours, {"hysteresis": float(h), **({"promotions": int(n)} if n else {})}))
+    pols += [("LRU", replay_lru, {}), ("Belady", replay_belady, {})]
+    windows = [("all steps", steps)] + ([(f"first {a.first} steps", a.first)] if 0 < a.first < steps else [])
+    for title, n_steps in windows:
+        print(f"\n{title}: hit rate of the expert reads; misses + copies per step (expert transfers over the host "
+              "link: a miss is read, a copy moves one in)")
+        print("| capacity | " + " | ".join(name for name, _, _ in pols) + " | ours / Belady | "
+              + " | ".join(f"{name} transfers" for name, _, _ in pols) + " |")
+        print("|" + "---:|" * (2 + 2 * len(pols)))
+        for frac in (float(x) for x in a.capacity.split(",")):
+            tot = {name: [0, 0, 0] for name, _, _ in pols}
+            for i in range(len(layers)):
+                owned = [int(e) for e in np.nonzero(mine[i])[0]]
+                if not owned:
+                    continue
+                cap = int(frac * len(owned))
+                reqs = requests(rows[:n_steps, i], owned)
+                for name, fn, kw in pols:
+                    h, r, c = fn(reqs, owned, cap, a.interval, **kw) if fn is replay_ours else fn(reqs, owned, cap)
+                    tot[name][0] += h
+                    tot[name][1] += r
+                    tot[name][2] += c
+            rate = {k: v[0] / v[1] if v[1] else 1.0 for k, v in tot.items()}
+            moved = {k: ((v[1] - v[0]) + v[2]) / max(n_steps, 1) for k, v in tot.items()}
+            best = rate["Belady"]
+            print(f"| {frac:.0%} | " + " | ".join(f"{rate[k]:.1%}" for k, _, _ in pols)
+                  + f" | {rate['ours'] / best if best else 1.0:.1%} | "
+                  + " | ".join(f"{moved[k]:.1f}" for k, _, _ in pols) + " |")
     return 0
 
 

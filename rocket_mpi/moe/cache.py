@@ -29,10 +29,12 @@ import torch
 from rocket_mpi.errors import RocketError
 
 DECAY = 0.9          # per step: an expert's score is its firings over the last ~10 steps
-HYSTERESIS = 2.0     # a far expert replaces a resident one when it scores this much higher (firings): a swap costs
-                     # two copies of an expert (in, and the demoted one out), a miss one read, so it pays only when the
-                     # newcomer will fire about twice more than the one it evicts (docs/PERFORMANCE.md, expert cache)
-PROMOTIONS = 4       # swaps per layer at each maintenance: bounds the bytes one maintenance moves
+HYSTERESIS = 1.0     # a far expert replaces a resident one when it scores this much higher (decayed firings); with
+PROMOTIONS = 8       # at most this many swaps per layer at each upkeep (bounds the bytes one upkeep moves). Chosen on
+                     # recorded traces replayed with the graphed engine's upkeep every 8 steps (benchmarks/bench_cache.py
+                     # --interval 8): the fewest expert transfers (misses read + copies in and out) in the first 48 steps
+                     # and over 200-400 steps (docs/PERFORMANCE.md, expert cache); a margin of 2 and 4 swaps left a cold
+                     # start missing 5-8 points more
 GIB = 2 ** 30
 
 

@@ -14,7 +14,7 @@ from rocket_mpi import ops
 from rocket_mpi.checkpoint import specs
 from rocket_mpi.checkpoint.make import make_checkpoint
 from rocket_mpi.errors import RocketError
-from rocket_mpi.ops import nvfp4
+from rocket_mpi.ops import nvfp4, pack
 from rocket_mpi.moe.cache import GIB, Policy, expert_bytes, first_resident, parse_budget, plan_capacity
 from rocket_mpi.runtime.engine import Engine
 
@@ -134,8 +134,14 @@ def test_plan_capacity_and_its_errors():
     assert plan_capacity(owned, 100, 0.0, 10_000, 0, False, 0, "x").capacity == 0
     with pytest.raises(RocketError, match=r"rank 1: --expert-cache 1 GiB does not fit on GPU 0"):
         plan_capacity(owned, GIB, 1.0, GIB // 2, 100 * GIB, True, 1, "GPU 0")
-    with pytest.raises(RocketError, match=r"rank 0: out of host memory for the expert cache"):
+    with pytest.raises(RocketError, match=r"rank 0: out of host memory for the expert cache.*not even one far slot"):
         plan_capacity(owned, GIB, 0.0, 100 * GIB, GIB, True, 0, "GPU 0")
+    # host memory short: the far slots that fit (2 per layer), the other far experts in the checkpoint files
+    p = plan_capacity(owned, GIB, 0.0, 100 * GIB, 4 * GIB + 1, True, 0, "GPU 0")
+    assert p.far_slots == 2 and "2 far slots per layer" in p.reason and p.as_dict()["far_slots_per_layer"] == 2
+    assert plan_capacity(owned, GIB, 0.0, 100 * GIB, 16 * GIB, True, 0, "GPU 0").far_slots is None
+    with pytest.raises(RocketError, match=r"rank 0: out of host memory.*live rebalancing keeps every expert in a slot"):
+        plan_capacity(owned, GIB, 0.0, 100 * GIB, 4 * GIB, True, 0, "GPU 0", slots=8)
     for bad in ("-1", "nan", "inf", "lots"):
         with pytest.raises(RocketError, match="--expert-cache"):
             parse_budget(bad)
@@ -198,6 +204,81 @@ def test_far_slots_bitwise(bf16):
     assert torch.equal(ops.nvfp4_experts(x, segs, split), want)
 
 
+class _Source:
+    """ExpertSource's packed(): one expert packed alone, where asked (a far slot's copy: in host memory)."""
+
+    def __init__(self, ex, h, i):
+        self.ex, self.h, self.i, self.reads = ex, h, i, []
+
+    def packed(self, e, bf16, device=None):
+        self.reads.append(e)
+        return pack.pack_experts({e: self.ex[e]}, self.h, self.i, device=device)
+
+
+def test_experts_in_the_checkpoint_only_give_the_same_rows():
+    """Host memory short (GPU ranks): a layer keeps 2 experts in device slots, 2 in far slots, and 4 in the checkpoint
+    only. A step whose experts need more far slots than there are runs in several launches, each reading its
+    unslotted experts into far slots first (the far experts read longest ago give theirs up): the rows are bitwise
+    the all-resident launch's, the reads are counted, and a swap brings an unslotted expert straight into a device
+    slot. (Here on the CPU, the packed experts through the kernel's torch reference; the GPU test below runs it on
+    the engine's host path.)"""
+    from rocket_mpi.moe.experts import ExpertStore
+    h, i, ids = 64, 32, list(range(8))
+    ex = make_experts(ids, h, i, seed=3)
+    full = pack.pack_experts(ex, h, i)
+    packer = ops.ExpertPacker(ids, h, i, bf16=False, resident=[0, 1], far_slots=2)
+    assert packer.unslotted == [4, 5, 6, 7] and packer.n_slots == 4
+    for e in ids:
+        if e not in packer.unslotted:
+            packer.add(e, *ex[e])
+    store = ExpertStore(0, ids, {}, {}, torch.ones(8), 0)
+    store.packed, store.unslotted = packer.done(), set(packer.unslotted)
+    store.read_bytes_per_expert = store.packed.bytes_per_expert
+    store.source = src = _Source(ex, h, i)
+    counts = {0: 3, 2: 5, 3: 1, 4: 2, 5: 7, 6: 1, 7: 4}
+    segs = segments_for(counts)
+    n = sum(counts.values())
+    x = (torch.randn(n, h, generator=torch.Generator().manual_seed(9)) * 2).to(torch.bfloat16)
+    tokens = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    want = ops.nvfp4_experts(x, segs, full, 0, tokens)
+    got = store.compute(x, tokens, segs, 0)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert store.file_reads == 4 and sorted(src.reads) == [4, 5, 6, 7]
+    assert len(store.unslotted) == 4 and set(store.packed.slot) | store.unslotted == set(ids)
+    # again: the experts now in far slots are read there, the others from the checkpoint
+    assert torch.equal(store.compute(x, tokens, segs, 0).view(torch.int16), want.view(torch.int16))
+    # a promotion of an unslotted expert: into the resident one's device slot, which goes to the checkpoint
+    e_in = min(store.unslotted)
+    store.swap(e_in, 0)
+    assert store.is_resident(e_in) and 0 in store.unslotted and not store.is_resident(0)
+    assert torch.equal(store.compute(x, tokens, segs, 0).view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_host_memory_short_reads_experts_from_the_checkpoint(tmp_path):
+    """The engine on a GPU with a cache of a few experts and host memory for one far slot per layer: the other
+    experts stay in the checkpoint files, the decode path is host (auto; graph is refused with one line), and the
+    tokens are the all-resident run's."""
+    d = str(tmp_path / "sk")
+    make_checkpoint("tiny", d, seed=5, skew=1.5, nvfp4_experts=True)
+    ref = Engine(d, device="cuda")
+    ref.set_decode_path("host", "local")
+    prompts = [[(3 * s + i) % ref.cfg.vocab_size for i in range(5)] for s in range(4)]
+    want = ref.generate(prompts, 16).tokens
+    bpe = ref.experts[next(iter(ref.experts))].packed.bytes_per_expert
+    n_moe = len(ref.experts)
+    del ref
+    eng = Engine(d, device="cuda", expert_cache=2 * n_moe * bpe / GIB, host_memory=1.5 * n_moe * bpe / GIB)
+    assert eng.cache_plan.far_slots == 1, eng.cache_plan.reason
+    with pytest.raises(RocketError, match="checkpoint files only"):
+        eng.set_decode_path("graph", "local")
+    assert eng.set_decode_path("auto", "local") == "host"
+    res = eng.generate(prompts, 16)
+    assert res.tokens == want
+    c = res.expert_cache
+    assert c["file_reads"] > 0 and c["unslotted_experts"] > 0 and c["hit_rows"] + c["miss_rows"] > 0
+
+
 @gpu
 def test_graphed_step_with_a_cache_matches(tmp_path):
     """The captured step with half the experts far and swaps between steps: the all-resident tokens."""
@@ -224,6 +305,9 @@ def test_plan_command():
     assert "replicated stack 16.6" in r.stdout and "verdict: fits all-resident" in r.stdout, r.stdout
     r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4", "--ranks", "1", "--device-memory", "80",
                "--host-memory", "10")
+    assert r.returncode == 0 and "verdict: fits with the expert cache and the checkpoint files" in r.stdout, r.stdout
+    r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4", "--ranks", "1", "--device-memory", "80",
+               "--host-memory", "0.1")
     assert r.returncode == 1 and "does not fit: rank 0: out of host memory for the expert cache" in r.stdout, r.stdout
     r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4", "--ranks", "1", "--device-memory", "139.8",
                "--host-memory", "120")

@@ -98,6 +98,10 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="GiB of this rank's routed-expert weights kept in device memory; the rest sits in pinned host "
                         "memory (GPU) or is read from the checkpoint (CPU) when a step needs it. auto: all where they "
                         "fit beside the stack, KV cache and workspaces, else as much as fits")
+    p.add_argument("--host-memory", type=cache_budget, default="auto", metavar="GIB|auto",
+                   help="GPU ranks: GiB of host memory for the routed experts outside device memory; where they need "
+                        "more, each layer keeps as many as fit and reads the others from the checkpoint files when a "
+                        "step needs them (on the host decode path). auto: the host's available memory (its share)"),
     add_fabric_flags(p)
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "device", "host"),
                    help="GPU decode steps: graph = row plan on the device, the step one CUDA graph; device = the "
@@ -148,7 +152,7 @@ def serve_run_settings(args) -> RunSettings:
     return RunSettings(checkpoint=args.checkpoint, streams=(), tokens=1, placement=args.placement, device=args.device,
                        threads=args.threads, startup_timeout=args.startup_timeout, decode_path=args.decode_path,
                        prefill_chunk=args.prefill_chunk, fabric=fabric_settings(args), log_level=args.log_level,
-                       progress=True, expert_cache=args.expert_cache)
+                       progress=True, expert_cache=args.expert_cache, host_memory=args.host_memory)
 
 
 def serve_settings(args) -> ServeSettings:
@@ -164,6 +168,7 @@ def run_settings(args, streams: list[int]) -> RunSettings:
                        progress=not getattr(args, "quiet", False), temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                        ignore_eos=args.ignore_eos, chat=args.chat, expert_cache=args.expert_cache,
+                       host_memory=args.host_memory,
                        telemetry=getattr(args, "telemetry", None), rebalance_every=args.rebalance_every,
                        replicas=args.replicas)
 

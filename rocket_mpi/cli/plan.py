@@ -6,8 +6,10 @@ Prints the architecture, the replicated stack's bytes as the ranks hold it (BF16
 experts are decoded at load on CPU ranks, and on GPU ranks most are held as stored, model/layers.py, so for them this
 is an upper bound), the routed experts' bytes (packed for the GPU kernel, or dense BF16 on CPU ranks), and
 per rank: the experts it owns, how many of them the expert cache (moe/cache.py) keeps in device memory under
---expert-cache, the rest in host memory, and the bytes one decode step reads from each memory (M streams, uniform
-routing: each expert read at most once per layer). The verdict: fits all-resident, fits with a cache, or does not fit.
+--expert-cache, the rest in host memory (where that is short, as many far slots per layer as fit, the other experts
+read from the checkpoint files when a step needs them), and the bytes one decode step reads from each memory (M
+streams, uniform routing: each expert read at most once per layer). The verdict: fits all-resident, fits with a cache,
+fits with a cache and the checkpoint files, or does not fit.
 """
 from __future__ import annotations
 
@@ -110,6 +112,9 @@ def plan(args) -> int:
             cp = plan_capacity(owned, bpe, budget, free, host, not args.cpu, r, f"{dev_total / GIB:.0f} GiB")
             far = cp.owned_bytes - cp.resident_bytes
             verdict = "fits all-resident" if not far else "fits with the expert cache"
+            if cp.far_slots is not None:
+                verdict = (f"fits with the expert cache and the checkpoint files ({cp.far_slots} far slots per layer "
+                           f"in host memory, the other far experts read from the files; host decode path)")
         except RocketError as e:
             cp, far, verdict = None, 0, f"does not fit: {e}"
         if cp is not None and far and args.cpu:
@@ -118,6 +123,8 @@ def plan(args) -> int:
             worst = verdict
         elif far and worst == "fits all-resident":
             worst = "fits with the expert cache"
+        if cp is not None and cp.far_slots is not None and not worst.startswith("does not"):
+            worst = "fits with the expert cache and the checkpoint files"
         # a step reads each expert with rows once: M x top-k rows over E experts, uniform routing
         per_layer = min(args.streams * cfg.num_experts_per_tok, cfg.n_routed_experts) / cfg.n_routed_experts
         if cp is None:

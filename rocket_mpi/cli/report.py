@@ -69,7 +69,8 @@ def print_report(doc: dict, cfg) -> None:
 
 def print_cache(per_rank: list[dict], loads: dict) -> None:
     """The expert cache's table (ranks with one): resident and far GiB, hit rate, bytes from host memory per step,
-    and the floor those bytes imply at the measured host-to-device bandwidth beside the resident bytes' HBM floor."""
+    and the floor those bytes imply at the measured host-to-device bandwidth beside the resident bytes' HBM floor;
+    where host memory was short, the experts read from the checkpoint files."""
     rows = [s for s in per_rank if s.get("expert_cache")]
     if not rows:
         return
@@ -83,6 +84,9 @@ def print_cache(per_rank: list[dict], loads: dict) -> None:
         host_ms = f"{1e3 * far / (h2d * 1e9):.2f}" if h2d else "-"
         print(f"              {s['rank']:>4} {c['resident_gib']:>12.2f} {c['far_gib']:>8.2f} {100 * c['hit_rate']:>6.1f} "
               f"{far / 1e6:>11.1f} {c['moved_bytes_per_step'] / 1e6:>14.1f} {hbm_ms:>12} {host_ms:>13}")
+        if c.get("unslotted_experts"):  # host memory short: experts read from the checkpoint files into far slots
+            print(f"              rank {s['rank']}: {c['unslotted_experts']} experts in the checkpoint files only; "
+                  f"{c['file_reads']} read into far slots, {c['file_bytes_per_step'] / 1e6:.1f} MB per step")
 
 
 def print_rebalance(per_rank: list[dict]) -> None:

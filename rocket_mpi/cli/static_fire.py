@@ -19,7 +19,7 @@ def _decode_args(args, sweep, out):
          str(args.tokens), "--threads", str(args.threads), "--out", out,
          "--fabric-timeout", str(args.fabric_timeout), "--startup-timeout", str(args.startup_timeout),
          "--device", args.device, "--decode-path", args.decode_path, "--prefill-chunk", str(args.prefill_chunk),
-         "--log-level", args.log_level, "--expert-cache", args.expert_cache]
+         "--log-level", args.log_level, "--expert-cache", args.expert_cache, "--host-memory", args.host_memory]
     if args.prompts:
         a += ["--prompts", args.prompts]
     return a + sampling_args(args)

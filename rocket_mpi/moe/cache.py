@@ -178,9 +178,15 @@ class ExpertCache:
     def begin(self) -> None:
         """A new run: the accounting starts again (the scores and residency carry over)."""
         self.stats = CacheStats()
+        self.file_base = self._file()
         self.last = self._read()
         if self.trace is not None:
             self.trace.clear()
+
+    def _file(self) -> tuple[int, int]:
+        """(experts, bytes) read from the checkpoint files into far slots so far (GPU, host memory short)."""
+        return (sum(getattr(self.stores[la], "file_reads", 0) for la in self.layers),
+                sum(getattr(self.stores[la], "file_bytes", 0) for la in self.layers))
 
     def _read(self) -> np.ndarray:
         return sum((c.cpu().numpy().astype(np.int64) for c in self.counters.values()), self.base.copy())
@@ -227,8 +233,12 @@ class ExpertCache:
     def summary(self) -> dict:
         res = sum(self.stores[la].resident_bytes() for la in self.layers)
         far = sum(self.stores[la].far_resident_bytes() for la in self.layers)
-        return self.stats.as_dict(res, far, {la: self.policies[la].capacity for la in self.layers},
-                                  {la: len(self.policies[la].owned) for la in self.layers})
+        d = self.stats.as_dict(res, far, {la: self.policies[la].capacity for la in self.layers},
+                               {la: len(self.policies[la].owned) for la in self.layers})
+        (r0, b0), (r1, b1) = getattr(self, "file_base", (0, 0)), self._file()
+        d["file_reads"], d["file_bytes_per_step"] = r1 - r0, (b1 - b0) / max(self.stats.steps, 1)
+        d["unslotted_experts"] = sum(len(getattr(self.stores[la], "unslotted", ())) for la in self.layers)
+        return d
 
     def trace_array(self) -> np.ndarray:
         """The recorded routing: [maintenances, n_moe, E] rows per expert."""
@@ -272,10 +282,12 @@ class CachePlan:
     owned_bytes: int          # all of this rank's routed experts
     resident_bytes: int
     reason: str
+    far_slots: int | None = None  # GPU, host memory short: far slots per layer, the other far experts in the files
 
     def as_dict(self) -> dict:
         return {"capacity_per_layer": self.capacity, "bytes_per_expert": self.bytes_per_expert,
-                "owned_gib": self.owned_bytes / GIB, "resident_gib": self.resident_bytes / GIB, "reason": self.reason}
+                "owned_gib": self.owned_bytes / GIB, "resident_gib": self.resident_bytes / GIB, "reason": self.reason,
+                "far_slots_per_layer": self.far_slots}
 
 
 def plan_capacity(owned: dict[int, list[int]], bpe: int, budget_gib: float | None, device_free: int,
@@ -284,7 +296,9 @@ def plan_capacity(owned: dict[int, list[int]], bpe: int, budget_gib: float | Non
     budget_gib: --expert-cache (None: auto); device_free: bytes the experts may take in device memory under auto (the
     stack, KV cache and workspaces already set aside); host_free: host bytes for far experts (GPU ranks, far_in_host);
     where: the device, for the messages; slots: room for at least this many experts in every layer (live
-    rebalancing's fixed slots), whatever it owns now."""
+    rebalancing's fixed slots), whatever it owns now. Where the far experts do not fit host_free, each layer gets the
+    far slots that do (far_slots) and its other far experts stay in the checkpoint files, read into a far slot when a
+    step needs them (moe/experts.py; the host decode path); not with live rebalancing's fixed slots."""
     sizes = [max(len(v), slots) for v in owned.values()]
     most = max(sizes, default=0)
     n_layers = max(sum(1 for v in sizes if v), 1)
@@ -305,17 +319,29 @@ def plan_capacity(owned: dict[int, list[int]], bpe: int, budget_gib: float | Non
     cap = int(min(cap, most))
     resident = sum(min(v, cap) for v in sizes) * bpe
     far = total - resident
+    reason += f": {cap} of {most} experts per layer resident"
+    far_slots = None
     if far and far_in_host and far > host_free:
-        raise RocketError(f"rank {rank}: out of host memory for the expert cache: {far / GIB:.2f} GiB of experts "
-                          f"outside {where} must sit in host memory, {host_free / GIB:.2f} GiB are available; give "
-                          f"the cache more device memory, or use more ranks")
-    return CachePlan(cap, bpe, total, resident, reason + f": {cap} of {most} experts per layer resident")
+        far_slots = max(host_free, 0) // (n_layers * bpe)
+        if far_slots < 1 or slots:
+            why = ("live rebalancing keeps every expert in a slot" if slots else
+                   f"not even one far slot per layer ({bpe / GIB:.3f} GiB each, {n_layers} layers) fits")
+            raise RocketError(f"rank {rank}: out of host memory for the expert cache: {far / GIB:.2f} GiB of experts "
+                              f"outside {where} must sit in host memory, {max(host_free, 0) / GIB:.2f} GiB are "
+                              f"available, and {why}; give the cache more device memory or host memory "
+                              f"(--host-memory), or use more ranks")
+        reason += (f"; host memory short ({max(host_free, 0) / GIB:.2f} GiB for {far / GIB:.2f} GiB of far experts): "
+                   f"{far_slots} far slots per layer, the other experts read from the checkpoint files when a step "
+                   f"needs them")
+    return CachePlan(cap, bpe, total, resident, reason, far_slots)
 
 
 def plan_residency(cfg, owned: dict[int, list[int]], device: torch.device, stack_bytes: int, budget_gib: float | None,
-                   share: int, rank: int, nvfp4: bool, packed: bool, slots: int = 0) -> CachePlan:
+                   share: int, rank: int, nvfp4: bool, packed: bool, slots: int = 0,
+                   host_gib: float | None = None) -> CachePlan:
     """plan_capacity with this machine's memory: a GPU's free memory (split among the `share` ranks on it) less the
-    stack and a reserve; a CPU rank's available host memory (split likewise) less a reserve."""
+    stack and a reserve; a CPU rank's available host memory (split likewise) less a reserve. host_gib (--host-memory):
+    host memory for a GPU rank's far experts (None: the available share less a reserve)."""
     bpe = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, nvfp4, packed)
     share = max(share, 1)
     host = host_available()
@@ -324,7 +350,7 @@ def plan_residency(cfg, owned: dict[int, list[int]], device: torch.device, stack
         reserve = max(RESERVE_MIN, int(RESERVE_FRACTION * total / share))
         dev_free = free // share - stack_bytes - reserve
         where = f"GPU {device} ({total / GIB:.1f} GiB, shared by {share} rank(s))"
-        host_free = host // share - HOST_RESERVE
+        host_free = host // share - HOST_RESERVE if host_gib is None else int(host_gib * GIB)
     else:
         dev_free = host // share - RESERVE_MIN if host else 1 << 62  # the stack is in host memory already
         where = "host memory" + (f" (shared by {share} ranks)" if share > 1 else "")

@@ -43,12 +43,13 @@ class ExpertSource:
         nv = g.nvfp4 and u.nvfp4 and d.nvfp4
         return ((g, u, d) if nv else (g.dense(), u.dense(), d.dense())), nv
 
-    def packed(self, e: int, bf16: bool) -> ops.PackedExperts:
-        """Expert e alone in the kernel's layout (one slot, on the device): what a move copies into a slot."""
+    def packed(self, e: int, bf16: bool, device=None) -> ops.PackedExperts:
+        """Expert e alone in the kernel's layout (one slot, on `device`, default the engine's): what a move copies
+        into a slot (a far slot's copy is packed in host memory)."""
         parts, nv = self.kernel_parts(self.read(e))
         if nv == bf16:
             raise AssertionError(f"layer {self.layer}: mixed NVFP4 and BF16 routed experts")
-        packer = ops.ExpertPacker([e], self.h, self.i, bf16=bf16, device=self.device)
+        packer = ops.ExpertPacker([e], self.h, self.i, bf16=bf16, device=device or self.device)
         packer.add(e, *parts)
         return packer.done()
 
@@ -66,6 +67,13 @@ class ExpertStore:
         self.owned = owned
         self.capacity = len(owned)   # experts kept in device memory (the expert cache, moe/cache.py)
         self.fetch = None            # CPU, bounded: expert id -> (gate_up, down) read from the checkpoint
+        # GPU, host memory short: owned experts with no slot (in the checkpoint files only), read into a far slot
+        # when a step needs them (stage); the far experts' last use (a step count), to pick which far slot to reuse
+        self.unslotted: set[int] = set()
+        self.far_used: dict[int, int] = {}
+        self.launches = 0
+        self.file_reads = 0          # experts read from the checkpoint into a far slot, and their bytes
+        self.file_bytes = 0
         self.source: ExpertSource | None = None  # where loading read the experts (live rebalancing reads there too)
         self.gate_up = gate_up
         self.down = down
@@ -82,7 +90,7 @@ class ExpertStore:
     @classmethod
     def load(cls, reader: CheckpointReader, layer: int, owned: list[int], prefix: str | None = None,
              device=None, resident: list[int] | None = None, slots: int | None = None,
-             near: int | None = None) -> "ExpertStore":
+             near: int | None = None, far_slots: int | None = None) -> "ExpertStore":
         """`prefix`: the experts' tensor-name prefix (default model.layers.{layer}.mlp.experts).
         On a GPU with the CUDA extension built, NVFP4 experts stay packed and run in the batch-invariant
         kernel (ops.nvfp4_experts), and BF16 experts are packed into the same kernel's BF16 tiles; otherwise they
@@ -90,7 +98,8 @@ class ExpertStore:
         expert cache; None: all): on a GPU the others go to far slots in host memory, on a CPU they are read from
         the checkpoint when a step needs them. `slots`: room for this many experts (live rebalancing: a fixed
         number, more than owned leaves spare slots); `near`: how many of them in device memory (default: the
-        resident experts', all where resident is None)."""
+        resident experts', all where resident is None); `far_slots` (GPU, host memory short): at most this many far
+        slots, the far experts past them read from the checkpoint when a step needs them (compute, swap)."""
         cfg = reader.config
         h, i, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         pre = prefix or f"model.layers.{layer}.mlp.experts"
@@ -106,14 +115,19 @@ class ExpertStore:
         n_slots = max(len(owned), slots or 0)
         dense_bytes = 0
         for e in owned:
+            if packer is not None and e in packer.unslotted:
+                continue  # in the checkpoint only (host memory short): read when a step needs it
             g, u, d = src.read(e)
             nv = g.nvfp4 and u.nvfp4 and d.nvfp4
             if use_kernel and (nv or not (g.nvfp4 or u.nvfp4 or d.nvfp4)):
                 # packed as read, one expert at a time (ops.ExpertPacker)
                 if packer is None:
                     packer = ops.ExpertPacker(owned, h, i, bf16=not nv, device=device,
-                                              resident=None if resident is None else sorted(keep), slots=n_slots,
-                                              near_slots=near)
+                                              resident=None if resident is None else sorted(keep),
+                                              slots=slots if far_slots is None else None,
+                                              near_slots=near, far_slots=far_slots)
+                    if e in packer.unslotted:
+                        continue
                 elif packer.bf16 == nv:
                     raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
                 parts, _ = src.kernel_parts((g, u, d))
@@ -125,13 +139,17 @@ class ExpertStore:
             dense_bytes = 3 * h * i * 2
             if e in keep:
                 gate_up[e], down[e] = src.dense(e, (g, u, d))
+        per_expert = nbytes // max(len(packer.slot), 1) if packer is not None else 0
+        if packer is not None and packer.unslotted:  # the unslotted experts were not read: the same size each
+            nbytes = per_expert * len(owned)
         store = cls(layer, owned, gate_up, down, s2, nbytes, cfg.swiglu_limit)
         store.source = src
         if packer is not None:
             if gate_up:
                 raise AssertionError(f"layer {layer}: mixed NVFP4 and BF16 routed experts")
             store.packed = packer.done()
-            store.read_bytes_per_expert = nbytes // max(len(owned), 1)
+            store.unslotted = set(packer.unslotted)
+            store.read_bytes_per_expert = per_expert
             store.capacity = store.packed.near
         else:
             store.read_bytes_per_expert = dense_bytes
@@ -142,16 +160,27 @@ class ExpertStore:
     # -- the expert cache (moe/cache.py) ------------------------------------------------
     def is_resident(self, e: int) -> bool:
         if self.packed is not None:
-            return self.packed.slot[e] < self.packed.near
+            return e in self.packed.slot and self.packed.slot[e] < self.packed.near
         return e in self.gate_up
 
     def resident(self) -> list[int]:
         return [e for e in self.owned if self.is_resident(e)]
 
     def swap(self, e_in: int, e_out: int) -> None:
-        """Far expert e_in takes resident expert e_out's place in device memory."""
+        """Far expert e_in takes resident expert e_out's place in device memory. An unslotted e_in (in the checkpoint
+        only) is read into e_out's device slot, and e_out becomes unslotted (the checkpoint has its bytes)."""
         if self.packed is not None:
-            self.packed.swap(e_in, e_out)
+            pk = self.packed
+            if e_in in self.unslotted:
+                if not self.is_resident(e_out):
+                    raise ValueError(f"layer {self.layer}: swap {e_in} in for {e_out}: {e_out} must be resident")
+                slot = pk.slot[e_out]
+                pk.drop(e_out)
+                pk.put(e_in, slot, self.source.packed(e_in, pk.bf16))
+                self.unslotted.discard(e_in)
+                self.unslotted.add(e_out)
+                return
+            pk.swap(e_in, e_out)
             return
         if e_in in self.gate_up or e_out not in self.gate_up:
             raise ValueError(f"layer {self.layer}: swap {e_in} in for {e_out}: {e_in} must be far, {e_out} resident")
@@ -207,6 +236,62 @@ class ExpertStore:
             raise KeyError(f"layer {self.layer}: expert {e} is not on this rank")
         return self.fetch(e)
 
+    def _compute_staged(self, x: torch.Tensor, tokens: torch.Tensor, segments: list[tuple[int, int, int]],
+                        base: int, n: int) -> torch.Tensor:
+        """compute() where some experts with rows have no slot: the segments in runs whose unslotted experts fit the
+        far slots the run does not read, each run's unslotted experts read from the checkpoint into far slots (the
+        least recently read far experts' go), then the run's launch. A row's bits do not depend on which rows share
+        its launch (the kernel is batch-invariant), so the runs give the bits one launch would."""
+        pk = self.packed
+        n_far = pk.n_slots - pk.near
+        if n_far < 1:
+            raise RuntimeError(f"layer {self.layer}: experts {sorted(self.unslotted)} are in the checkpoint only and "
+                               f"there is no far slot to read them into")
+        out = torch.empty(n, x.shape[1], dtype=torch.bfloat16, device=x.device)
+        is_far = lambda e: e in pk.slot and pk.slot[e] >= pk.near  # noqa: E731
+
+        def launch(run: list, need: set) -> None:
+            keep = {e for e, s, t in run if t > s}
+            if need:
+                if x.is_cuda:  # the far slots about to be rewritten may still be read by launches in flight
+                    torch.cuda.current_stream(x.device).synchronize()
+                for e in sorted(need):
+                    spare = [sl for sl in pk.free_slots() if sl >= pk.near]
+                    if spare:
+                        slot = spare[0]
+                    else:  # the far expert read longest ago that this run does not read
+                        _, victim = min((self.far_used.get(f, 0), f) for f in pk.slot if is_far(f) and f not in keep)
+                        slot = pk.slot[victim]
+                        pk.drop(victim)
+                        self.unslotted.add(victim)
+                    pk.put(e, slot, self.source.packed(e, pk.bf16, device="cpu"))
+                    self.unslotted.discard(e)
+                    self.file_reads += 1
+                    self.file_bytes += self.read_bytes_per_expert
+            for e in keep:
+                if is_far(e):
+                    self.far_used[e] = self.launches
+            lo, hi = run[0][1], run[-1][2]
+            if hi > lo:
+                out[lo - base:hi - base] = ops.nvfp4_experts(x, run, pk, lo, tokens[lo:hi], self.swiglu_limit)
+
+        # a run's experts as things stand when it starts (a run's reads may take far slots a later one counted on)
+        run, need, far_here = [], set(), set()
+        for seg in segments:
+            e, s, t = seg
+            if t > s:
+                if run and len(need | ({e} if e in self.unslotted else set())) + \
+                        len(far_here | ({e} if is_far(e) else set())) > n_far:
+                    launch(run, need)
+                    run, need, far_here = [], set(), set()
+                if e in self.unslotted:
+                    need.add(e)
+                elif is_far(e):
+                    far_here.add(e)
+            run.append(seg)
+        launch(run, need)
+        return out
+
     def far_resident_bytes(self) -> int:
         """Bytes of owned experts outside device memory: far slots in host memory (GPU); 0 on a CPU (the
         checkpoint holds them)."""
@@ -218,6 +303,12 @@ class ExpertStore:
         starting at `base`. Returns [end-base, H] BF16 without s2_down."""
         n = (segments[-1][2] - base) if segments else 0
         if self.packed is not None and n:
+            self.launches += 1
+            if any(e in self.unslotted for e, s, t in segments if t > s):
+                return self._compute_staged(x, tokens, segments, base, n)
+            for e, s, t in segments:
+                if t > s and self.packed.slot[e] >= self.packed.near:
+                    self.far_used[e] = self.launches
             return ops.nvfp4_experts(x, segments, self.packed, base, tokens[base:base + n], self.swiglu_limit)
         out = torch.empty(n, x.shape[1], dtype=torch.bfloat16, device=x.device)
         for e, start, end in segments:

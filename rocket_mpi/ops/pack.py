@@ -518,11 +518,14 @@ class ExpertPacker:
     weight_scale_2) or reader Linears; BF16 parts: bf16 tensors ([I, H], [I, H], [H, I] each)."""
 
     def __init__(self, ids: Sequence[int], hidden: int, inter: int, bf16: bool, device=None,
-                 resident: Sequence[int] | None = None, slots: int | None = None, near_slots: int | None = None):
+                 resident: Sequence[int] | None = None, slots: int | None = None, near_slots: int | None = None,
+                 far_slots: int | None = None):
         """`resident`: the experts that get device slots (the expert cache's first choice); the others get far slots
         in registered host memory. None: all on the device. `slots`: slots in all (default one per expert; more
         leaves spare ones); `near_slots`: how many of them are device slots (default: the resident experts', all where
-        resident is None). Resident experts take the first slots, the far ones the first far slots."""
+        resident is None). Resident experts take the first slots, the far ones the first far slots. `far_slots`: at
+        most this many far slots (host memory short): the far experts past them get no slot and stay in the
+        checkpoint (`unslotted`; never add()ed), read into a far slot when a step needs them (moe/experts.py)."""
         mult = TILE_N if bf16 else nvfp4.BLOCK
         if hidden % mult or inter % mult:
             raise ValueError(f"hidden {hidden}, moe_intermediate {inter}: "
@@ -533,7 +536,12 @@ class ExpertPacker:
         if not set(near) <= set(self.ids):
             raise ValueError(f"resident experts {sorted(set(near) - set(self.ids))} are not among {self.ids}")
         far = [e for e in self.ids if e not in set(near)]
-        self.n_slots = max(len(self.ids), slots or 0)
+        self.unslotted: list[int] = []
+        if far_slots is not None and far_slots < len(far):
+            if resident is None or slots is not None or near_slots not in (None, len(near)):
+                raise ValueError("far_slots: only with resident experts and one slot each")
+            far, self.unslotted = far[:far_slots], far[far_slots:]
+        self.n_slots = max(len(self.ids) - len(self.unslotted), slots or 0)
         self.near = (self.n_slots if resident is None else len(near)) if near_slots is None else near_slots
         if not len(near) <= self.near <= self.n_slots - len(far):
             raise ValueError(f"{self.near} device slots of {self.n_slots} for {len(near)} resident and {len(far)} far "
@@ -579,7 +587,7 @@ class ExpertPacker:
 
     def add(self, e: int, gate, up, down) -> None:
         if e not in self.slot or e in self.filled:
-            raise ValueError(f"expert {e}: not among {self.ids} or packed twice")
+            raise ValueError(f"expert {e}: not among the slotted {sorted(self.slot)} or packed twice")
         k = self.slot[e]
         if self.bf16:
             for name, w, shape in (("gate", gate, (self.inter, self.hidden)), ("up", up, (self.inter, self.hidden)),
@@ -610,11 +618,11 @@ class ExpertPacker:
         self.filled.add(e)
 
     def done(self) -> PackedExperts:
-        if len(self.filled) != len(self.ids):
-            raise ValueError(f"experts {sorted(set(self.ids) - self.filled)} were never packed")
+        if len(self.filled) != len(self.slot):
+            raise ValueError(f"experts {sorted(set(self.slot) - self.filled)} were never packed")
         self._alloc(self.device or "cpu")
         t = self.t
-        return PackedExperts(list(self.ids), self.hidden, self.inter, self.hp, self.ip, t["q_gu"], t["s_gu"],
+        return PackedExperts(sorted(self.slot), self.hidden, self.inter, self.hp, self.ip, t["q_gu"], t["s_gu"],
                              t["s2_gu"], t["q_dn"], t["s_dn"], t["s2_dn"], dict(self.slot), self.far)
 
 

@@ -130,6 +130,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
                              lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
                                             progress=args.progress and rank == 0,
                                             expert_cache=parse_budget(args.expert_cache), share=share,
+                                            host_memory=parse_budget(args.host_memory),
                                             telemetry=bool(args.telemetry),
                                             rebalance_every=args.rebalance_every, replicas=args.replicas))
     finally:

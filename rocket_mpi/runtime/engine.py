@@ -164,12 +164,14 @@ class Engine:
     def __init__(self, ckpt_dir: str, rank: int = 0, size: int = 1, placement: Placement | None = None,
                  reader: CheckpointReader | None = None, device: str = "cpu", settings: Settings | None = None,
                  progress: bool = False, expert_cache: float | None = None, share: int = 1, telemetry: bool = False,
-                 rebalance_every: int = 0, replicas: int | None = None):
+                 rebalance_every: int = 0, replicas: int | None = None, host_memory: float | None = None):
         """expert_cache: GiB of routed-expert weights this rank keeps in device memory (moe/cache.py), None: auto
         (all where they fit, else what fits); share: ranks sharing this rank's device (auto splits its memory);
         telemetry: record the routing of every decode step (ExpertCache.trace); rebalance_every: recompute the
         placement from the decayed firing counts every this many decode steps (moe/rebalance.py; 0: never), with up
-        to `replicas` extra copies per MoE layer (None: as many as the placement has)."""
+        to `replicas` extra copies per MoE layer (None: as many as the placement has); host_memory: GiB of host memory
+        for a GPU rank's far experts (None: its share of what is available; where they need more, the others stay in
+        the checkpoint files, moe/cache.py plan_capacity)."""
         t0 = time.perf_counter()
         self.settings = settings or Settings.from_env()  # the command line passes the one it read
         self.reader = reader or CheckpointReader(ckpt_dir)
@@ -197,7 +199,8 @@ class Engine:
             nvfp4 = any(f"{prefix(self.reader, la) or f'model.layers.{la}.mlp.experts'}.0.gate_proj.weight_scale"
                         in self.reader for la in self.cfg.moe_layers)  # the same on every rank
             self.cache_plan = plan_residency(self.cfg, owned_all, self.device, self.model.nbytes(), expert_cache,
-                                             share, rank, nvfp4, packed=ops.on_gpu(self.device), slots=slots)
+                                             share, rank, nvfp4, packed=ops.on_gpu(self.device), slots=slots,
+                                             host_gib=host_memory)
             loading = bar("loading MoE layers", len(self.cfg.moe_layers), progress, unit="layer")
             for layer in self.cfg.moe_layers:
                 owned = owned_all[layer]
@@ -208,7 +211,8 @@ class Engine:
                 room = max(len(owned), slots)
                 self.experts[layer] = ExpertStore.load(self.reader, layer, owned, prefix(self.reader, layer),
                                                        self.device, None if keep >= room else
-                                                       first_resident(owned, keep), room, min(keep, room))
+                                                       first_resident(owned, keep), room, min(keep, room),
+                                                       self.cache_plan.far_slots)
                 loading.update()
             loading.close()
             if self.device.type != "cpu":

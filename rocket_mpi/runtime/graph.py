@@ -55,6 +55,9 @@ def unsupported(engine, fabric_name: str, graph: bool = True) -> str:
     why = kplan.model_limit(engine.cfg, engine.size) or kplan.pairs_limit(engine.pair_capacity)
     if why:
         return why
+    if any(getattr(s, "unslotted", None) for s in engine.experts.values()):
+        return ("some routed experts are in the checkpoint files only (host memory short for the expert cache: "
+                "--host-memory), and only the host path reads them in when a step needs them")
     fault = engine.settings.fault
     if fault and fault.kind not in ("stall", "die"):
         return "ROCKET_FAULT injects wrong rows on the host path only"

@@ -54,6 +54,53 @@ def test_load_packs_as_pack_experts_does(fmt, tiny_ckpt, tiny_nvfp4_ckpt, monkey
     assert err < 2.0 ** -6, f"{fmt}: packed rows vs dense rows: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_load_with_host_memory_short_reads_the_rest_from_the_checkpoint(fmt, tiny_ckpt, tiny_nvfp4_ckpt,
+                                                                         monkeypatch):
+    """The GPU's load with 2 device slots and 1 far slot for 6 experts (host memory short, far_slots): the 3 experts
+    past the far slot are never read at load and stay in the checkpoint; compute() reads them into the far slot run
+    by run, and an expert cache upkeep swaps experts in from there. Every launch's rows are bitwise those of the layer
+    loaded with every expert in a slot, and the accounting adds up."""
+    from rocket_mpi.moe.cache import ExpertCache
+    ckpt = tiny_nvfp4_ckpt if fmt == "nvfp4" else tiny_ckpt
+    owned = [0, 2, 5, 7, 9, 11]
+    monkeypatch.setattr(experts_mod.ops, "on_gpu", lambda device: True)
+    reader = CheckpointReader(ckpt)
+    layer = reader.config.moe_layers[0]
+    full = ExpertStore.load(reader, layer, owned, device="cpu")
+    reads = []
+    real = experts_mod.ExpertSource.read
+    monkeypatch.setattr(experts_mod.ExpertSource, "read", lambda self, e: reads.append(e) or real(self, e))
+    store = ExpertStore.load(reader, layer, owned, device="cpu", resident=[0, 2], slots=6, near=2, far_slots=1)
+    assert store.unslotted == {7, 9, 11} and sorted(reads) == [0, 2, 5]   # only the slotted experts were read
+    assert store.packed.n_slots == 3 and store.packed.near == 2 and store.capacity == 2
+    assert store.packed_bytes == full.packed_bytes and store.read_bytes_per_expert == full.read_bytes_per_expert
+    h = reader.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(10, h, generator=gen).to(torch.bfloat16)
+    tokens = torch.tensor([0, 3, 1, 4, 5, 2, 0, 1, 9, 8, 7, 6])
+    every = [(0, 0, 2), (2, 2, 3), (5, 3, 5), (7, 5, 6), (9, 6, 9), (11, 9, 12)]
+    cold = [(0, 0, 0), (2, 0, 0), (5, 0, 2), (7, 2, 3), (9, 3, 6), (11, 6, 12)]  # the resident experts idle
+    cache = ExpertCache({layer: store}, [layer], reader.config.n_routed_experts)
+    counter = cache.counter("host", "cpu")
+    cache.begin()
+    rows = 0
+    for step, segs in enumerate((cold, cold, every, cold, every)):
+        want = full.compute(x, tokens, segs, 0)
+        got = store.compute(x, tokens, segs, 0)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"step {step}"
+        for e, s, t in segs:  # the step's firings, as HostMoE counts them
+            counter[0, 0, e] += t - s
+            counter[0, 1, e] += int(t > s)
+            rows += t - s
+        cache.maintain(1)
+    summary = cache.summary()
+    assert summary["swaps"] > 0 and not {0, 2} <= set(store.resident())   # promotions from far and file experts
+    assert store.file_reads >= 3 and summary["file_reads"] == store.file_reads
+    assert summary["unslotted_experts"] == 3 and len(set(store.packed.slot) | store.unslotted) == 6
+    assert summary["hit_rows"] + summary["miss_rows"] == rows
+
+
 def test_packer_refuses_a_missing_or_repeated_expert():
     g = torch.zeros(32, 64, dtype=torch.bfloat16)
     d = torch.zeros(64, 32, dtype=torch.bfloat16)

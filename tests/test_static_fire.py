@@ -104,6 +104,20 @@ def test_rows_that_differ_fail_the_gate_even_with_equal_tokens():
     assert report(ref, split, 2) == 1
 
 
+def test_the_gate_says_when_the_two_sides_took_different_paths(capsys):
+    """--decode-path auto may put the reference on the host path (host memory short: experts read from the files) and
+    the split on the graphed one: the report says so, with the way to compare one path with itself."""
+    from rocket_mpi.cli.static_fire import report
+    run = {"streams": 1, "tokens": [[1, 2]], "row_checksums": {"0": ["a", "b"]}, "path": "host"}
+    ref = {"fabric": "local", "runs": [run]}
+    split = {"fabric": "cuda-ipc", "runs": [dict(run, path="graph")]}
+    assert report(ref, split, 2) == 0
+    out = capsys.readouterr().out
+    assert "note: at M=1 the reference decoded on the host path and the split on the graph path" in out
+    report(ref, {"fabric": "cuda-ipc", "runs": [run]}, 2)
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_uneven_contiguous_placement():
     from rocket_mpi.moe.placement import contiguous
     owners = contiguous(37, 3)

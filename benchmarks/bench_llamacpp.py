@@ -2,8 +2,8 @@
 a 64-token run's wall time and one long prompt's prefill, in one markdown table.
 
 Rows: llama.cpp on a BF16 GGUF and on its Q4_K_M quantisation, rocket_mpi on the BF16 checkpoint, on its `:nvfp4`
-form (routed experts NVFP4, the rest BF16) and on its `:nvfp4-all` form (every Linear but lm_head and the routers
-NVFP4, as ModelOpt's export).
+form (routed experts NVFP4, the rest BF16), on its `:nvfp4-all` form (every Linear but lm_head and the routers
+NVFP4, as ModelOpt's export) and on its `:nvfp4-head` form (lm_head NVFP4 too, as Q4_K_M quantises it, to Q6_K).
 
 Same weights, precisely: one GLM-4.x preset (make-checkpoint's, default air8) cut to --layers layers is drawn once on
 the CPU from --seed. Every tensor is drawn from its own generator seeded by (seed, tensor name), so the kept layers
@@ -11,7 +11,7 @@ hold exactly the tensors `make-checkpoint --preset NAME --seed N` writes for the
 tensors as drawn; the BF16 GGUF is converted from that file (the converter stores the 1-D tensors, norms and
 biases, and the FP32 routers in F32), the Q4_K_M GGUF quantised from the BF16 GGUF by llama-quantize; the two NVFP4
 checkpoints are the same BF16 tensors quantised by make-checkpoint's own quantize_tensors, tensor for tensor what
-`make-checkpoint --nvfp4` / `--nvfp4-all` writes. `--checkpoint preset:NAME` is not used: it draws on the decode
+`make-checkpoint --nvfp4` / `--nvfp4-all` / `--nvfp4-head` writes. `--checkpoint preset:NAME` is not used: it draws on the decode
 device, and CUDA's generator gives other values than the CPU's.
 
 Steps (--steps; each step reuses what an earlier run of it left in --work where the settings match):
@@ -79,7 +79,8 @@ STEPS = ("weights", "gguf", "llama", "rocket")
 GLM_SPECIAL_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|endoftext|>",
                       "<|observation|>")
 PRE_TOKENIZER = "gpt-2"  # llama.cpp's name of GPT-2's pre-tokenizer regex (src/llama-vocab.cpp)
-ROCKET_VARIANTS = (("BF16", "bf16"), ("NVFP4 experts (:nvfp4)", "nvfp4"), ("NVFP4 all (:nvfp4-all)", "nvfp4-all"))
+ROCKET_VARIANTS = (("BF16", "bf16"), ("NVFP4 experts (:nvfp4)", "nvfp4"), ("NVFP4 all (:nvfp4-all)", "nvfp4-all"),
+                   ("NVFP4 all and lm_head (:nvfp4-head)", "nvfp4-head"))
 LLAMA_VARIANTS = (("BF16", "bf16"), ("Q4_K_M", "q4_k_m"))
 
 
@@ -182,6 +183,9 @@ def write_weights(args, ckpt: dict[str, Path], hf: Path) -> None:
     stack = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
     all_q = {**{n: t for n, t in experts_q.items() if ".mlp.experts." in n}, **make.quantize_tensors(stack, cfg, True)}
     make.write_checkpoint(str(ckpt["nvfp4-all"]), cfg, all_q, make.exclude_patterns(cfg, True))
+    # :nvfp4-head: the same, with lm_head's weight replaced by its NVFP4 parts
+    head_q = {**all_q, **make.quantize_tensors({"lm_head.weight": tensors["lm_head.weight"]}, cfg, True, head=True)}
+    make.write_checkpoint(str(ckpt["nvfp4-head"]), cfg, head_q, make.exclude_patterns(cfg, True, head=True))
     converter_dir(ckpt["bf16"], hf, cfg["vocab_size"])
 
 
@@ -482,7 +486,7 @@ def main() -> int:
             weights_stamp.write_text(json.dumps(weights_spec))
             results["commands"]["weights"] = [
                 f"(this script, in process) rocket_mpi.checkpoint.make: preset {args.preset} cut to {args.layers} "
-                f"layers, seed {args.seed} -> {work / 'ckpt'}/{{bf16,nvfp4,nvfp4-all}} and {hf}"]
+                f"layers, seed {args.seed} -> {work / 'ckpt'}/{{bf16,nvfp4,nvfp4-all,nvfp4-head}} and {hf}"]
         if "gguf" in steps and not stamp_ok(gguf_stamp, weights_spec):
             if not stamp_ok(weights_stamp, weights_spec):
                 raise StepFailed("step gguf: no checkpoint of these settings in --work (run the weights step)")

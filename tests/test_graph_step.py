@@ -254,6 +254,30 @@ def test_gpu_graph_decode_nvfp4_all_equals_eager_device_step(preset):
 
 
 @gpu
+@pytest.mark.parametrize("preset", ["default", "dsa-tiny", "glm5-tiny"])
+def test_gpu_graph_decode_nvfp4_head_equals_eager_device_step(preset):
+    """`:nvfp4-head`: the lm_head NVFP4 too, held as stored (its packed copy alone, the dense head released): the
+    graph replays the eager step's tokens and row checksums, and the stack reads fewer bytes than `:nvfp4-all`'s."""
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.runtime.engine import Engine
+    from rocket_mpi.runtime.prompts import default_prompts
+    runs, stack = {}, {}
+    for mode, path in (("nvfp4-all", None), ("nvfp4-head", "device"), ("nvfp4-head", "graph")):
+        ckpt = f"preset:{preset}:{mode}"
+        eng = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
+        stack[mode] = eng.stack_read_bytes()
+        assert (eng.model.lm_head is None) == (mode == "nvfp4-head")
+        if path is None:
+            continue
+        assert eng.set_decode_path(path, "local") == path
+        r = eng.generate(default_prompts(8, eng.cfg.vocab_size), 10)
+        assert r.path == path and not r.note, r.note
+        runs[path] = (r.tokens, [s.row_crc for s in r.steps])
+    assert runs["graph"] == runs["device"]
+    assert stack["nvfp4-head"] < stack["nvfp4-all"], stack
+
+
+@gpu
 @pytest.mark.parametrize("streams", [8])
 def test_gpu_graph_decode_bf16_equals_eager_device_step(streams):
     """BF16 experts, in the expert kernel's BF16 tiles: the graphed step decodes the eager step's tokens."""

@@ -280,6 +280,31 @@ def all_ckpts(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("preset", ["tiny", "dsa-tiny", "glm5-tiny"])
+def test_nvfp4_lm_head_held_as_stored_cpu_same_logits(preset, tmp_path, one_thread, monkeypatch):
+    """A checkpoint that quantises the lm_head too (`make-checkpoint --nvfp4-head`, `:nvfp4-head`; Q4_K_M-like):
+    every family keeps the head's NVFP4 parts (model.stored), its packed copy is NVFP4, and where the device holds it
+    as stored (emulated: layers.holds_stored) the dense head is released, the model's bytes count the packed copy
+    instead, and the logits are the loader's, bit for bit; a move rebuilds the dense head exactly."""
+    from rocket_mpi.checkpoint.make import make_checkpoint
+    from rocket_mpi.model import layers
+    d = str(tmp_path / preset)
+    make_checkpoint(preset, d, seed=3, nvfp4_head=True)
+    reader = CheckpointReader(d)
+    assert "lm_head.weight_scale" in reader
+    model = model_class(reader.config.model_type).load(reader)
+    assert set(model.stored) == {"lm_head"}
+    head, ref, dense_bytes = model.lm_head.clone(), _family_logits(model), model.nbytes()
+    monkeypatch.setattr(layers, "holds_stored", lambda device: True)
+    model.pack_stack()
+    assert model.lm_head is None and all(isinstance(p, ops.PackedLinear) and p.nvfp4 for p in model.head_packed)
+    assert model.nbytes() < dense_bytes - head.numel()     # the packed head (about 0.56 B a weight) in its place
+    assert torch.equal(_family_logits(model), ref)
+    monkeypatch.undo()
+    model.to("cpu")
+    assert torch.equal(model.lm_head, head) and torch.equal(_family_logits(model), ref)
+
+
 def _long_logits(model, device="cpu"):
     """A prefill of a 20-row stream (past STACK_KERNEL_MAX_ROWS: the dense weights, or the packed ones dequantised)
     beside a 2-row one, then a decode step; last-position logits of each."""

@@ -79,17 +79,20 @@ def config_dict(preset: str) -> dict:
             "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None, "initializer_range": 0.02, **p}
 
 
-def exclude_patterns(cfg: dict, quant_all: bool) -> list[str]:
-    pats = ["lm_head", "*.mlp.gate"]
+def exclude_patterns(cfg: dict, quant_all: bool, head: bool = False) -> list[str]:
+    """The modules left BF16: the routers always; lm_head unless `head` (with quant_all: every Linear, lm_head too, as
+    llama.cpp's Q4_K_M quantises it); without quant_all everything but the routed experts."""
+    pats = (["lm_head"] if not (quant_all and head) else []) + ["*.mlp.gate"]
     if not quant_all:
         pats += ["*.self_attn.*", "*.shared_experts.*"]
         pats += [f"model.layers.{i}.mlp.*" for i in range(cfg["first_k_dense_replace"])]
     return pats
 
 
-def quantize_tensors(tensors: dict[str, torch.Tensor], cfg: dict, quant_all: bool) -> dict[str, torch.Tensor]:
+def quantize_tensors(tensors: dict[str, torch.Tensor], cfg: dict, quant_all: bool,
+                     head: bool = False) -> dict[str, torch.Tensor]:
     """Quantise Linears the way ModelOpt's HF export does; gate and up of one expert share weight_scale_2."""
-    q = QuantConfig(exclude_modules=tuple(exclude_patterns(cfg, quant_all)))
+    q = QuantConfig(exclude_modules=tuple(exclude_patterns(cfg, quant_all, head)))
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -204,8 +207,10 @@ def _numel(shape) -> int:
 
 
 def make_checkpoint(preset: str, out_dir: str, seed: int = 0, nvfp4_experts: bool = False,
-                    nvfp4_all: bool = False, shards: int = 1, tokenizer: bool = True, skew: float = 0.0) -> dict:
-    """skew: the routers' expert popularity (specs.router_bias; 0: uniform)."""
+                    nvfp4_all: bool = False, shards: int = 1, tokenizer: bool = True, skew: float = 0.0,
+                    nvfp4_head: bool = False) -> dict:
+    """skew: the routers' expert popularity (specs.router_bias; 0: uniform). nvfp4_head: every Linear NVFP4, lm_head
+    too (nvfp4_all leaves it BF16, as ModelOpt does)."""
     cfg = config_dict(preset)
     fam = _family_for_preset(preset)
     specs = list(fam.tensor_specs(cfg) if fam is not None else tensor_specs(cfg))
@@ -217,8 +222,8 @@ def make_checkpoint(preset: str, out_dir: str, seed: int = 0, nvfp4_experts: boo
                           f"--checkpoint preset:{preset}")
     tensors = {name: make_tensor(seed, name, shape, kind, skew) for name, shape, kind in specs}
     quant = None
-    if nvfp4_experts or nvfp4_all:
-        tensors = quantize_tensors(tensors, cfg, nvfp4_all)
-        quant = exclude_patterns(cfg, nvfp4_all)
+    if nvfp4_experts or nvfp4_all or nvfp4_head:
+        tensors = quantize_tensors(tensors, cfg, nvfp4_all or nvfp4_head, nvfp4_head)
+        quant = exclude_patterns(cfg, nvfp4_all or nvfp4_head, nvfp4_head)
     write_checkpoint(out_dir, cfg, tensors, quant, shards, tokenizer and cfg["vocab_size"] >= 258)
     return cfg

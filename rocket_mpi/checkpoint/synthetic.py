@@ -1,4 +1,4 @@
-"""`--checkpoint preset:NAME[:nvfp4|:nvfp4-all][:seed=N][:skew=S]`: a make-checkpoint preset drawn straight into
+"""`--checkpoint preset:NAME[:nvfp4|:nvfp4-all|:nvfp4-head][:seed=N][:skew=S]`: a make-checkpoint preset drawn straight into
 memory, tensor by tensor, on the device that will hold it. For shapes too large to write to disk
 (GLM-4.5-Air cut to 8 layers is 36 GB in BF16): each rank draws only the tensors it loads.
 
@@ -32,7 +32,7 @@ class SyntheticReader(CheckpointReader):
         self.preset, self.seed, self.quant_mode, self.skew = parts[0], 0, None, 0.0
         for p in parts[1:]:
             try:
-                if p in ("nvfp4", "nvfp4-all"):
+                if p in ("nvfp4", "nvfp4-all", "nvfp4-head"):
                     self.quant_mode = p
                 elif p.startswith("seed="):
                     self.seed = int(p[5:])
@@ -41,7 +41,8 @@ class SyntheticReader(CheckpointReader):
                     if not 0 <= self.skew < float("inf"):
                         raise ValueError(p)
                 else:
-                    raise CheckpointError(f"--checkpoint {spec}: unknown option '{p}' (nvfp4, nvfp4-all, seed=N, "
+                    raise CheckpointError(f"--checkpoint {spec}: unknown option '{p}' (nvfp4, nvfp4-all, nvfp4-head, "
+                                          f"seed=N, "
                                           f"skew=S)")
             except ValueError:
                 raise CheckpointError(f"--checkpoint {spec}: bad option '{p}' (seed=N takes an integer, skew=S a "
@@ -49,7 +50,8 @@ class SyntheticReader(CheckpointReader):
         raw = make.config_dict(self.preset)
         self.dir = spec
         self.device = torch.device(device)
-        excl = make.exclude_patterns(raw, self.quant_mode == "nvfp4-all") if self.quant_mode else None
+        excl = make.exclude_patterns(raw, self.quant_mode in ("nvfp4-all", "nvfp4-head"),
+                                     self.quant_mode == "nvfp4-head") if self.quant_mode else None
         quant = QuantConfig(exclude_modules=tuple(excl)) if excl is not None else None
         self.config = ModelConfig.from_dict(raw, source=spec, quant=quant)
         self.files, self._handles, self._cache = [], {}, {}

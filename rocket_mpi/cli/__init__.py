@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     g = m.add_mutually_exclusive_group()
     g.add_argument("--nvfp4", action="store_true", help="quantise the routed experts to NVFP4")
-    g.add_argument("--nvfp4-all", action="store_true", help="quantise every Linear as ModelOpt does")
+    g.add_argument("--nvfp4-all", action="store_true", help="quantise every Linear as ModelOpt does (lm_head stays BF16)")
+    g.add_argument("--nvfp4-head", action="store_true", help="quantise every Linear, lm_head too (as llama.cpp's Q4_K_M "
+                                                             "quantises it)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--shards", type=pos_int, default=1)
     m.add_argument("--skew", type=nonneg_float, default=0.0,
@@ -119,8 +121,10 @@ def _guard(fn) -> int:
 
 def _make(args) -> int:
     t0 = time.perf_counter()
-    cfg = make_checkpoint(args.preset, args.out, args.seed, args.nvfp4, args.nvfp4_all, args.shards, skew=args.skew)
-    kind = "NVFP4 experts" if args.nvfp4 else "NVFP4 all Linears" if args.nvfp4_all else "BF16"
+    cfg = make_checkpoint(args.preset, args.out, args.seed, args.nvfp4, args.nvfp4_all, args.shards, skew=args.skew,
+                          nvfp4_head=args.nvfp4_head)
+    kind = ("NVFP4 experts" if args.nvfp4 else "NVFP4 all Linears" if args.nvfp4_all else
+            "NVFP4 all Linears and lm_head" if args.nvfp4_head else "BF16")
     print(f"wrote {args.out}: preset {args.preset} ({cfg['num_hidden_layers']} layers, {cfg['n_routed_experts']} "
           f"experts, hidden {cfg['hidden_size']}), {kind}, seed {args.seed}, {time.perf_counter() - t0:.1f} s")
     return 0

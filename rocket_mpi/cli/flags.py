@@ -87,7 +87,7 @@ def cache_budget(text: str) -> str:
 def add_rank_flags(p: argparse.ArgumentParser) -> None:
     """What every rank of a decoding job is given: the checkpoint, its split, the device, the fabric, the path."""
     p.add_argument("--checkpoint", required=True,
-                   help="Hugging Face checkpoint folder, or preset:NAME[:nvfp4|:nvfp4-all] (random weights made in "
+                   help="Hugging Face checkpoint folder, or preset:NAME[:nvfp4|:nvfp4-all|:nvfp4-head] (random weights made in "
                         f"memory; presets: {', '.join(all_presets())})")
     p.add_argument("--placement", help="JSON: MoE layer (or \"default\") -> rank, or list of ranks (replicas), of "
                                        "each expert")

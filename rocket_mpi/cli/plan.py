@@ -58,7 +58,7 @@ def stack_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
 def add_parser(sub, formatter) -> None:
     p = sub.add_parser("plan", help="whether a checkpoint fits N ranks, from its headers", formatter_class=formatter,
                        description=__doc__)
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder, or preset:NAME[:nvfp4|:nvfp4-all]")
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder, or preset:NAME[:nvfp4|:nvfp4-all|:nvfp4-head]")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--placement", help="JSON placement (default: contiguous halves, thirds, ...)")
     p.add_argument("--device-memory", type=float, help="GiB of device memory per rank (default: this machine's GPU; "

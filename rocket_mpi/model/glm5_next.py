@@ -99,6 +99,7 @@ class Glm5NextModel:
         self.cfg = cfg
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.head_packed = None     # pack_stack: lm_head in the kernel's tiles (layers.pack_head)
+        self.stored: dict = {}      # an NVFP4 lm_head's parts (layers: held as stored)
         self.hc_args = HcArgs(r["hc_mult"], r["hc_sinkhorn_iters"], r["hc_eps"], cfg.rms_norm_eps)
         self.kda_args = KdaArgs(r["linear_num_heads"], r["linear_head_dim"], r["linear_conv_kernel_dim"],
                                 r["linear_lower_bound"], cfg.rms_norm_eps)
@@ -203,11 +204,14 @@ class Glm5NextModel:
                 L.mlp = mlp(p + ".mlp", cfg.intermediate_size, L.stored)
             layers.append(L)
         embed = reader.get_float(pre + "embed_tokens.weight", (cfg.vocab_size, h), DT)
+        stored: dict = {}  # an NVFP4 lm_head's parts (held as stored on a GPU: layers.pack_head)
         if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
             head = embed
         else:
-            head = lin("lm_head", cfg.vocab_size, h)
-        return cls(cfg, embed, layers, vec(pre + "norm.weight", h), head)
+            head = lin("lm_head", cfg.vocab_size, h, stored, "lm_head")
+        model = cls(cfg, embed, layers, vec(pre + "norm.weight", h), head)
+        model.stored = stored
+        return model
 
     def new_cache(self, streams: int, capacity: int, device=None) -> Glm5NextCache:
         """On the weights' device unless told otherwise."""

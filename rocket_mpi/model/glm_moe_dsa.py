@@ -150,6 +150,7 @@ class GlmMoeDsaModel:
         self.norm = norm
         self.lm_head = lm_head      # [V, H]
         self.head_packed = None     # pack_stack: lm_head in the kernel's tiles (layers.pack_head)
+        self.stored: dict = {}      # an NVFP4 lm_head's parts (layers: held as stored)
         self.heads = cfg.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"], raw["v_head_dim"]
         self.latent = raw["kv_lora_rank"]
@@ -206,8 +207,11 @@ class GlmMoeDsaModel:
             for name, value in load_ffn(reader, q, i, cfg, mlp, layer.stored).items():
                 setattr(layer, name, value)
             layers.append(layer)
-        embed, head = load_embed_head(reader, cfg, DT)
-        return cls(cfg, embed, layers, vec("model.norm.weight", h), head)
+        stored: dict = {}  # an NVFP4 lm_head's parts (held as stored on a GPU: layers.pack_head)
+        embed, head = load_embed_head(reader, cfg, DT, stored)
+        model = cls(cfg, embed, layers, vec("model.norm.weight", h), head)
+        model.stored = stored
+        return model
 
     def new_cache(self, streams: int, capacity: int, device=None) -> LatentCache:
         """On the weights' device unless told otherwise."""

@@ -108,6 +108,11 @@ fire1)  # static fires with every rank on the one GPU of this host (cuda-ipc bet
   for n in 2 3; do
     T=240 run "fire1gpu_graph_ipc$n" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
   done ;;
+files)  # the expert cache with host memory short: experts read from the checkpoint files into far slots (host path),
+  # its GPU test, then a static fire whose one-rank reference keeps one far slot per layer against 2 ranks sharing
+  # this GPU; and the NVFP4 lm_head held as stored (graphed step against the eager one, every family)
+  T=200 run files_tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_expert_cache.py tests/test_graph_step.py -k "host_memory_short or nvfp4_head"
+  T=300 run fire_files python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4:skew=1.5 --ranks 2 --device cuda --fabric cuda-ipc --decode-path host --sweep 1,8 --tokens 16 --expert-cache 0.003 --host-memory 0.002 ;;
 replicas)  # replicated experts and live rebalancing on one GPU: the device plan with replicas against its reference and
   # expert moves bitwise (GPU tests), then graphed static fires with every rank on this GPU (cuda-ipc) under a replica
   # placement and under --rebalance-every (tokens and every step's row checksums), then the cost of one rebalance

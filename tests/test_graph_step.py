@@ -225,6 +225,27 @@ def test_gpu_graph_steps_launched_ahead_change_nothing(streams, preset, monkeypa
     assert max(in_flight["0"]) == 0 and max(in_flight["2"]) == 2, in_flight
 
 
+def _held_runs(preset: str, base: str, mode: str, check):
+    """preset:{preset}:{base} loaded (for its stack bytes), then :{mode} decoded on the eager device step and on the
+    graph; check(engine, mode) on each engine. -> ({mode: stack bytes read}, {path: (tokens, row checksums)})."""
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.runtime.engine import Engine
+    from rocket_mpi.runtime.prompts import default_prompts
+    runs, stack = {}, {}
+    for m, path in ((base, None), (mode, "device"), (mode, "graph")):
+        ckpt = f"preset:{preset}:{m}"
+        eng = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
+        stack[m] = eng.stack_read_bytes()
+        check(eng, m)
+        if path is None:
+            continue
+        assert eng.set_decode_path(path, "local") == path
+        r = eng.generate(default_prompts(8, eng.cfg.vocab_size), 10)
+        assert r.path == path and not r.note, r.note
+        runs[path] = (r.tokens, [s.row_crc for s in r.steps])
+    return stack, runs
+
+
 @gpu
 @pytest.mark.parametrize("preset", ["default", "dsa-tiny", "glm5-tiny"])
 def test_gpu_graph_decode_nvfp4_all_equals_eager_device_step(preset):
@@ -232,25 +253,14 @@ def test_gpu_graph_decode_nvfp4_all_equals_eager_device_step(preset):
     in the expert kernel's NVFP4 tiles, their dense copies released) in the captured step: the graph replays the
     eager step's tokens and row checksums, and the report's stack bytes are the packed ones (fewer than :nvfp4's,
     whose stack is BF16)."""
-    from rocket_mpi.checkpoint.synthetic import SyntheticReader
-    from rocket_mpi.runtime.engine import Engine
-    from rocket_mpi.runtime.prompts import default_prompts
-    runs, stack = {}, {}
-    for ckpt, path in ((f"preset:{preset}:nvfp4", None), (f"preset:{preset}:nvfp4-all", "device"),
-                       (f"preset:{preset}:nvfp4-all", "graph")):
-        eng = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
-        stack[ckpt] = eng.stack_read_bytes()
+    def check(eng, mode):
         attn = next(L.attn if hasattr(L, "attn") else L.mla for L in eng.model.layers   # GLM-5.3-Flash: its first
                     if getattr(L, "attn", None) is not None or getattr(L, "mla", None) is not None)  # MLA layer
-        assert all(getattr(attn, k) is None for k in attn.stored) and bool(attn.stored) == (path is not None)
-        if path is None:
-            continue
-        assert eng.set_decode_path(path, "local") == path
-        r = eng.generate(default_prompts(8, eng.cfg.vocab_size), 10)
-        assert r.path == path and not r.note, r.note
-        runs[path] = (r.tokens, [s.row_crc for s in r.steps])
+        assert all(getattr(attn, k) is None for k in attn.stored) and bool(attn.stored) == (mode == "nvfp4-all")
+
+    stack, runs = _held_runs(preset, "nvfp4", "nvfp4-all", check)
     assert runs["graph"] == runs["device"]
-    assert stack[f"preset:{preset}:nvfp4-all"] < stack[f"preset:{preset}:nvfp4"], stack
+    assert stack["nvfp4-all"] < stack["nvfp4"], stack
 
 
 @gpu
@@ -258,21 +268,10 @@ def test_gpu_graph_decode_nvfp4_all_equals_eager_device_step(preset):
 def test_gpu_graph_decode_nvfp4_head_equals_eager_device_step(preset):
     """`:nvfp4-head`: the lm_head NVFP4 too, held as stored (its packed copy alone, the dense head released): the
     graph replays the eager step's tokens and row checksums, and the stack reads fewer bytes than `:nvfp4-all`'s."""
-    from rocket_mpi.checkpoint.synthetic import SyntheticReader
-    from rocket_mpi.runtime.engine import Engine
-    from rocket_mpi.runtime.prompts import default_prompts
-    runs, stack = {}, {}
-    for mode, path in (("nvfp4-all", None), ("nvfp4-head", "device"), ("nvfp4-head", "graph")):
-        ckpt = f"preset:{preset}:{mode}"
-        eng = Engine(ckpt, reader=SyntheticReader(ckpt, "cuda"), device="cuda")
-        stack[mode] = eng.stack_read_bytes()
+    def check(eng, mode):
         assert (eng.model.lm_head is None) == (mode == "nvfp4-head")
-        if path is None:
-            continue
-        assert eng.set_decode_path(path, "local") == path
-        r = eng.generate(default_prompts(8, eng.cfg.vocab_size), 10)
-        assert r.path == path and not r.note, r.note
-        runs[path] = (r.tokens, [s.row_crc for s in r.steps])
+
+    stack, runs = _held_runs(preset, "nvfp4-all", "nvfp4-head", check)
     assert runs["graph"] == runs["device"]
     assert stack["nvfp4-head"] < stack["nvfp4-all"], stack
 

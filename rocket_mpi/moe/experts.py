@@ -68,7 +68,8 @@ class ExpertStore:
         self.capacity = len(owned)   # experts kept in device memory (the expert cache, moe/cache.py)
         self.fetch = None            # CPU, bounded: expert id -> (gate_up, down) read from the checkpoint
         # GPU, host memory short: owned experts with no slot (in the checkpoint files only), read into a far slot
-        # when a step needs them (stage); the far experts' last use (a step count), to pick which far slot to reuse
+        # when a step needs them (_compute_staged); the far experts' last use (a launch count there), to pick which
+        # far slot to reuse
         self.unslotted: set[int] = set()
         self.far_used: dict[int, int] = {}
         self.launches = 0
@@ -238,11 +239,12 @@ class ExpertStore:
 
     def _compute_staged(self, x: torch.Tensor, tokens: torch.Tensor, segments: list[tuple[int, int, int]],
                         base: int, n: int) -> torch.Tensor:
-        """compute() where some experts with rows have no slot: the segments in runs whose unslotted experts fit the
+        """compute() where some owned experts have no slot: the segments in runs whose unslotted experts fit the
         far slots the run does not read, each run's unslotted experts read from the checkpoint into far slots (the
         least recently read far experts' go), then the run's launch. A row's bits do not depend on which rows share
         its launch (the kernel is batch-invariant), so the runs give the bits one launch would."""
         pk = self.packed
+        self.launches += 1
         n_far = pk.n_slots - pk.near
         if n_far < 1:
             raise RuntimeError(f"layer {self.layer}: experts {sorted(self.unslotted)} are in the checkpoint only and "
@@ -303,12 +305,8 @@ class ExpertStore:
         starting at `base`. Returns [end-base, H] BF16 without s2_down."""
         n = (segments[-1][2] - base) if segments else 0
         if self.packed is not None and n:
-            self.launches += 1
-            if any(e in self.unslotted for e, s, t in segments if t > s):
+            if self.unslotted:  # host memory short: some experts are in the checkpoint files only
                 return self._compute_staged(x, tokens, segments, base, n)
-            for e, s, t in segments:
-                if t > s and self.packed.slot[e] >= self.packed.near:
-                    self.far_used[e] = self.launches
             return ops.nvfp4_experts(x, segments, self.packed, base, tokens[base:base + n], self.swiglu_limit)
         out = torch.empty(n, x.shape[1], dtype=torch.bfloat16, device=x.device)
         for e, start, end in segments:

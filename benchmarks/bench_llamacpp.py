@@ -337,7 +337,7 @@ def bench_rocket(args, run: Runner, work: Path, ckpt: dict[str, Path]) -> dict:
         want = 1 if name == "prefill" else args.tokens
         if any(len(t) != want for t in r["tokens"]):
             raise StepFailed(f"step rocket: {path}: streams of {[len(t) for t in r['tokens']]} tokens, not {want}")
-        return dict(r, wall_s=wall, load_s=doc["load"][0]["load_s"])
+        return dict(r, wall_s=wall, load_s=doc["load"][0]["load_s"], parts_s=doc["load"][0].get("wall_s"))
 
     out = {}
     for _, key in ROCKET_VARIANTS:
@@ -347,9 +347,11 @@ def bench_rocket(args, run: Runner, work: Path, ckpt: dict[str, Path]) -> dict:
         s1, sn = b1["per_rank"][0], bn["per_rank"][0]
         out[key] = {"checkpoint": str(ckpt[key]), "b1_tok_s": s1["tok_per_s"], "bN_tok_s": sn["tok_per_s"],
                     "bytes_per_token": s1["weight_bytes_per_step"], "run_s": b1["wall_s"],
-                    # where the batch-1 run's wall time went: the load, the prefill, the decode steps; the rest is
-                    # start-up (Python, torch, CUDA, MPI), the bandwidth measurements, graph captures and the report
-                    "run_parts_s": {"load": b1["load_s"], "prefill": s1["prefill_s"], "decode": s1["decode_s"]},
+                    # where the batch-1 run's wall time went, as the decode's report splits it (load[0].wall_s:
+                    # the process's start, set-up, load, fabric, bandwidth probes, steps, captures); what is left is
+                    # the report and the process's exit
+                    "run_parts_s": b1["parts_s"] or {"load": b1["load_s"], "prefill and decode steps":
+                                                     s1["prefill_s"] + s1["decode_s"]},
                     "prefill_tok_s": pre["prefill"]["tokens"] / pre["per_rank"][0]["prefill_s"],
                     "paths": [b1["path"], bn["path"]], "notes": [n for n in (b1["note"], bn["note"]) if n]}
     return out
@@ -376,12 +378,14 @@ def table(args, results: dict) -> tuple[str, list[dict]]:
                      f"{f(r.get('x_b1'), '.2f')} | {f(r.get('x_bN'), '.2f')} |")
     parts = [r for r in rows if r.get("run_parts_s")]
     if parts:
+        names = list(dict.fromkeys(k for r in parts for k in r["run_parts_s"]))
         lines += ["", f"rocket_mpi's {args.tokens}-token run at batch 1, seconds:", "",
-                  "| weights | whole run | load | prefill | decode steps | the rest |", "|:--|--:|--:|--:|--:|--:|"]
+                  "| weights | whole run | " + " | ".join(names) + " | report and exit |",
+                  "|:--|--:|" + "--:|" * (len(names) + 1)]
         for r in parts:
             p = r["run_parts_s"]
-            lines.append(f"| {r['weights']} | {r['run_s']:.2f} | {p['load']:.2f} | {p['prefill']:.2f} | "
-                         f"{p['decode']:.2f} | {r['run_s'] - sum(p.values()):.2f} |")
+            lines.append(f"| {r['weights']} | {r['run_s']:.2f} | " + " | ".join(f"{p.get(k, 0.0):.2f}" for k in names)
+                         + f" | {r['run_s'] - sum(p.values()):.2f} |")
     # rocket_mpi's decode path as it ran (graph on a GPU), and why a graph did not capture if it did not
     for r in rows:
         if r["engine"] == "rocket_mpi" and (r["notes"] or set(r["paths"]) != {"host" if args.cpu else "graph"}):

@@ -37,6 +37,24 @@ def test_long_run_reports_its_whole_time(tiny_ckpt, tmp_path):
     assert "whole run" not in r.stdout
 
 
+def test_wall_time_parts_add_up(tiny_ckpt, tmp_path):
+    """Where the process's time went until the results were gathered: the parts in --out (load[rank].wall_s) and on
+    one report line; the load is Engine's own load time, the steps the prefill and decode steps the runs timed, and
+    the process's start (interpreter, imports) is a part of its own."""
+    import re
+    r, doc = _decode(tiny_ckpt, tmp_path / "o.json", "--sweep", "1,2", "--tokens", "6")
+    wall = doc["load"][0]["wall_s"]
+    assert list(wall) == ["start", "set-up", "load", "fabric", "bandwidth probes", "prefill and decode steps",
+                          "captures and the rest"]
+    assert all(v >= 0 for v in wall.values()) and wall["start"] > 0.1   # at least the import of torch
+    assert abs(wall["load"] - doc["load"][0]["load_s"]) < 0.05
+    steps = sum(pr["prefill_s"] + pr["decode_s"] for run in doc["runs"] for pr in run["per_rank"])
+    assert abs(wall["prefill and decode steps"] - steps) < 1e-6
+    m = re.search(r"wall time of rank 0, s: (.*); in all ([0-9.]+)", r.stdout)
+    assert m, r.stdout
+    assert abs(float(m[2]) - sum(wall.values())) < 0.02 and m[1].startswith("start ")
+
+
 def test_text_prompts_and_text_output(tiny_ckpt, tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps(["The expert split", "Hello, world!"]))

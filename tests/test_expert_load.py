@@ -112,3 +112,25 @@ def test_packer_refuses_a_missing_or_repeated_expert():
         packer.done()
     with pytest.raises(ValueError, match="expected"):
         packer.add(6, g.float(), g, d)
+
+
+@pytest.mark.parametrize("resident", [None, [2, 9, 11]])
+def test_load_packs_the_same_in_any_batch(resident, tiny_nvfp4_ckpt, monkeypatch):
+    """Loading packs NVFP4 experts in batches (LOAD_BATCH_MAX at a time): batches of 1, 3 and 16 give the same
+    packed layer bit for bit, with every expert on the device and with some in far slots (host memory), where a
+    batch's slots do not run on."""
+    monkeypatch.setattr(experts_mod.ops, "on_gpu", lambda device: True)
+    reader = CheckpointReader(tiny_nvfp4_ckpt)
+    layer = reader.config.moe_layers[0]
+    owned = [0, 2, 5, 7, 9, 11, 12]
+    packed = {}
+    for n in (1, 3, 16):
+        monkeypatch.setattr(experts_mod, "LOAD_BATCH_MAX", n)
+        packed[n] = ExpertStore.load(reader, layer, owned, device="cpu", resident=resident).packed
+    for n in (3, 16):
+        assert packed[n].slot == packed[1].slot
+        for name in ("q_gu", "s_gu", "s2_gu", "q_dn", "s_dn", "s2_dn"):
+            assert torch.equal(getattr(packed[n], name), getattr(packed[1], name)), (n, name)
+        if resident is not None:
+            for name in packed[1].far:
+                assert torch.equal(packed[n].far[name], packed[1].far[name]), (n, name)

@@ -20,6 +20,10 @@ def print_report(doc: dict, cfg) -> None:
     for ld in doc["load"]:
         print(f"  rank {ld['rank']}: {ld['experts']} expert slots loaded in {ld['load_s']:.2f} s, "
               f"resident {ld['resident_gib']:.3f} GiB (peak RSS {ld['peak_rss_gib']:.2f} GiB)")
+    wall = doc["load"][0].get("wall_s")
+    if wall:  # where rank 0's time went until the results were gathered ("start": the interpreter, imports, MPI)
+        print(f"  wall time of rank 0, s: " + ", ".join(f"{k} {v:.2f}" for k, v in wall.items())
+              + f"; in all {sum(wall.values()):.2f}")
     hdr = f"{'rank':>4} {'M':>3} {'ms/step':>9} {'tok/s':>8} {'fabric ms':>9} {'fabric %':>8} {'expert ms':>9} " \
           f"{'rows/step':>9} {'KiB sent/step':>13} {'GB read/step':>12} {'roofline %':>10}"
     bw = {ld["rank"]: ld.get("copy_gbps") for ld in doc["load"]}

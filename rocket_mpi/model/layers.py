@@ -50,11 +50,11 @@ def distinct_writes():
     step's kernels); with no index twice the plain kernel writes every element once, so the bits are the same
     (GPU test)."""
     was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(False)
+    ops.set_deterministic(False)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn)
+        ops.set_deterministic(was, warn_only=warn)
 
 
 _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype=): bf16 in, fp32 out (CUDA)

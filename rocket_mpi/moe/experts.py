@@ -13,6 +13,13 @@ from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader
 
 
+# loading packs NVFP4 experts in batches: at most LOAD_BATCH_MAX, and about LOAD_BATCH_BYTES of device memory for the
+# packing's temporaries (about PACK_TEMP_FACTOR times an expert's unpacked codes, one byte per weight)
+LOAD_BATCH_BYTES = 512 << 20
+LOAD_BATCH_MAX = 16
+PACK_TEMP_FACTOR = 6
+
+
 class ExpertSource:
     """One MoE layer's routed experts as the checkpoint holds them: what loading and live rebalancing read."""
 
@@ -115,6 +122,8 @@ class ExpertStore:
         keep = set(owned if resident is None else resident)
         n_slots = max(len(owned), slots or 0)
         dense_bytes = 0
+        batch: list = []  # NVFP4 experts read, not yet packed: the packer packs them together (LOAD_BATCH_BYTES)
+        per_batch = max(1, min(LOAD_BATCH_MAX, LOAD_BATCH_BYTES // (PACK_TEMP_FACTOR * 2 * i * h)))
         for e in owned:
             if packer is not None and e in packer.unslotted:
                 continue  # in the checkpoint only (host memory short): read when a step needs it
@@ -134,12 +143,17 @@ class ExpertStore:
                 parts, _ = src.kernel_parts((g, u, d))
                 nbytes += (sum(x.weight.numel() * x.weight.element_size() for x in parts) if nv
                            else sum(x.numel() * x.element_size() for x in parts))  # what the kernel reads
-                packer.add(e, *parts)
+                batch.append((e, *parts))
+                if len(batch) >= (per_batch if nv else 1):
+                    packer.add_many(batch)
+                    batch = []
                 continue
             nbytes += sum(x.weight.numel() * x.weight.element_size() for x in (g, u, d))
             dense_bytes = 3 * h * i * 2
             if e in keep:
                 gate_up[e], down[e] = src.dense(e, (g, u, d))
+        if batch:
+            packer.add_many(batch)
         per_expert = nbytes // max(len(packer.slot), 1) if packer is not None else 0
         if packer is not None and packer.unslotted:  # the unslotted experts were not read: the same size each
             nbytes = per_expert * len(owned)

@@ -51,3 +51,14 @@ def unavailable_reason() -> str:
 def on_gpu(device) -> bool:
     """Whether ops on `device` run as CUDA kernels: a GPU, with the extension built."""
     return torch.device(device).type == "cuda" and available()
+
+
+def set_deterministic(mode: bool, warn_only: bool = False) -> None:
+    """torch's deterministic-algorithms switch. torch.use_deterministic_algorithms also sets torch.compile's flag,
+    importing torch._inductor and torch._dynamo (seconds per process, and a config write on every call); nothing
+    here is compiled, so this sets torch's own flag alone where the build has the switch under it."""
+    switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if switch is None:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        switch(mode, warn_only=warn_only)

@@ -101,12 +101,14 @@ def round_up(n: int, m: int) -> int:
 def scale_bytes(weight_scale: torch.Tensor) -> torch.Tensor:
     """e4m3 block scales [...] -> the packed byte of each (bits 4..11 of bf16(scale * 2^118))."""
     s = weight_scale.float()
-    if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
-        raise ValueError("NVFP4 block scales must be finite and >= 0 (as ModelOpt writes them)")
     v = s * 2.0 ** SCALE_SHIFT                       # exact: a power of two, no overflow (448 * 2^118 < 2^127)
     hi16 = (v.view(torch.int32) >> 16) & 0xFFFF      # bf16 bits of v; exact, e4m3 has 3 mantissa bits
     nz = v > 0
-    if bool(((hi16 & 0xF00F) != 0x7000)[nz].any()):  # cannot happen for e4m3; guards the layout claim
+    # one read of the device for both checks (loading packs experts in batches: no wait per tensor)
+    bad, off = torch.stack(((~torch.isfinite(s) | (s < 0)).any(), (((hi16 & 0xF00F) != 0x7000) & nz).any())).tolist()
+    if bad:
+        raise ValueError("NVFP4 block scales must be finite and >= 0 (as ModelOpt writes them)")
+    if off:  # cannot happen for e4m3; guards the layout claim
         raise AssertionError("an e4m3 scale * 2^118 fell outside bf16 exponents 224..255")
     return torch.where(nz, (hi16 >> 4) & 0xFF, torch.zeros_like(hi16)).to(torch.uint8)
 
@@ -120,19 +122,20 @@ def scale_from_bytes(b: torch.Tensor) -> torch.Tensor:
 
 def padded_codes(weight: torch.Tensor, weight_scale: torch.Tensor, n_pad: int,
                  k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ModelOpt parts -> (codes uint8 [n_pad, k_pad], scale bytes uint8 [n_pad, k_pad/16]), zero padded,
-    with the codes of zero-scale blocks zeroed (they dequantise to 0 either way)."""
-    n, k2 = weight.shape
+    """ModelOpt parts [..., N, K/2] and [..., N, K/16] (leading dims: a batch) -> (codes uint8 [..., n_pad, k_pad],
+    scale bytes uint8 [..., n_pad, k_pad/16]), zero padded, with the codes of zero-scale blocks zeroed (they
+    dequantise to 0 either way)."""
+    *lead, n, k2 = weight.shape
     k = 2 * k2
-    if weight_scale.shape != (n, k // nvfp4.BLOCK):
+    if tuple(weight_scale.shape) != (*lead, n, k // nvfp4.BLOCK):
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} does not match weight {tuple(weight.shape)}")
     if n_pad < n or k_pad < k or n_pad % TILE_N or k_pad % TILE_K:
         raise ValueError(f"padding [{n_pad}, {k_pad}] for [{n}, {k}]: need multiples of {TILE_N}, {TILE_K}")
-    codes = torch.zeros(n_pad, k_pad, dtype=torch.uint8, device=weight.device)
-    codes[:n, :k] = nvfp4.unpack_e2m1(weight)
-    sb = torch.zeros(n_pad, k_pad // nvfp4.BLOCK, dtype=torch.uint8, device=weight.device)
-    sb[:n, :k // nvfp4.BLOCK] = scale_bytes(weight_scale)
-    codes.view(n_pad, -1, nvfp4.BLOCK)[sb == 0] = 0
+    codes = torch.zeros(*lead, n_pad, k_pad, dtype=torch.uint8, device=weight.device)
+    codes[..., :n, :k] = nvfp4.unpack_e2m1(weight)
+    sb = torch.zeros(*lead, n_pad, k_pad // nvfp4.BLOCK, dtype=torch.uint8, device=weight.device)
+    sb[..., :n, :k // nvfp4.BLOCK] = scale_bytes(weight_scale)
+    codes.view(*lead, n_pad, -1, nvfp4.BLOCK).masked_fill_((sb == 0).unsqueeze(-1), 0)
     return codes, sb
 
 
@@ -171,27 +174,48 @@ def _rotr8(x: torch.Tensor) -> torch.Tensor:
     return ((x >> 8) | (x << 24)) & _U32
 
 
+def _bit_sources() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """For bit p (0..31) of a packed code word: which of a lane's 8 codes (register r, half h: 2r + h) holds it,
+    and which bit of that code (CODE_SOURCE inverted)."""
+    code, bit = [0] * 32, [0] * 32
+    for r in range(4):
+        for h in range(2):
+            for c in range(4):
+                code[CODE_SOURCE[r][h][c]], bit[CODE_SOURCE[r][h][c]] = 2 * r + h, c
+    return tuple(code), tuple(bit)
+
+
+BIT_CODE, BIT_OF_CODE = _bit_sources()
+
+
 def pack_codes(codes: torch.Tensor, sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes uint8 [N, K] (0..15), scale bytes uint8 [N, K/16], N % 16 == 0, K % 64 == 0 ->
-    (codes [N/16, K/64, 32, 16], scales [N/16, K/64, 8, 8]) in the kernel's tile layout."""
-    n, k = codes.shape
-    if n % TILE_N or k % TILE_K or sb.shape != (n, k // nvfp4.BLOCK):
+    """codes uint8 [..., N, K] (0..15), scale bytes uint8 [..., N, K/16], N % 16 == 0, K % 64 == 0 (leading dims: a
+    batch) -> (codes [..., N/16, K/64, 32, 16], scales [..., N/16, K/64, 8, 8]) in the kernel's tile layout."""
+    *lead, n, k = codes.shape
+    if n % TILE_N or k % TILE_K or tuple(sb.shape) != (*lead, n, k // nvfp4.BLOCK):
         raise ValueError(f"pack_codes: codes {tuple(codes.shape)}, scales {tuple(sb.shape)}")
     nt, kt = n // TILE_N, k // TILE_K
     dev = codes.device
-    c = codes.view(nt, TILE_N, kt, 4, 16).permute(0, 2, 3, 1, 4)          # [T, KT, j, row, kk]
+    c = codes.reshape(-1, nt, TILE_N, kt, 4, 16).permute(0, 1, 3, 4, 2, 5)   # [B, T, KT, j, row, kk]
     row, kk = _lane_index(dev)
-    sel = c[:, :, :, row, kk].to(torch.int64)                              # [T, KT, j, 32, 4, 2]
-    src = _sources(dev)
-    words = sum(((sel >> c) & 1) << src[..., c] for c in range(4)).sum(dim=(-1, -2))   # disjoint bits: sum = or
-    q = _to_u32_bytes(words.permute(0, 1, 3, 2)).view(nt, kt, 32, 16)      # [T, KT, lane, j] words
+    sel = c[:, :, :, :, row, kk].flatten(-2)                                 # [B, T, KT, j, 32, 8 codes] uint8
+    # bit p of each word, from its code and that code's bit, in uint8 throughout: 8 bits per byte, summed (disjoint)
+    src_code = torch.tensor(BIT_CODE, device=dev)
+    src_bit = torch.tensor(BIT_OF_CODE, dtype=torch.uint8, device=dev)
+    place = (torch.arange(32, device=dev) % 8).to(torch.uint8)
+    bits = sel[..., src_code]                                                # [B, T, KT, j, 32, 32 bits]
+    bits >>= src_bit
+    bits &= 1
+    bits <<= place
+    words = bits.view(*bits.shape[:-1], 4, 8).sum(-1, dtype=torch.uint8)     # [B, T, KT, j, lane, 4] LE bytes
+    q = words.permute(0, 1, 2, 4, 3, 5).reshape(*lead, nt, kt, 32, 16)       # [..., T, KT, lane, j * 4 + byte]
 
-    s = sb.view(nt, TILE_N, kt, 4).permute(0, 2, 1, 3).to(torch.int64)    # [T, KT, row, j]
-    lo, hi = s[:, :, :8], s[:, :, 8:]                                      # rows g, g+8: [T, KT, 8, 4]
+    s = sb.reshape(-1, nt, TILE_N, kt, 4).permute(0, 1, 3, 2, 4).to(torch.int64)   # [B, T, KT, row, j]
+    lo, hi = s[..., :8, :], s[..., 8:, :]                                  # rows g, g+8: [B, T, KT, 8, 4]
     step = lambda j: (lo[..., j] << 4) | (hi[..., j] << 20)               # noqa: E731
     s0 = step(0) | _rotl8(step(1))
     s1 = step(2) | _rotl8(step(3))
-    sc = _to_u32_bytes(torch.stack((s0, s1), dim=-1)).view(nt, kt, 8, 8)
+    sc = _to_u32_bytes(torch.stack((s0, s1), dim=-1)).view(*lead, nt, kt, 8, 8)
     return q, sc
 
 
@@ -309,13 +333,16 @@ def unpack_bf16_direct(q: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """[I_pad, ...] each -> [2 I_pad, ...]: tile T = gate rows 8T..8T+7, then up rows 8T..8T+7."""
-    i = gate.shape[0]
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, batched: bool = False) -> torch.Tensor:
+    """[I_pad, ...] each -> [2 I_pad, ...]: tile T = gate rows 8T..8T+7, then up rows 8T..8T+7 (batched: [B, I_pad,
+    ...] -> [B, 2 I_pad, ...])."""
+    lead = gate.shape[:1] if batched else ()
+    i = gate.shape[len(lead)]
     if i % ROW_TILE or up.shape != gate.shape:
         raise ValueError(f"interleave_gate_up: gate {tuple(gate.shape)}, up {tuple(up.shape)}")
-    rest = gate.shape[1:]
-    return torch.stack((gate.view(i // 8, 8, *rest), up.view(i // 8, 8, *rest)), dim=1).reshape(2 * i, *rest)
+    rest = gate.shape[len(lead) + 1:]
+    return torch.stack((gate.reshape(*lead, i // 8, 8, *rest), up.reshape(*lead, i // 8, 8, *rest)),
+                       dim=len(lead) + 1).reshape(*lead, 2 * i, *rest)
 
 
 def deinterleave_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -586,35 +613,66 @@ class ExpertPacker:
             self.far[name][k - self.near].copy_(value)
 
     def add(self, e: int, gate, up, down) -> None:
-        if e not in self.slot or e in self.filled:
-            raise ValueError(f"expert {e}: not among the slotted {sorted(self.slot)} or packed twice")
-        k = self.slot[e]
+        self.add_many([(e, gate, up, down)])
+
+    def add_many(self, experts: Sequence) -> None:
+        """[(expert id, gate, up, down), ...]: NVFP4 experts are packed together (one pass of the packing ops over
+        the batch: loading a layer queues its device work without waiting on it per expert), BF16 ones one by one."""
+        for e, *_ in experts:
+            if e not in self.slot or e in self.filled:
+                raise ValueError(f"expert {e}: not among the slotted {sorted(self.slot)} or packed twice")
+        if len({e for e, *_ in experts}) != len(experts):
+            raise ValueError(f"experts {[e for e, *_ in experts]}: one expert twice")
+        if not experts:
+            return
         if self.bf16:
-            for name, w, shape in (("gate", gate, (self.inter, self.hidden)), ("up", up, (self.inter, self.hidden)),
-                                   ("down", down, (self.hidden, self.inter))):
-                if tuple(w.shape) != shape or w.dtype != torch.bfloat16:
-                    raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} bfloat16")
-            self._alloc(gate.device)
-            dev = self.device
-            pad = lambda w, n, kk: torch.nn.functional.pad(w.to(dev), (0, kk - w.shape[1], 0, n - w.shape[0]))  # noqa: E731
-            self._put("q_gu", k, pack_bf16(interleave_gate_up(pad(gate, self.ip, self.hp), pad(up, self.ip, self.hp)),
-                                           2 * self.ip, self.hp))
-            self._put("q_dn", k, pack_bf16(down.to(dev), self.hp, self.ip))
-        else:
-            (gw, gs, g2), (uw, us, u2), (dw, ds, d2) = (_parts(x) for x in (gate, up, down))
-            for name, w, shape in (("gate", gw, (self.inter, self.hidden // 2)),
-                                   ("up", uw, (self.inter, self.hidden // 2)), ("down", dw, (self.hidden, self.inter // 2))):
+            for e, gate, up, down in experts:
+                self._add_bf16(e, gate, up, down)
+            return
+        parts = [[_parts(x) for x in (gate, up, down)] for _, gate, up, down in experts]
+        for (e, *_), p in zip(experts, parts):
+            for name, (w, _, _), shape in zip(("gate", "up", "down"), p, ((self.inter, self.hidden // 2),
+                                              (self.inter, self.hidden // 2), (self.hidden, self.inter // 2))):
                 if tuple(w.shape) != shape or w.dtype != torch.uint8:
                     raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} uint8")
-            self._alloc(gw.device)
-            dev = self.device
-            gc, gsb = padded_codes(gw.to(dev), gs.to(dev), self.ip, self.hp)
-            uc, usb = padded_codes(uw.to(dev), us.to(dev), self.ip, self.hp)
-            for name, v in zip(("q_gu", "s_gu"), pack_codes(interleave_gate_up(gc, uc), interleave_gate_up(gsb, usb))):
-                self._put(name, k, v)
-            for name, v in zip(("q_dn", "s_dn"), pack_codes(*padded_codes(dw.to(dev), ds.to(dev), self.hp, self.ip))):
-                self._put(name, k, v)
-            self.t["s2_gu"][k, 0], self.t["s2_gu"][k, 1], self.t["s2_dn"][k] = g2, u2, d2
+        self._alloc(parts[0][0][0].device)
+        dev = self.device
+        stack = lambda i, j: torch.stack([p[i][j] for p in parts]).to(dev)  # noqa: E731  part i, piece j, batched
+        gc, gsb = padded_codes(stack(0, 0), stack(0, 1), self.ip, self.hp)
+        uc, usb = padded_codes(stack(1, 0), stack(1, 1), self.ip, self.hp)
+        gu = pack_codes(interleave_gate_up(gc, uc, batched=True), interleave_gate_up(gsb, usb, batched=True))
+        dn = pack_codes(*padded_codes(stack(2, 0), stack(2, 1), self.hp, self.ip))
+        slots = [self.slot[e] for e, *_ in experts]
+        s2 = torch.tensor([[p[0][2], p[1][2], p[2][2]] for p in parts], dtype=torch.float32).to(dev)
+        self._put_many(slots, {"q_gu": gu[0], "s_gu": gu[1], "q_dn": dn[0], "s_dn": dn[1]})
+        index = torch.tensor(slots, device=dev)
+        self.t["s2_gu"][index] = s2[:, :2]
+        self.t["s2_dn"][index] = s2[:, 2]
+        self.filled.update(e for e, *_ in experts)
+
+    def _put_many(self, slots: list[int], parts: dict[str, torch.Tensor]) -> None:
+        """Row b of each batched part into slot slots[b]: one copy where the slots run on in device memory."""
+        k0 = slots[0]
+        if slots == list(range(k0, k0 + len(slots))) and k0 + len(slots) <= self.near:
+            for name, v in parts.items():
+                self.t[name][k0:k0 + len(slots)] = v
+            return
+        for b, k in enumerate(slots):
+            for name, v in parts.items():
+                self._put(name, k, v[b])
+
+    def _add_bf16(self, e: int, gate, up, down) -> None:
+        k = self.slot[e]
+        for name, w, shape in (("gate", gate, (self.inter, self.hidden)), ("up", up, (self.inter, self.hidden)),
+                               ("down", down, (self.hidden, self.inter))):
+            if tuple(w.shape) != shape or w.dtype != torch.bfloat16:
+                raise ValueError(f"expert {e} {name}: weight {tuple(w.shape)} {w.dtype}, expected {shape} bfloat16")
+        self._alloc(gate.device)
+        dev = self.device
+        pad = lambda w, n, kk: torch.nn.functional.pad(w.to(dev), (0, kk - w.shape[1], 0, n - w.shape[0]))  # noqa: E731
+        self._put("q_gu", k, pack_bf16(interleave_gate_up(pad(gate, self.ip, self.hp), pad(up, self.ip, self.hp)),
+                                       2 * self.ip, self.hp))
+        self._put("q_dn", k, pack_bf16(down.to(dev), self.hp, self.ip))
         self.filled.add(e)
 
     def done(self) -> PackedExperts:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rocket_mpi import __version__
+from rocket_mpi import __version__, ops
 from rocket_mpi.checkpoint.fingerprint import ContentLog, first_difference
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
@@ -23,7 +23,7 @@ from rocket_mpi.runtime.dist import collective as _collective
 from rocket_mpi.runtime.dist import (handshake, local_rank, remember_ranks, run_guarded, verdict, wait_all,
                                      watchdog, world)
 from rocket_mpi.runtime.engine import Engine
-from rocket_mpi.runtime.progress import log, setup_logging
+from rocket_mpi.runtime.progress import Timeline, log, setup_logging
 from rocket_mpi.runtime.chat import read_chat_prompts, stop_ids
 from rocket_mpi.runtime.prompts import default_prompts, load_tokenizer, read_prompts
 from rocket_mpi.runtime.sampling import Sampling, Stop, cut_at_stop
@@ -48,6 +48,7 @@ class Booted:
     text: bool            # were the prompts text
     stop: Stop            # when streams end (stop_rule)
     detok: object         # the tokenizer's decode where stop strings need it, else None
+    timeline: Timeline    # where the wall time went: start, set-up, load, fabric (decode adds its parts)
 
 
 def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_extra: dict | None = None,
@@ -58,6 +59,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
     runs)` rows (default: the runs' largest prefill chunk or decode step) and the decode path (`want_path`, default
     args.decode_path). Every wait is bounded by args.startup_timeout."""
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
+    timeline = Timeline()
     fab = args.fabric
     setup_logging(rank, args.log_level)
     log.info(f"rocket_mpi {__version__}: {size} rank(s), device {args.device}, checkpoint {args.checkpoint}")
@@ -125,6 +127,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
 
     # what each rank loads, digested as it loads (checkpoint/fingerprint.py): compared once all have loaded
     content = ContentLog.record(reader) if size > 1 and not is_synthetic(args.checkpoint) else None
+    timeline.mark("set-up")
     try:
         engine = _collective(comm, args.startup_timeout, "checkpoint loading",
                              lambda: Engine(args.checkpoint, rank, size, placement, reader, device, settings,
@@ -142,6 +145,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
                  f"digested on this rank in {content.seconds:.1f} s")
     log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
              f"{engine.resident_bytes() / 2**30:.2f} GiB resident; expert cache: {engine.cache_plan.reason}")
+    timeline.mark("load")
     for p in runs:
         _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
     engine.prefill_chunk = args.prefill_chunk
@@ -157,7 +161,8 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
         paths = comm.allgather(path) if comm else [path]
     if len(set(paths)) > 1:  # every rank must take the same path (parity); all ranks see the same list
         raise RocketError(f"the ranks chose different decode paths: {paths}")
-    return Booted(engine, reader, fabric_name, path, runs, text, stop, detok)
+    timeline.mark("fabric")
+    return Booted(engine, reader, fabric_name, path, runs, text, stop, detok, timeline)
 
 
 def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
@@ -173,8 +178,11 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     wait_all(comm, args.startup_timeout, "the start of decoding")
     log.info(f"decode path {path}; decoding")
 
-    copy_bw = measure_copy_bandwidth(device)
-    load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "h2d_gbps": measure_h2d_bandwidth(device),
+    timeline = b.timeline
+    timeline.mark("set-up")
+    copy_bw, h2d_bw = measure_copy_bandwidth(device), measure_h2d_bandwidth(device)
+    timeline.mark("bandwidth probes")
+    load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "h2d_gbps": h2d_bw,
             "expert_cache_plan": engine.cache_plan.as_dict(), "resident_gib": engine.resident_bytes() / 2**30,
             "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts(),
             "stack_bytes": engine.stack_read_bytes(),
@@ -189,6 +197,12 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
             results.append(r)
     finally:
         engine.fabric.close()
+    timeline.mark("runs")
+    stepped = sum(s.seconds for r in results for s in r.steps)  # the prefills and decode steps, as each timed them
+    runs_s = timeline.parts.pop("runs")
+    timeline.parts["prefill and decode steps"] = stepped
+    timeline.parts["captures and the rest"] = max(runs_s - stepped, 0.0)
+    load["wall_s"] = dict(timeline.parts)
     summaries = [dict(r.summary(rank), expert_cache=r.expert_cache) for r in results]
     trace = engine.expert_cache.trace_array() if args.telemetry and engine.expert_cache else None
     crcs = [[f"{s.row_crc:08x}" for s in r.steps] for r in results]
@@ -348,7 +362,7 @@ def pick_device(name: str, comm):
     if not torch.cuda.is_available():
         raise RocketError("--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU here)")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    ops.set_deterministic(True, warn_only=True)
     # deterministic mode would also fill every torch.empty with NaN: a kernel per allocation, on the hot
     # path and in the captured graph; every buffer here is written before it is read
     torch.utils.deterministic.fill_uninitialized_memory = False

@@ -223,6 +223,8 @@ class Engine:
                     store.to(self.device)
         except (torch.OutOfMemoryError, MemoryError) as e:
             raise out_of_memory(rank, size, self.device, what, e) from None
+        if self.device.type == "cuda":  # the load's copies and packing kernels, not the first step, pay for the load
+            torch.cuda.synchronize(self.device)
         self.load_seconds = time.perf_counter() - t0
         self.expert_cache: ExpertCache | None = None
         if self.experts and (telemetry or rebalance_every or any(s.capacity < len(s.owned)

@@ -57,3 +57,23 @@ def test_shared_global_amax_for_gate_and_up():
     a = torch.randn(8, 32)
     w, s, s2 = nvfp4.quantize(a, global_amax=10.0)
     assert abs(float(s2) - 10.0 / 2688.0) < 1e-9
+
+
+def test_dequantize_in_chunks_is_the_formula_bit_for_bit(monkeypatch):
+    """dequantize (a byte's two values looked up, row chunks) against W = E2M1[code] x scale x weight_scale_2 written
+    out element by element: every byte value, zero and largest scales, with and without the global scale, fp32 and
+    bf16, chunks of 1 row, a few rows and the whole tensor."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.cat([torch.arange(256, dtype=torch.uint8).view(8, 32),
+                   torch.randint(0, 256, (9, 32), dtype=torch.uint8, generator=g)])
+    sc = (torch.rand(17, 4, generator=g) * 500).to(torch.float8_e4m3fn)
+    sc[0, 0], sc[-1, -1] = 0, 448
+    codes = nvfp4.unpack_e2m1(w)
+    for s2 in (1.0, torch.tensor(0.0123), torch.tensor(3.7e-5)):
+        want = nvfp4.E2M1_VALUES[codes.long()].view(17, 4, 16) * sc.float().unsqueeze(-1)
+        want = (want if isinstance(s2, float) else want * s2).view(17, 64)
+        for dt in (torch.float32, torch.bfloat16):
+            for chunk in (1, 100, 1 << 24):
+                monkeypatch.setattr(nvfp4, "DEQUANT_CHUNK", chunk)
+                got = nvfp4.dequantize(w, sc, s2, dt)
+                assert got.dtype == dt and torch.equal(got, want.to(dt)), (s2, dt, chunk)

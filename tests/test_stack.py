@@ -369,6 +369,46 @@ def test_packed_stack_nvfp4_held_as_stored_cpu_same_logits(preset, all_ckpts, on
     assert torch.equal(_family_logits(model), ref) and model.nbytes() == bf16_bytes
 
 
+@pytest.mark.parametrize("preset,head", [("tiny", False), ("tiny", True), ("dsa-tiny", True), ("glm5-tiny", True)])
+def test_loading_for_a_stored_device_never_dequantises(preset, head, all_ckpts, tmp_path, one_thread, monkeypatch):
+    """Loaded for a device that holds NVFP4 weights as stored (layers.loading_for; emulated: layers.holds_stored),
+    the fields pack_stack would release (glm4_moe's q/k/v/o and MLPs; every family's lm_head) are never dequantised:
+    empty from the load, nbytes counts their stored parts until they are packed, a move keeps them empty, and once
+    packed the model is the one a full load packs, logits bit for bit."""
+    from rocket_mpi.checkpoint import reader as reader_mod
+    from rocket_mpi.checkpoint.make import make_checkpoint
+    from rocket_mpi.model import layers
+    if head:
+        d = str(tmp_path / preset)
+        make_checkpoint(preset, d, seed=3, nvfp4_head=True)
+    else:
+        d = all_ckpts[preset]
+    reader = CheckpointReader(d)
+    cls = model_class(reader.config.model_type)
+    monkeypatch.setattr(layers, "holds_stored", lambda device: True)
+    full = cls.load(reader)
+    full.pack_stack()
+    ref, packed_bytes = _family_logits(full), full.nbytes()
+    dense = []
+    real = reader_mod.Linear.dense
+    monkeypatch.setattr(reader_mod.Linear, "dense",  # the NVFP4 ones dequantised
+                        lambda self, *a, **k: (self.nvfp4 and dense.append(self.name)) or real(self, *a, **k))
+    with layers.loading_for("cpu"):
+        lazy = cls.load(reader)
+    assert "lm_head" not in dense and (lazy.lm_head is None) == head
+    if preset == "tiny":  # every glm4_moe stack linear (tiny's shapes are whole tiles)
+        assert not [n for n in dense if "self_attn" in n or ".mlp." in n], dense
+        assert all(getattr(L.attn, k) is None for L in lazy.layers for k in L.attn.stored)
+        assert all(getattr(L, k) == (None, None) for L in lazy.layers for k in L.stored)
+    # the plan's stack bytes before packing: the empty fields' stored parts (the packed copy pads them to whole tiles)
+    assert layers.stored_nbytes(lazy) > 0 and packed_bytes >= lazy.nbytes() >= 0.8 * packed_bytes if preset == "tiny" \
+        else lazy.nbytes() >= packed_bytes
+    lazy.to("cpu")                      # a move to such a device keeps the empty fields empty
+    assert (lazy.lm_head is None) == head
+    lazy.pack_stack()
+    assert lazy.nbytes() == packed_bytes and torch.equal(_family_logits(lazy), ref)
+
+
 # ---- GPU (skipped, with the reason printed, where there is no CUDA device or no extension)
 from helpers import gpu  # noqa: E402
 

@@ -77,16 +77,16 @@ class Glm4MoeModel:
             return reader.get_float(name, (n,), DT)
 
         def mlp(prefix, inter, stored, key):
-            return load_swiglu(reader, prefix, h, inter, DT, stored, key)
+            return load_swiglu(reader, prefix, h, inter, DT, stored, key, lazy=True)
 
         layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
             st: dict = {}
-            q, qb = load_linear(reader, p + ".self_attn.q_proj", nq * d, h, cfg.attention_bias, st, "q")
-            k, kb = load_linear(reader, p + ".self_attn.k_proj", nkv * d, h, cfg.attention_bias, st, "k")
-            v, vb = load_linear(reader, p + ".self_attn.v_proj", nkv * d, h, cfg.attention_bias, st, "v")
-            o, _ = load_linear(reader, p + ".self_attn.o_proj", h, nq * d, stored=st, key="o")
+            q, qb = load_linear(reader, p + ".self_attn.q_proj", nq * d, h, cfg.attention_bias, st, "q", lazy=True)
+            k, kb = load_linear(reader, p + ".self_attn.k_proj", nkv * d, h, cfg.attention_bias, st, "k", lazy=True)
+            v, vb = load_linear(reader, p + ".self_attn.v_proj", nkv * d, h, cfg.attention_bias, st, "v", lazy=True)
+            o, _ = load_linear(reader, p + ".self_attn.o_proj", h, nq * d, stored=st, key="o", lazy=True)
             qn = vec(p + ".self_attn.q_norm.weight", d) if cfg.use_qk_norm else None
             kn = vec(p + ".self_attn.k_norm.weight", d) if cfg.use_qk_norm else None
             layer = Layer(vec(p + ".input_layernorm.weight", h), vec(p + ".post_attention_layernorm.weight", h),

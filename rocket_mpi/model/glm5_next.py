@@ -118,9 +118,9 @@ class Glm5NextModel:
         cfg, r = reader.config, reader.config.raw
         h, pre = cfg.hidden_size, _prefix(reader)
 
-        def lin(name, n, k, stored=None, key=None):
+        def lin(name, n, k, stored=None, key=None, lazy=False):
             # BF16 or NVFP4 (dequantised; where `stored` is given also held as stored on a GPU: layers)
-            return load_linear(reader, name, n, k, False, stored, key, DT)[0]
+            return load_linear(reader, name, n, k, False, stored, key, DT, lazy)[0]
 
         def bias(name, n, on):
             return reader.get_float(name, (n,), DT) if on else None
@@ -208,7 +208,7 @@ class Glm5NextModel:
         if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
             head = embed
         else:
-            head = lin("lm_head", cfg.vocab_size, h, stored, "lm_head")
+            head = lin("lm_head", cfg.vocab_size, h, stored, "lm_head", lazy=True)
         model = cls(cfg, embed, layers, vec(pre + "norm.weight", h), head)
         model.stored = stored
         return model

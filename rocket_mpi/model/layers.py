@@ -10,6 +10,7 @@ dense_mlp). A move to another device rebuilds a released field from its parts (m
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 
 import torch
@@ -343,8 +344,12 @@ def stored_dense(parts, device, dtype=torch.bfloat16):
 def stored_nbytes(model) -> int:
     """Bytes of the stack weights a model holds as stored: its NVFP4 packed copies on a device that holds them so
     (their dense fields are released, so nbytes counts these instead)."""
+    copies = packed_copies(model)
+    if not copies:  # loaded for such a device (loading_for), not packed yet: the parts of the empty fields
+        return sum(_parts_nbytes(parts) for obj in _stored_owners(model)
+                   for key, parts in obj.stored.items() if _released(getattr(obj, key, 0)))
     total = 0
-    for obj, f in packed_copies(model):
+    for obj, f in copies:
         v = getattr(obj, f)
         for item in (v.values() if isinstance(v, dict) else [v]):
             for p in (item if isinstance(item, list) else [item]):
@@ -352,6 +357,28 @@ def stored_nbytes(model) -> int:
                 if nv and holds_stored(p.w.device if isinstance(p, ops.PackedLinear) else p.device):
                     total += p.nbytes
     return total
+
+
+def _released(v) -> bool:
+    return v is None or (isinstance(v, tuple) and len(v) > 0 and v[0] is None)
+
+
+def _parts_nbytes(parts) -> int:
+    """Bytes of NVFP4 parts held as stored (codes and block scales): a Linear's, an MLP's three, a fused list's."""
+    if isinstance(parts, (tuple, list)):
+        return sum(_parts_nbytes(p) for p in parts)
+    return parts.weight.numel() * parts.weight.element_size() + parts.weight_scale.numel()
+
+
+def _stored_owners(model) -> list:
+    """Every object of a model that holds NVFP4 parts as stored (a `stored` dict): the model (its lm_head), each
+    layer (its MLPs), and the layers' attention, KDA, MLA and indexer weights."""
+    out = [model]
+    for L in model.layers:
+        parts = [L] + [getattr(L, n, None) for n in ("attn", "kda", "mla")]
+        parts += [getattr(p, "indexer", None) for p in parts[1:] if p is not None]
+        out += [p for p in parts if p is not None and getattr(p, "stored", None)]
+    return [o for o in out if getattr(o, "stored", None)]
 
 
 def stack_kernel_enabled(device) -> bool:
@@ -401,24 +428,50 @@ def host_parts(li):
                                weight_scale_2=li.weight_scale_2.cpu(), bias=None)
 
 
+_STORED_ONLY = contextvars.ContextVar("rocket_mpi_stored_only", default=False)
+
+
+@contextlib.contextmanager
+def loading_for(device):
+    """Around a model's load for `device`: where the device holds NVFP4 weights as stored (holds_stored), the
+    linears whose packed copy is all it will keep (load_linear / load_swiglu with lazy=True, shapes of whole tiles of
+    16) are never dequantised: their dense field stays empty (None; an MLP's (None, None)) as pack_stack would leave
+    it, and no BF16 copy is made on the host or moved to the device (an lm_head's would be vocab x hidden x 2 bytes)."""
+    token = _STORED_ONLY.set(holds_stored(device))
+    try:
+        yield
+    finally:
+        _STORED_ONLY.reset(token)
+
+
+def _skip_dense(lazy: bool, *shapes: tuple[int, int]) -> bool:
+    return lazy and _STORED_ONLY.get() and all(n % TILE_N == 0 and k % TILE_N == 0 for n, k in shapes)
+
+
 def load_linear(reader, name: str, n: int, k: int, bias: bool = False, stored: dict | None = None,
-                key: str | None = None, dtype=torch.bfloat16):
+                key: str | None = None, dtype=torch.bfloat16, lazy: bool = False):
     """A Linear at `name` as (weight [n, k], bias), BF16 or NVFP4 dequantised; an NVFP4 one's parts also go into
-    `stored[key]` where given (the module docstring)."""
+    `stored[key]` where given (the module docstring). lazy: the field is released wherever the device holds it as
+    stored, so under loading_for such a device its weight is None (not dequantised)."""
     li = reader.linear(name, n, k, bias)
     if li.nvfp4 and stored is not None:
         stored[key] = host_parts(li)
+        if _skip_dense(lazy, (n, k)):
+            return None, li.bias
     return li.dense(dtype), li.bias
 
 
 def load_swiglu(reader, prefix: str, hidden: int, inter: int, dtype=torch.bfloat16, stored: dict | None = None,
-                key: str | None = None):
+                key: str | None = None, lazy: bool = False):
     """A SwiGLU MLP at `prefix` as (gate_up [2I, H], down [H, I]), BF16 or NVFP4 dequantised; where all three are
-    NVFP4, their parts also go into `stored[key]` as (gate, up, down) where given."""
+    NVFP4, their parts also go into `stored[key]` as (gate, up, down) where given (lazy: as load_linear's, then
+    (None, None))."""
     lis = [reader.linear(prefix + ".gate_proj", inter, hidden), reader.linear(prefix + ".up_proj", inter, hidden),
            reader.linear(prefix + ".down_proj", hidden, inter)]
     if stored is not None and all(li.nvfp4 for li in lis):
         stored[key] = tuple(host_parts(li) for li in lis)
+        if _skip_dense(lazy, (inter, hidden), (hidden, inter)):
+            return None, None
     gate, up, down = (li.dense(dtype) for li in lis)
     return torch.cat((gate, up), 0), down
 
@@ -454,7 +507,7 @@ def load_embed_head(reader, cfg, dtype=torch.bfloat16, stored: dict | None = Non
     if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
         return embed, embed
     return embed, load_linear(reader, "lm_head", cfg.vocab_size, cfg.hidden_size, stored=stored, key="lm_head",
-                              dtype=dtype)[0]
+                              dtype=dtype, lazy=True)[0]
 
 
 def move_weights(obj, device) -> None:
@@ -465,7 +518,8 @@ def move_weights(obj, device) -> None:
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if f.name in st and (v is None or (isinstance(v, tuple) and v[0] is None)):
-            setattr(obj, f.name, stored_dense(st[f.name], device))
+            if not holds_stored(device):  # where it does, pack_stack packs the parts and the field stays empty
+                setattr(obj, f.name, stored_dense(st[f.name], device))
         elif isinstance(v, torch.Tensor):
             setattr(obj, f.name, v.to(device))
         elif isinstance(v, tuple):
@@ -500,9 +554,9 @@ def move_stack(model, device) -> None:
     tied = model.lm_head is model.embed
     model.embed, model.norm = model.embed.to(device), model.norm.to(device)
     head = model.lm_head
-    if head is None:  # released by pack_stack: held as stored (glm4_moe)
+    if head is None and not holds_stored(device):  # released by pack_stack (held as stored), or never dequantised
         head = stored_dense(model.stored["lm_head"], device)
-    model.lm_head = model.embed if tied else head.to(device)
+    model.lm_head = model.embed if tied else None if head is None else head.to(device)
     for L in model.layers:
         move_weights(L, device)
     rope = getattr(model, "rope", None)

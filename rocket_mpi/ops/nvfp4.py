@@ -61,13 +61,31 @@ def quantize(w: torch.Tensor, global_amax: float | None = None) -> tuple[torch.T
     return pack_e2m1(codes.view(n, k)), scale, s2
 
 
+def _byte_values(device) -> torch.Tensor:
+    """[256, 2] fp32: the two E2M1 values a packed byte holds (low nibble first)."""
+    b = torch.arange(256)
+    return torch.stack((E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]), dim=-1).to(device)
+
+
+DEQUANT_CHUNK = 1 << 24   # values per pass of dequantize: its fp32 temporaries stay at 64 MiB
+
+
 def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | float = 1.0,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed NVFP4 -> [N, K] in `dtype`. Pass weight_scale_2=1.0 to leave the global scale out."""
-    codes = unpack_e2m1(weight)
-    n, k = codes.shape
-    vals = E2M1_VALUES.to(codes.device)[codes.long()].view(n, k // BLOCK, BLOCK)
-    w = vals * weight_scale.float().unsqueeze(-1)
-    if not (isinstance(weight_scale_2, float) and weight_scale_2 == 1.0):
-        w = w * torch.as_tensor(weight_scale_2, dtype=torch.float32)
-    return w.view(n, k).to(dtype)
+    """Packed NVFP4 -> [N, K] in `dtype`. Pass weight_scale_2=1.0 to leave the global scale out. In row chunks:
+    each packed byte looks up its two values, times the block scale (exact in fp32), times weight_scale_2 (one
+    rounding), then one rounding to `dtype`."""
+    n, k2 = weight.shape
+    k = 2 * k2
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    table = _byte_values(weight.device)
+    s2 = None if isinstance(weight_scale_2, float) and weight_scale_2 == 1.0 else \
+        torch.as_tensor(weight_scale_2, dtype=torch.float32, device=weight.device)
+    rows = max(1, DEQUANT_CHUNK // max(k, 1))
+    for r0 in range(0, n, rows):
+        w = torch.nn.functional.embedding(weight[r0:r0 + rows].long(), table).view(-1, k // BLOCK, BLOCK)
+        w.mul_(weight_scale[r0:r0 + rows].float().unsqueeze(-1))
+        if s2 is not None:
+            w.mul_(s2)
+        out[r0:r0 + rows] = w.view(-1, k)
+    return out

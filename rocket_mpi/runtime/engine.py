@@ -19,6 +19,7 @@ from rocket_mpi.config import PREFILL_CHUNK, ModelConfig
 from rocket_mpi.errors import AgreedError, RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
 from rocket_mpi.model import model_class
+from rocket_mpi.model.layers import loading_for
 from rocket_mpi.moe.cache import ExpertCache, expert_bytes, first_resident, plan_residency
 from rocket_mpi.moe.experts import ExpertStore
 from rocket_mpi.moe.placement import Placement
@@ -192,7 +193,8 @@ class Engine:
         fault = self.settings.fault
         what = "the replicated stack"
         try:
-            self.model = model_cls.load(self.reader)
+            with loading_for(self.device):  # a GPU keeps NVFP4 stack weights packed alone: never dequantised
+                self.model = model_cls.load(self.reader)
             prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
             self.experts = {}
             owned_all = {layer: self.placement.owned(layer, rank) for layer in self.cfg.moe_layers}

@@ -376,8 +376,7 @@ def _stored_owners(model) -> list:
     out = [model]
     for L in model.layers:
         parts = [L] + [getattr(L, n, None) for n in ("attn", "kda", "mla")]
-        parts += [getattr(p, "indexer", None) for p in parts[1:] if p is not None]
-        out += [p for p in parts if p is not None and getattr(p, "stored", None)]
+        out += parts + [getattr(p, "indexer", None) for p in parts[1:] if p is not None]
     return [o for o in out if getattr(o, "stored", None)]
 
 
@@ -517,7 +516,7 @@ def move_weights(obj, device) -> None:
     st = getattr(obj, "stored", None) or {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
-        if f.name in st and (v is None or (isinstance(v, tuple) and v[0] is None)):
+        if f.name in st and _released(v):
             if not holds_stored(device):  # where it does, pack_stack packs the parts and the field stays empty
                 setattr(obj, f.name, stored_dense(st[f.name], device))
         elif isinstance(v, torch.Tensor):

@@ -10,8 +10,8 @@ Each variant is NAME[:KEY=VALUE[,KEY=VALUE...]], set in code for its runs (and u
                   default 256); graph_spans=C with --capacity C: every step spans the whole cache
     experts_pdl   the routed-expert kernel's pdl (-1 auto, 0 off, 3: ops.nvfp4_experts), on every launch of it
     mlp_pdl       swiglu_dense's pdl (the dense MLPs and shared experts in the kernel's BF16 tiles)
-    linear_split  ops.linear's split (0: by shape, or 1, 2, 4, 8 K slices)
-    mlp_split     swiglu_dense's split
+    linear_split  ops.linear's split (0: by shape, or 1, 2, 4, 8 K slices), BF16 and NVFP4 tiles
+    mlp_split     swiglu_dense's split, BF16 and NVFP4 tiles
     old_attention =1: GLM-4.x decode attention as before ops.decode_attention (two matmuls over the span around
                   ops.decode_softmax; not batch-invariant: cuBLAS picks its sums by the span and the streams)
     old_head      =1: the lm_head in cuBLAS (F.linear) instead of its packed copy (any family)
@@ -55,8 +55,8 @@ GLM4_ONLY = ("old_attention", "old_stack")
 # the extension's entry points each launch-argument key is forced on: (function, its keyword)
 FORCED = {"experts_pdl": (("nvfp4_experts", "pdl"), ("nvfp4_experts_into", "pdl")),
           "mlp_pdl": (("swiglu_dense", "pdl"),),
-          "linear_split": (("bf16_linear", "split"),),
-          "mlp_split": (("swiglu_dense", "split"),)}
+          "linear_split": (("bf16_linear", "split"), ("nvfp4_linear", "split")),
+          "mlp_split": (("swiglu_dense", "split"), ("swiglu_dense_nvfp4", "split"))}
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, int]]:

@@ -641,3 +641,29 @@ def test_gpu_nvfp4_stack_held_as_stored(preset, all_ckpts, monkeypatch):
     monkeypatch.undo()
     model.to("cpu")
     assert torch.equal(_family_logits(model), ref) and model.nbytes() == cpu_bytes
+
+
+@gpu
+@pytest.mark.parametrize("preset,head", [("tiny", True), ("dsa-tiny", True), ("glm5-tiny", False)])
+def test_gpu_loading_for_cuda_is_the_full_load_packed(preset, head, all_ckpts, tmp_path):
+    """A model loaded for the GPU (layers.loading_for("cuda"), as the Engine loads) and moved there is the model a
+    full CPU load moved to the GPU gives: the same bytes held, logits bit for bit on the decode steps and a 20-row
+    prefill, with the lazily loaded fields never dequantised on the way."""
+    from rocket_mpi.checkpoint.make import make_checkpoint
+    from rocket_mpi.model import layers
+    if head:
+        d = str(tmp_path / preset)
+        make_checkpoint(preset, d, seed=3, nvfp4_head=True)
+    else:
+        d = all_ckpts[preset]
+    reader = CheckpointReader(d)
+    cls = model_class(reader.config.model_type)
+    full = cls.load(reader)
+    full.to("cuda")
+    with layers.loading_for("cuda"):
+        lazy = cls.load(reader)
+    assert (lazy.lm_head is None) == head
+    lazy.to("cuda")
+    assert lazy.nbytes() == full.nbytes()
+    assert torch.equal(_family_logits(lazy, "cuda"), _family_logits(full, "cuda"))
+    assert torch.equal(_long_logits(lazy, "cuda"), _long_logits(full, "cuda"))

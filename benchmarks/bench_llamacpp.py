@@ -51,6 +51,13 @@ as benchmarks/llamacpp_prepare.sh leaves it, its wheels/ beside it):
       --out FILE.json
   (or in parts: --build --steps weights, then --steps gguf,llama, then --steps rocket; the table shows every
   measurement of the same settings kept in WORK/results/results.json)
+  Where the machine is given back between calls and one call cannot hold the build and every step (the GPU machine
+  of this project: build 5-8 minutes, 10 minutes a call), build and archive in one call, bring the parts back, and
+  carry them with the converter alone (llamacpp_prepare.sh's conv/, 2 MB) into a call that runs every step:
+  PYTHONPATH=$PWD python3 benchmarks/bench_llamacpp.py --llama .llamacpp/llama.cpp --work .llamacpp/work --build \
+      --steps "" --archive $OUT      (parts llama-build-cuda.tar.xz.00, .01, ...; back here into .llamacpp/build)
+  PYTHONPATH=$PWD python3 benchmarks/bench_llamacpp.py --llama .llamacpp/conv --work .llamacpp/work \
+      --unpack .llamacpp/build --out FILE.json      (the same --work path: the binaries' RPATH)
 CPU check of the pipeline (numbers mean nothing):
   python benchmarks/bench_llamacpp.py --llama DIR --work DIR --build --cpu --preset default --layers 3 \
       --tokens 8 --prefill 64
@@ -60,7 +67,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import io
 import json
+import lzma
 import os
 import platform
 import random
@@ -69,6 +78,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -144,6 +154,60 @@ def build(args, run: Runner, build_dir: Path) -> None:
         cmake.append("-DCMAKE_CUDA_ARCHITECTURES=90")
     run("build", cmake, timeout=args.build_timeout)
     run("build", ["cmake", "--build", build_dir, "-j", args.jobs, "--target", *TARGETS], timeout=args.build_timeout)
+
+
+# A build made in one call of a machine that is given back between calls (the GPU machine: build 5-8 minutes, then
+# the weights, the GGUFs and both benchmarks do not fit the same call) travels to the next call as an archive: the
+# tools and the shared libraries of the build's bin/, xz-compressed, in parts of at most ARCHIVE_PART bytes (the
+# device tool brings back files of at most 16 MiB). The binaries find their libraries through the build's absolute
+# RPATH, so --work must be the same path in both calls; LD_LIBRARY_PATH is set to bin/ as well.
+ARCHIVE_PART = 15 << 20
+
+
+def archive_name(cpu: bool) -> str:
+    return f"llama-build-{'cpu' if cpu else 'cuda'}.tar.xz"
+
+
+def archive_build(bins: Path, dest: Path, name: str) -> list[Path]:
+    """bins' tools (TARGETS) and shared libraries -> dest/NAME.00, .01, ... (the parts, in order)."""
+    missing = [t for t in TARGETS if not (bins / t).is_file()]
+    if missing:
+        raise StepFailed(f"--archive: {', '.join(missing)} not built in {bins}")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+        for f in sorted(bins.iterdir()):
+            if f.name in TARGETS or ".so" in f.name:
+                tar.add(f, arcname=f.name)
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob(f"{name}.[0-9][0-9]"):
+        old.unlink()
+    data = buf.getvalue()
+    parts = []
+    for i in range(0, max(len(data), 1), ARCHIVE_PART):
+        part = dest / f"{name}.{i // ARCHIVE_PART:02d}"
+        part.write_bytes(data[i:i + ARCHIVE_PART])
+        parts.append(part)
+    return parts
+
+
+def unpack_build(src: Path, name: str, bins: Path) -> list[Path]:
+    """src/NAME.NN parts (archive_build's) -> bins; -> the parts read. Raises StepFailed naming what is missing."""
+    parts = sorted(src.glob(f"{name}.[0-9][0-9]"))
+    if not parts:
+        raise StepFailed(f"--unpack {src}: no {name}.00, .01, ... there (written by --archive)")
+    numbers = [int(p.name[-2:]) for p in parts]
+    if numbers != list(range(len(parts))):
+        raise StepFailed(f"--unpack {src}: parts {numbers} of {name}, expected 00 to {len(parts) - 1:02d} in a row")
+    bins.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:xz") as tar:
+            tar.extractall(bins, filter="data")
+    except (tarfile.TarError, lzma.LZMAError, EOFError, OSError) as e:
+        raise StepFailed(f"--unpack {src}: {name} parts do not unpack: {e}") from None
+    missing = [t for t in TARGETS if not (bins / t).is_file()]
+    if missing:
+        raise StepFailed(f"--unpack {src}: the archive has no {', '.join(missing)}")
+    return parts
 
 
 # -- weights ----------------------------------------------------------------------------------------------------
@@ -437,6 +501,11 @@ def main() -> int:
     ap.add_argument("--work", required=True, type=Path, help="checkpoints, GGUFs, builds, logs and results")
     ap.add_argument("--wheels", type=Path, help="the converter's fallback wheels; unset: wheels/ beside --llama")
     ap.add_argument("--build", action="store_true", help="configure and build llama.cpp's tools first")
+    ap.add_argument("--archive", type=Path, metavar="DIR",
+                    help="after the build (or with the one WORK holds): its tools and libraries as DIR/"
+                         f"{archive_name(False)}.NN, parts of at most {ARCHIVE_PART >> 20} MiB")
+    ap.add_argument("--unpack", type=Path, metavar="DIR",
+                    help="before the steps: the tools and libraries from DIR's parts (--archive), instead of --build")
     ap.add_argument("--cpu", action="store_true", help="CPU only: llama.cpp without CUDA, rocket_mpi --device cpu")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="build jobs")
     ap.add_argument("--steps", default=",".join(STEPS),
@@ -461,6 +530,10 @@ def main() -> int:
     args.wheels = (args.wheels or args.llama.parent / "wheels").resolve()
     if not (args.llama / "convert_hf_to_gguf.py").exists():
         ap.error(f"--llama {args.llama}: no convert_hf_to_gguf.py (run benchmarks/llamacpp_prepare.sh)")
+    if args.build and not (args.llama / "CMakeLists.txt").exists():
+        ap.error(f"--build: {args.llama} holds no CMakeLists.txt (the converter alone? --unpack a build instead)")
+    if args.build and args.unpack:
+        ap.error("--build and --unpack: one or the other")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.work.resolve()
@@ -480,10 +553,19 @@ def main() -> int:
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     if results.get("spec") != spec:
         results = {"spec": spec, "commands": {}}
+    if args.unpack:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(bins), os.environ.get("LD_LIBRARY_PATH")]))
     try:
+        if args.unpack:
+            parts = unpack_build(args.unpack.resolve(), archive_name(args.cpu), bins)
+            print(f"== build: unpacked {len(parts)} parts from {args.unpack} into {bins}", flush=True)
         if args.build:
             build(args, run, build_dir)
             results["commands"]["build"] = run.lines("build")
+        if args.archive:
+            parts = archive_build(bins, args.archive.resolve(), archive_name(args.cpu))
+            print(f"== build: archived into {', '.join(p.name for p in parts)} in {args.archive} "
+                  f"({sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB)", flush=True)
         if "weights" in steps and not stamp_ok(weights_stamp, weights_spec):
             weights_stamp.unlink(missing_ok=True)
             write_weights(args, ckpt, hf)

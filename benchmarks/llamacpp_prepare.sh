@@ -2,6 +2,8 @@
 # Gather what benchmarks/bench_llamacpp.py needs on a machine without network, on a machine with it:
 #   OUTDIR/llama.cpp  llama.cpp's source as llama-cpp-python $VERSION vendors it, trimmed to what a CPU or CUDA build
 #                     of the tools and the HF-to-GGUF converter need (convert_hf_to_gguf.py, conversion/, gguf-py/)
+#   OUTDIR/conv       the converter alone (those three and the licence), for a call that unpacks a build made in
+#                     an earlier one (bench_llamacpp.py --archive / --unpack)
 #   OUTDIR/wheels     the converter's Python dependencies beyond torch, numpy, safetensors and transformers that a
 #                     plainer environment may lack (cp312 manylinux x86_64 or pure Python: pyyaml, tqdm); the GPU
 #                     image's python3 has them, bench_llamacpp.py installs from here only what its Python cannot import
@@ -50,6 +52,13 @@ done
 echo "llama.cpp (llama-cpp-python $VERSION) trimmed by benchmarks/llamacpp_prepare.sh" > TRIMMED
 )
 du -sh "$OUT/llama.cpp"
+
+echo "== the converter alone -> $OUT/conv (for bench_llamacpp.py --unpack: a build made in another call)"
+rm -rf "$OUT/conv"
+mkdir -p "$OUT/conv"
+cp -a "$OUT/llama.cpp/convert_hf_to_gguf.py" "$OUT/llama.cpp/conversion" "$OUT/llama.cpp/gguf-py" \
+  "$OUT/llama.cpp/LICENSE" "$OUT/conv/"
+du -sh "$OUT/conv"
 
 echo "== wheels -> $OUT/wheels"
 rm -rf "$OUT/wheels"

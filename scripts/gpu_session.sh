@@ -131,4 +131,15 @@ ncu)  # hardware counters of the expert GEMMs (persistent schedule) at 1 and 8 r
   done ;;
 hf)
   T=400 run hf python3 benchmarks/bench_gpu.py --preset "$PRESET" --sweep ${SWEEP:-1,8} --tokens 16 ;;
+llamacpp_build)  # llama.cpp's tools built and archived into $OUT, in a call of their own (carry .llamacpp): bring the
+  # parts back into .llamacpp/build; the step below runs both sides in the next call (a fresh machine cannot build
+  # and run them in one, and the machine is given back between calls)
+  T=590 run llamacpp_build python3 benchmarks/bench_llamacpp.py --llama .llamacpp/llama.cpp --work .llamacpp/work \
+    --build --steps "" --archive "$OUT" ;;
+llamacpp)  # rocket_mpi beside llama.cpp in one call on the archived build (carry .llamacpp/conv, .llamacpp/build and
+  # .llamacpp/wheels; the build step after the extension's)
+  T=560 run llamacpp python3 benchmarks/bench_llamacpp.py --llama .llamacpp/conv --work .llamacpp/work \
+    --layers ${LAYERS:-2} --unpack .llamacpp/build --out "$OUT/llamacpp.json" ;;
+stack_split)  # each stack launch of one decode step at every K split (GLM-5.3-Flash's NVFP4 stack by default)
+  T=200 run stack_split python3 benchmarks/bench_stack_split.py "preset:${STACK_PRESET:-glm5-flash-4l:nvfp4-all}" ${M:-1} ;;
 esac; done

@@ -360,7 +360,7 @@ def bench_llama(args, run: Runner, gguf: dict[str, Path], bins: Path) -> dict:
     return out
 
 
-def batched_bench(args, run: Runner, m: Path, bins: Path, attempts: int = 3) -> float:
+def batched_bench(args, run: Runner, m: Path, bins: Path, attempts: int = 6) -> float:
     """llama-batched-bench's S_TG (generated tokens/s over all streams) at --batch streams. Its rows go through
     llama.cpp's asynchronous logger, which this version does not flush before exiting: a run can end with its row
     unprinted, and is then run again."""

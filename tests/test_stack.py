@@ -369,6 +369,16 @@ def test_packed_stack_nvfp4_held_as_stored_cpu_same_logits(preset, all_ckpts, on
     assert torch.equal(_family_logits(model), ref) and model.nbytes() == bf16_bytes
 
 
+def _all_or_head_reader(preset: str, head: bool, all_ckpts, tmp_path) -> CheckpointReader:
+    """The preset's all-Linears NVFP4 checkpoint, or (head) one written with its lm_head NVFP4 too."""
+    from rocket_mpi.checkpoint.make import make_checkpoint
+    if not head:
+        return CheckpointReader(all_ckpts[preset])
+    d = str(tmp_path / preset)
+    make_checkpoint(preset, d, seed=3, nvfp4_head=True)
+    return CheckpointReader(d)
+
+
 @pytest.mark.parametrize("preset,head", [("tiny", False), ("tiny", True), ("dsa-tiny", True), ("glm5-tiny", True)])
 def test_loading_for_a_stored_device_never_dequantises(preset, head, all_ckpts, tmp_path, one_thread, monkeypatch):
     """Loaded for a device that holds NVFP4 weights as stored (layers.loading_for; emulated: layers.holds_stored),
@@ -376,14 +386,8 @@ def test_loading_for_a_stored_device_never_dequantises(preset, head, all_ckpts, 
     empty from the load, nbytes counts their stored parts until they are packed, a move keeps them empty, and once
     packed the model is the one a full load packs, logits bit for bit."""
     from rocket_mpi.checkpoint import reader as reader_mod
-    from rocket_mpi.checkpoint.make import make_checkpoint
     from rocket_mpi.model import layers
-    if head:
-        d = str(tmp_path / preset)
-        make_checkpoint(preset, d, seed=3, nvfp4_head=True)
-    else:
-        d = all_ckpts[preset]
-    reader = CheckpointReader(d)
+    reader = _all_or_head_reader(preset, head, all_ckpts, tmp_path)
     cls = model_class(reader.config.model_type)
     monkeypatch.setattr(layers, "holds_stored", lambda device: True)
     full = cls.load(reader)
@@ -648,15 +652,9 @@ def test_gpu_nvfp4_stack_held_as_stored(preset, all_ckpts, monkeypatch):
 def test_gpu_loading_for_cuda_is_the_full_load_packed(preset, head, all_ckpts, tmp_path):
     """A model loaded for the GPU (layers.loading_for("cuda"), as the Engine loads) and moved there is the model a
     full CPU load moved to the GPU gives: the same bytes held, logits bit for bit on the decode steps and a 20-row
-    prefill, with the lazily loaded fields never dequantised on the way."""
-    from rocket_mpi.checkpoint.make import make_checkpoint
+    prefill."""
     from rocket_mpi.model import layers
-    if head:
-        d = str(tmp_path / preset)
-        make_checkpoint(preset, d, seed=3, nvfp4_head=True)
-    else:
-        d = all_ckpts[preset]
-    reader = CheckpointReader(d)
+    reader = _all_or_head_reader(preset, head, all_ckpts, tmp_path)
     cls = model_class(reader.config.model_type)
     full = cls.load(reader)
     full.to("cuda")

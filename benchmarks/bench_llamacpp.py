@@ -162,14 +162,16 @@ def build(args, run: Runner, build_dir: Path) -> None:
 # device tool brings back files of at most 16 MiB). The binaries find their libraries through the build's absolute
 # RPATH, so --work must be the same path in both calls; LD_LIBRARY_PATH is set to bin/ as well.
 ARCHIVE_PART = 15 << 20
+ARCHIVE_COMMANDS = "build-commands.txt"  # in the archive: the configure and build commands that made it
 
 
 def archive_name(cpu: bool) -> str:
     return f"llama-build-{'cpu' if cpu else 'cuda'}.tar.xz"
 
 
-def archive_build(bins: Path, dest: Path, name: str) -> list[Path]:
-    """bins' tools (TARGETS) and shared libraries -> dest/NAME.00, .01, ... (the parts, in order)."""
+def archive_build(bins: Path, dest: Path, name: str, commands: list[str]) -> list[Path]:
+    """bins' tools (TARGETS) and shared libraries, and the commands that built them, -> dest/NAME.00, .01, ... (the
+    parts, in order)."""
     missing = [t for t in TARGETS if not (bins / t).is_file()]
     if missing:
         raise StepFailed(f"--archive: {', '.join(missing)} not built in {bins}")
@@ -178,6 +180,10 @@ def archive_build(bins: Path, dest: Path, name: str) -> list[Path]:
         for f in sorted(bins.iterdir()):
             if f.name in TARGETS or ".so" in f.name:
                 tar.add(f, arcname=f.name)
+        text = "".join(c + "\n" for c in commands).encode()
+        info = tarfile.TarInfo(ARCHIVE_COMMANDS)
+        info.size = len(text)
+        tar.addfile(info, io.BytesIO(text))
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob(f"{name}.[0-9][0-9]"):
         old.unlink()
@@ -190,8 +196,9 @@ def archive_build(bins: Path, dest: Path, name: str) -> list[Path]:
     return parts
 
 
-def unpack_build(src: Path, name: str, bins: Path) -> list[Path]:
-    """src/NAME.NN parts (archive_build's) -> bins; -> the parts read. Raises StepFailed naming what is missing."""
+def unpack_build(src: Path, name: str, bins: Path) -> tuple[list[Path], list[str]]:
+    """src/NAME.NN parts (archive_build's) -> bins; -> (the parts read, the commands that built them). Raises
+    StepFailed naming what is missing."""
     parts = sorted(src.glob(f"{name}.[0-9][0-9]"))
     if not parts:
         raise StepFailed(f"--unpack {src}: no {name}.00, .01, ... there (written by --archive)")
@@ -207,7 +214,8 @@ def unpack_build(src: Path, name: str, bins: Path) -> list[Path]:
     missing = [t for t in TARGETS if not (bins / t).is_file()]
     if missing:
         raise StepFailed(f"--unpack {src}: the archive has no {', '.join(missing)}")
-    return parts
+    made = bins / ARCHIVE_COMMANDS
+    return parts, made.read_text().splitlines() if made.is_file() else []
 
 
 # -- weights ----------------------------------------------------------------------------------------------------
@@ -557,13 +565,15 @@ def main() -> int:
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(bins), os.environ.get("LD_LIBRARY_PATH")]))
     try:
         if args.unpack:
-            parts = unpack_build(args.unpack.resolve(), archive_name(args.cpu), bins)
+            parts, made = unpack_build(args.unpack.resolve(), archive_name(args.cpu), bins)
             print(f"== build: unpacked {len(parts)} parts from {args.unpack} into {bins}", flush=True)
+            results["commands"]["build"] = [*made, f"(this script) --unpack {args.unpack}: that build, archived"]
         if args.build:
             build(args, run, build_dir)
             results["commands"]["build"] = run.lines("build")
         if args.archive:
-            parts = archive_build(bins, args.archive.resolve(), archive_name(args.cpu))
+            parts = archive_build(bins, args.archive.resolve(), archive_name(args.cpu),
+                                  results["commands"].get("build", []))
             print(f"== build: archived into {', '.join(p.name for p in parts)} in {args.archive} "
                   f"({sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB)", flush=True)
         if "weights" in steps and not stamp_ok(weights_stamp, weights_spec):

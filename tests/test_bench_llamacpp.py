@@ -1,6 +1,7 @@
 """benchmarks/bench_llamacpp.py's build archive: a llama.cpp build made in one GPU-machine call travels to the next
-as xz parts of at most ARCHIVE_PART bytes (--archive), unpacked bit for bit (--unpack); a missing, out-of-order or
-damaged part, or an archive without the tools, is one error naming what is wrong."""
+as xz parts of at most ARCHIVE_PART bytes (--archive), unpacked bit for bit with the commands that built it
+(--unpack); a missing, out-of-order or damaged part, or an archive without the tools, is one error naming what is
+wrong."""
 import importlib.util
 import os
 import subprocess
@@ -36,18 +37,18 @@ def test_archive_round_trip_in_parts(bl, tmp_path, monkeypatch):
     files = _fake_build(tmp_path / "bin")
     monkeypatch.setattr(bl, "ARCHIVE_PART", 4096)  # random bytes do not compress: several parts
     name = bl.archive_name(False)
-    parts = bl.archive_build(tmp_path / "bin", tmp_path / "out", name)
+    parts = bl.archive_build(tmp_path / "bin", tmp_path / "out", name, ["cmake -S a -B b", "cmake --build b"])
     assert len(parts) > 2 and all(p.stat().st_size <= 4096 for p in parts)
     assert [p.name for p in parts] == [f"{name}.{i:02d}" for i in range(len(parts))]
-    got = bl.unpack_build(tmp_path / "out", name, tmp_path / "bin2")
-    assert got == parts
+    got, made = bl.unpack_build(tmp_path / "out", name, tmp_path / "bin2")
+    assert got == parts and made == ["cmake -S a -B b", "cmake --build b"]
     for f, data in files.items():
         assert (tmp_path / "bin2" / f).read_bytes() == data
     assert os.readlink(tmp_path / "bin2" / "libggml-cuda.so.0") == "libggml-cuda.so.0.9.7"
     assert not (tmp_path / "bin2" / "notes.txt").exists()
     # a second archive replaces the first's parts
     (tmp_path / "bin" / "llama-bench").write_bytes(b"small")
-    again = bl.archive_build(tmp_path / "bin", tmp_path / "out", name)
+    again = bl.archive_build(tmp_path / "bin", tmp_path / "out", name, [])
     assert sorted((tmp_path / "out").iterdir()) == again
 
 
@@ -57,17 +58,17 @@ def test_archive_errors_name_the_problem(bl, tmp_path, monkeypatch):
     name = bl.archive_name(False)
     with pytest.raises(bl.StepFailed, match="no llama-build-cuda.tar.xz.00"):
         bl.unpack_build(tmp_path / "empty", name, tmp_path / "x")
-    parts = bl.archive_build(tmp_path / "bin", tmp_path / "out", name)
+    parts = bl.archive_build(tmp_path / "bin", tmp_path / "out", name, [])
     parts[1].unlink()
     with pytest.raises(bl.StepFailed, match=r"parts \[0, 2"):
         bl.unpack_build(tmp_path / "out", name, tmp_path / "x")
-    parts = bl.archive_build(tmp_path / "bin", tmp_path / "out", name)
+    parts = bl.archive_build(tmp_path / "bin", tmp_path / "out", name, [])
     parts[-1].write_bytes(parts[-1].read_bytes()[:-100])
     with pytest.raises(bl.StepFailed, match="do not unpack"):
         bl.unpack_build(tmp_path / "out", name, tmp_path / "y")
     (tmp_path / "bin" / "llama-quantize").unlink()
     with pytest.raises(bl.StepFailed, match="llama-quantize not built"):
-        bl.archive_build(tmp_path / "bin", tmp_path / "out", name)
+        bl.archive_build(tmp_path / "bin", tmp_path / "out", name, [])
 
 
 def test_flags_build_and_unpack_exclusive(tmp_path):

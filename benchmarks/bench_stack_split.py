@@ -26,6 +26,7 @@ from rocket_mpi.runtime.engine import Engine
 from rocket_mpi.runtime.prompts import default_prompts
 
 from bench_experts import copy_bandwidth  # beside this file
+from bench_stack import graphed
 
 
 def record(eng: Engine, m: int) -> list[tuple]:
@@ -92,22 +93,13 @@ def kernels_per_call(calls, split: int) -> list[int]:
 def time_calls(calls, split: int, reps: int) -> list[float]:
     """Median device us of each call over `reps` replays of the whole sequence captured in one graph."""
     counts = kernels_per_call(calls, split)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            run(c, split)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            run(c, split)
+    replay = graphed(lambda: [run(c, split) for c in calls])
     for _ in range(3):
-        g.replay()
+        replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            g.replay()
+            replay()
         torch.cuda.synchronize()
     ks = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name
                  and "Memset" not in e.name), key=lambda e: e.time_range.start)

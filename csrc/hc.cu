@@ -1,61 +1,30 @@
 // GLM-5.3-Flash's hyper-connections in the fixed-shape decode step (rocket_mpi/model/glm5_next_hc.py has the math
-// and the torch reference the CPU runs): hc_pre in two launches and hc_post in one. In torch hc_pre is ~140 small
-// kernels, 120 of them the Sinkhorn normalisation of the [T, N, N] mixing matrix (20 iterations of sum, + eps,
-// divide, by rows and by columns), which made them a large share of a GLM-5.3-Flash decode step's kernel time.
+// and the torch reference the CPU runs): hc_pre in two launches and hc_post in one. In torch hc_pre is ~140 small kernels,
+// 120 of them the Sinkhorn normalisation of the [T, N, N] mixing matrix (20 iterations of sum, + eps, divide, by rows
+// and by columns), which made them a large share of a GLM-5.3-Flash decode step's kernel time.
 //
 //   hc_mix      grid (slices, T): partial dot products of the token's flattened streams [N*H] with the J = (2+N)N
-//               rows of fn, and the partial sum of squares, over kHcSlice k each (fixed order: a thread's k
-//               ascending, a butterfly in each warp, the warps in order)
-//   hc_finish   grid T: the slices' partials in slice order; RMS scale, pre / post / comb (softmax, Sinkhorn: one
+//               rows of fn, and the partial sum of squares, over kHcSlice k each (fixed order: a lane's 4 k
+//               ascending, then a butterfly in the warp)
+//   hc_finish   grid T: the slices' partials in a fixed order; RMS scale, pre / post / comb (softmax, Sinkhorn: one
 //               lane per matrix entry, row and column sums in index order); the collapse sum_i pre[i] * streams[i];
 //               optionally then the RMSNorm of the collapsed row (the input norm of the block it feeds), in
 //               norm.cuh's layout: the bits of decode_ops.cu's rms_norm launched after it
 //   hc_post     out[j] = post[j] * y + sum_i comb[i, j] * streams[i], rounded where torch's BF16 ops round: the
 //               product, the matmul's result (fp32 sums in i order), the add
 //
-// Deterministic (fixed sum orders, no atomics), and a token's result depends on no other token. Not bitwise torch's
-// (the sum orders differ, and the RMS scale multiplies the dot products instead of the inputs): tests compare them
-// within a tolerance (tests/test_device_plan.py).
+// Deterministic (fixed sum orders, no atomics), and a token's result depends on no other
+// token. Not bitwise torch's (the sum orders differ, and the RMS scale multiplies the dot products instead of the
+// inputs): tests compare them within a tolerance (tests/test_glm5_next_kernels.py).
 #include "norm.cuh"
 
 namespace rocket {
 namespace {
 
-constexpr int kHcSlice = 512;
+constexpr int kHcLaneK = 4;                  // k per lane: one float4 of each fn row
+constexpr int kHcSlice = 32 * kHcLaneK;      // k per block of hc_pre
 constexpr int kHcThreads = 256;
 constexpr int kHcWarps = kHcThreads / 32;
-
-template <int N>
-__global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const __nv_bfloat16* __restrict__ x,
-                                                            const float* __restrict__ fn, int K, int slices,
-                                                            float* __restrict__ part) {
-  constexpr int J = (2 + N) * N;
-  const int s = blockIdx.x, t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int k0 = s * kHcSlice, k1 = min(K, k0 + kHcSlice);
-  float acc[J + 1];
-#pragma unroll
-  for (int j = 0; j <= J; ++j) acc[j] = 0.0f;
-  for (int k = k0 + threadIdx.x; k < k1; k += kHcThreads) {
-    const float v = __bfloat162float(x[int64_t(t) * K + k]);
-    acc[J] = __fmaf_rn(v, v, acc[J]);
-#pragma unroll
-    for (int j = 0; j < J; ++j) acc[j] = __fmaf_rn(v, __ldg(fn + int64_t(j) * K + k), acc[j]);
-  }
-  __shared__ float red[kHcWarps][J + 1];
-#pragma unroll
-  for (int j = 0; j <= J; ++j) {
-    float v = acc[j];
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, d));
-    if (lane == 0) red[warp][j] = v;
-  }
-  __syncthreads();
-  if (threadIdx.x <= J) {
-    float v = red[0][threadIdx.x];
-    for (int w = 1; w < kHcWarps; ++w) v = __fadd_rn(v, red[w][threadIdx.x]);
-    part[(int64_t(t) * slices + s) * (J + 1) + threadIdx.x] = v;
-  }
-}
 
 __device__ __forceinline__ float hc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -68,9 +37,84 @@ __device__ __forceinline__ float group_sum(float v, int lo, int stride) {
   return s;
 }
 
-template <int N>
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, d));
+  return v;
+}
+
+// hc_pre's first launch, grid (slices, T), kHcThreads each: the partial dot products of a slice of the token's
+// flattened streams x[t] (kHcSlice k: lane l holds k0 + 4l .. k0 + 4l + 3) with the J rows of fn, and the partial sum
+// of squares (row J); warp w owns rows w, w + 8, ...: a lane's 4 products in k order, then a butterfly. Small slices
+// and every load of a lane issued at once: at one token the launch is a latency chain, not a stream of bytes.
+template <int N, bool kVec>
+__global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const __nv_bfloat16* __restrict__ x,
+                                                            const float* __restrict__ fn, int H, int slices,
+                                                            float* __restrict__ part) {
+  constexpr int J = (2 + N) * N;
+  constexpr int kRows = (J + 1 + kHcWarps - 1) / kHcWarps;  // rows (with the sum of squares) per warp
+  const int s = blockIdx.x, t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int K = N * H;
+  const __nv_bfloat16* xt = x + int64_t(t) * K;
+  float* pt = part + int64_t(t) * slices * (J + 1);
+  {
+    const int k = s * kHcSlice + lane * kHcLaneK;
+    float xv[kHcLaneK];
+    float4 fv[kRows];
+    if (kVec && k < K) {  // K % 4 == 0: the lane's 4 k are all in range
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(xt + k));
+      const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+      const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+      xv[0] = __low2float(lo); xv[1] = __high2float(lo); xv[2] = __low2float(hi); xv[3] = __high2float(hi);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int j = warp + r * kHcWarps;
+        fv[r] = j < J ? __ldg(reinterpret_cast<const float4*>(fn + int64_t(j) * K + k)) : make_float4(0, 0, 0, 0);
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < kHcLaneK; ++q) xv[q] = k + q < K ? __bfloat162float(xt[k + q]) : 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int j = warp + r * kHcWarps;
+        const float* f = fn + int64_t(j < J ? j : 0) * K + k;
+        fv[r] = make_float4(0, 0, 0, 0);
+        if (j < J) {
+          if (k < K) fv[r].x = __ldg(f);
+          if (k + 1 < K) fv[r].y = __ldg(f + 1);
+          if (k + 2 < K) fv[r].z = __ldg(f + 2);
+          if (k + 3 < K) fv[r].w = __ldg(f + 3);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int j = warp + r * kHcWarps;
+      if (j > J) continue;  // the same for the whole warp
+      float acc;
+      if (j == J) {
+        acc = __fmul_rn(xv[0], xv[0]);
+        acc = __fmaf_rn(xv[1], xv[1], acc);
+        acc = __fmaf_rn(xv[2], xv[2], acc);
+        acc = __fmaf_rn(xv[3], xv[3], acc);
+      } else {
+        acc = __fmul_rn(xv[0], fv[r].x);
+        acc = __fmaf_rn(xv[1], fv[r].y, acc);
+        acc = __fmaf_rn(xv[2], fv[r].z, acc);
+        acc = __fmaf_rn(xv[3], fv[r].w, acc);
+      }
+      acc = warp_sum(acc);
+      if (lane == 0) pt[s * (J + 1) + j] = acc;
+    }
+  }
+}
+
+// hc_pre's second launch, grid T: the slices' partials summed (warp w: rows w, w + 8, ...; lane l: the slices l,
+// l + 32, ... in order, then a butterfly), then the finish (see the top of this file); the collapse 8 columns per
+// thread where H allows (the same arithmetic as the scalar path).
+template <int N, bool kVec>
 __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat16* __restrict__ x,
-                                                               const float* __restrict__ part, int slices, int H,
+                                                               const float* __restrict__ part, int H, int slices,
                                                                const float* __restrict__ base,
                                                                const float* __restrict__ scale, int iters, float eps,
                                                                float norm_eps, float* __restrict__ post,
@@ -80,15 +124,45 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
                                                                __nv_bfloat16* __restrict__ normed) {
   static_assert(kHcThreads == dev::kNormThreads, "hc_finish's norm is rms_norm_kernel's block layout");
   constexpr int J = (2 + N) * N;
-  const int t = blockIdx.x, lane = threadIdx.x & 31;
+  constexpr int kRows = (J + 1 + kHcWarps - 1) / kHcWarps;  // rows (with the sum of squares) per warp
+  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int K = N * H;
+  const __nv_bfloat16* xt = x + int64_t(t) * K;
+  const float* pt = part + int64_t(t) * slices * (J + 1);
   __shared__ float mix[J + 1];
   __shared__ float pre[N];
-  if (threadIdx.x <= J) {
-    float v = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < slices; ++s) v = __fadd_rn(v, part[(int64_t(t) * slices + s) * (J + 1) + threadIdx.x]);
-    mix[threadIdx.x] = v;
+  {
+    // warp w: rows w, w + 8, ...; lane l: the slices l, l + 32, ... in order, kChunks * 32 of them per pass with every
+    // load of a pass issued before its sums (a dependent L2 round trip per slice would cost more than the rest)
+    constexpr int kChunks = 4;
+    float v[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) v[r] = 0.0f;
+    for (int c0 = 0; c0 < slices; c0 += 32 * kChunks) {  // slices: the mix launch's blocks per token
+      float buf[kRows][kChunks];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int j = warp + r * kHcWarps;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int q = c0 + c * 32 + lane;
+          buf[r][c] = j <= J && q < slices ? pt[q * (J + 1) + j] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          if (c0 + c * 32 + lane < slices) v[r] = __fadd_rn(v[r], buf[r][c]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int j = warp + r * kHcWarps;
+      const float m = warp_sum(v[r]);
+      if (lane == 0 && j <= J) mix[j] = m;
+    }
   }
   __syncthreads();
   // warp 0: the RMS scale, pre and post; then the Sinkhorn loop (a latency chain of ~80 dependent steps) while the
@@ -116,8 +190,33 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
       c = __fdiv_rn(c, __fadd_rn(group_sum<N>(c, j, N), eps));       // columns
     }
     if (lane < N * N) comb[int64_t(t) * N * N + lane] = c;
+  } else if (kVec && H % 8 == 0) {
+    // 8 columns per thread: pre[0] * x0 + pre[1] * x1 + ..., each product and sum rounded, as the scalar path
+    float p[N];
+#pragma unroll
+    for (int q = 0; q < N; ++q) p[q] = pre[q];
+    for (int h = (threadIdx.x - 32) * 8; h < H; h += (kHcThreads - 32) * 8) {
+      uint4 v[N];
+#pragma unroll
+      for (int q = 0; q < N; ++q) v[q] = __ldg(reinterpret_cast<const uint4*>(xt + q * H + h));
+      uint4 o;
+      __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float2 acc = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&v[0])[e]);
+        acc.x = __fmul_rn(p[0], acc.x);
+        acc.y = __fmul_rn(p[0], acc.y);
+#pragma unroll
+        for (int q = 1; q < N; ++q) {
+          const float2 f = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&v[q])[e]);
+          acc.x = __fadd_rn(acc.x, __fmul_rn(p[q], f.x));
+          acc.y = __fadd_rn(acc.y, __fmul_rn(p[q], f.y));
+        }
+        ob[e] = __floats2bfloat162_rn(acc.x, acc.y);
+      }
+      *reinterpret_cast<uint4*>(collapsed + int64_t(t) * H + h) = o;
+    }
   } else {
-    const __nv_bfloat16* xt = x + int64_t(t) * K;
     for (int h = threadIdx.x - 32; h < H; h += kHcThreads - 32) {
       float acc = __fmul_rn(pre[0], __bfloat162float(xt[h]));
 #pragma unroll
@@ -175,17 +274,26 @@ __global__ void __launch_bounds__(kHcThreads) hc_post_kernel(const float* __rest
   }
 }
 
-template <int N>
+template <int N, bool kVec>
 void hc_pre_n(const HcPre& a, cudaStream_t stream) {
-  const int K = N * a.hidden, slices = hc_slices(N, a.hidden);
-  hc_mix_kernel<N><<<dim3(slices, a.tokens), kHcThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.x), a.fn, K, slices, a.part);
+  const int slices = hc_slices(N, a.hidden);
+  hc_mix_kernel<N, kVec><<<dim3(slices, a.tokens), kHcThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.x), a.fn, a.hidden, slices, a.part);
   ROCKET_LAUNCH_CHECK();
-  hc_finish_kernel<N><<<a.tokens, kHcThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.x), a.part, slices, a.hidden, a.base, a.scale, a.iters, a.eps, a.norm_eps,
+  hc_finish_kernel<N, kVec><<<a.tokens, kHcThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.x), a.part, a.hidden, slices, a.base, a.scale, a.iters, a.eps, a.norm_eps,
       a.post, a.comb, static_cast<__nv_bfloat16*>(a.collapsed), static_cast<const __nv_bfloat16*>(a.norm_w),
       a.rms_eps, static_cast<__nv_bfloat16*>(a.normed));
   ROCKET_LAUNCH_CHECK();
+}
+
+template <int N>
+void hc_pre_n(const HcPre& a, cudaStream_t stream) {
+  // float4 rows of fn and 4-element x chunks: K % 4 == 0 with 16-byte fn and 8-byte x (and collapsed) rows
+  const bool vec = (N * a.hidden) % 4 == 0 && reinterpret_cast<uintptr_t>(a.fn) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.collapsed) % 16 == 0;
+  if (vec) hc_pre_n<N, true>(a, stream);
+  else hc_pre_n<N, false>(a, stream);
 }
 
 template <int N>

@@ -108,7 +108,7 @@ def test_gpu_kda_decode_matches_torch(heads, dk, lb):
     from rocket_mpi.model.glm5_next_kda import kda_forward
     hidden = 64
     a, args, conv, rec = _kda_case(heads, dk, hidden, 5, seed=heads * 100 + dk, lower_bound=lb)
-    a = type(a)(**{f.name: getattr(a, f.name).cuda() for f in fields(a) if f.name != "packed"})
+    a = type(a)(**{f.name: getattr(a, f.name).cuda() for f in fields(a) if f.name not in ("packed", "stored")})
     idx = torch.tensor([4, 0, 2], device="cuda")
     gen = torch.Generator().manual_seed(dk)
     state = {name: (conv.cuda(), rec.cuda()) for name in ("torch", "kernel")}
@@ -143,7 +143,7 @@ def test_gpu_kda_prefill_in_one_launch(heads, dk, lb):
     from rocket_mpi.model.glm5_next_kda import kda_forward
     hidden, counts, streams = 64, [1, 11, 2, 37], [3, 0, 4, 1]
     a, args, conv, rec = _kda_case(heads, dk, hidden, 5, seed=heads * 10 + dk, lower_bound=lb)
-    a = type(a)(**{f.name: getattr(a, f.name).cuda() for f in fields(a) if f.name != "packed"})
+    a = type(a)(**{f.name: getattr(a, f.name).cuda() for f in fields(a) if f.name not in ("packed", "stored")})
     offs = [sum(counts[:i]) for i in range(len(counts))]
     segments = list(zip(streams, offs, counts))
     h = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(dk)).to(torch.bfloat16).cuda()

@@ -1,21 +1,22 @@
 // GLM-5.3-Flash's hyper-connections in the fixed-shape decode step (rocket_mpi/model/glm5_next_hc.py has the math
-// and the torch reference the CPU runs): hc_pre in two launches and hc_post in one. In torch hc_pre is ~140 small kernels,
-// 120 of them the Sinkhorn normalisation of the [T, N, N] mixing matrix (20 iterations of sum, + eps, divide, by rows
-// and by columns), which made them a large share of a GLM-5.3-Flash decode step's kernel time.
+// and the torch reference the CPU runs): hc_pre in two launches and hc_post in one. In torch hc_pre is ~140 small
+// kernels, 120 of them the Sinkhorn normalisation of the [T, N, N] mixing matrix (20 iterations of sum, + eps, divide,
+// by rows and by columns), which made them a large share of a GLM-5.3-Flash decode step's kernel time.
 //
 //   hc_mix      grid (slices, T): partial dot products of the token's flattened streams [N*H] with the J = (2+N)N
 //               rows of fn, and the partial sum of squares, over kHcSlice k each (fixed order: a lane's 4 k
 //               ascending, then a butterfly in the warp)
-//   hc_finish   grid T: the slices' partials in a fixed order; RMS scale, pre / post / comb (softmax, Sinkhorn: one
-//               lane per matrix entry, row and column sums in index order); the collapse sum_i pre[i] * streams[i];
-//               optionally then the RMSNorm of the collapsed row (the input norm of the block it feeds), in
-//               norm.cuh's layout: the bits of decode_ops.cu's rms_norm launched after it
+//   hc_finish   grid (T, 2): the slices' partials in a fixed order and the RMS scale in both blocks of a token; then
+//               one block post and comb (softmax, Sinkhorn: one lane per matrix entry, row and column sums in index
+//               order), the other pre and the collapse sum_i pre[i] * streams[i], optionally then the RMSNorm of
+//               the collapsed row (the input norm of the block it feeds), in norm.cuh's layout: the bits of
+//               decode_ops.cu's rms_norm launched after it
 //   hc_post     out[j] = post[j] * y + sum_i comb[i, j] * streams[i], rounded where torch's BF16 ops round: the
 //               product, the matmul's result (fp32 sums in i order), the add
 //
-// Deterministic (fixed sum orders, no atomics), and a token's result depends on no other
-// token. Not bitwise torch's (the sum orders differ, and the RMS scale multiplies the dot products instead of the
-// inputs): tests compare them within a tolerance (tests/test_glm5_next_kernels.py).
+// Deterministic (fixed sum orders, no atomics), and a token's result depends on no other token. Not bitwise torch's
+// (the sum orders differ, and the RMS scale multiplies the dot products instead of the inputs): tests compare them
+// within a tolerance (tests/test_glm5_next_kernels.py).
 #include "norm.cuh"
 
 namespace rocket {
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const __nv_bfloat16*
   }
 }
 
-// hc_pre's second launch, grid T: the slices' partials summed (warp w: rows w, w + 8, ...; lane l: the slices l,
+// hc_pre's second launch, grid (T, 2): the slices' partials summed (warp w: rows w, w + 8, ...; lane l: the slices l,
 // l + 32, ... in order, then a butterfly), then the finish (see the top of this file); the collapse 8 columns per
 // thread where H allows (the same arithmetic as the scalar path).
 template <int N, bool kVec>
@@ -165,17 +166,14 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
     }
   }
   __syncthreads();
-  // warp 0: the RMS scale, pre and post; then the Sinkhorn loop (a latency chain of ~80 dependent steps) while the
-  // other warps collapse the streams with pre
+  // Two blocks per token, side by side: blockIdx.y 1 runs post and the Sinkhorn loop (a latency chain of ~80
+  // dependent steps, one warp), blockIdx.y 0 pre, the collapse and the norm (which need no comb)
   const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(mix[J], float(K)), norm_eps));  // torch: rsqrt(mean(x^2) + eps)
   // torch: linear(x * r, fn) * scale + base, each op rounded (explicit, so nothing contracts to an FMA)
   auto w = [&](int q, int which) { return __fadd_rn(__fmul_rn(__fmul_rn(mix[q], r), scale[which]), base[q]); };
-  if (threadIdx.x < N) {
-    pre[lane] = __fadd_rn(hc_sigmoid(w(lane, 0)), eps);
-    post[t * N + lane] = __fmul_rn(2.0f, hc_sigmoid(w(N + lane, 1)));
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {
+  if (blockIdx.y == 1) {
+    if (threadIdx.x >= 32) return;
+    if (lane < N) post[t * N + lane] = __fmul_rn(2.0f, hc_sigmoid(w(N + lane, 1)));
     // comb: lane l < N*N is entry (i, j) = (l / N, l % N); row i: lanes iN .. iN + N - 1, column j: j, j + N, ...
     const int l = lane < N * N ? lane : 0, i = l / N, j = l % N;
     float c = w(2 * N + l, 2);
@@ -190,12 +188,16 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
       c = __fdiv_rn(c, __fadd_rn(group_sum<N>(c, j, N), eps));       // columns
     }
     if (lane < N * N) comb[int64_t(t) * N * N + lane] = c;
-  } else if (kVec && H % 8 == 0) {
+    return;
+  }
+  if (threadIdx.x < N) pre[lane] = __fadd_rn(hc_sigmoid(w(lane, 0)), eps);
+  __syncthreads();
+  if (kVec && H % 8 == 0) {
     // 8 columns per thread: pre[0] * x0 + pre[1] * x1 + ..., each product and sum rounded, as the scalar path
     float p[N];
 #pragma unroll
     for (int q = 0; q < N; ++q) p[q] = pre[q];
-    for (int h = (threadIdx.x - 32) * 8; h < H; h += (kHcThreads - 32) * 8) {
+    for (int h = threadIdx.x * 8; h < H; h += kHcThreads * 8) {
       uint4 v[N];
 #pragma unroll
       for (int q = 0; q < N; ++q) v[q] = __ldg(reinterpret_cast<const uint4*>(xt + q * H + h));
@@ -217,14 +219,14 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
       *reinterpret_cast<uint4*>(collapsed + int64_t(t) * H + h) = o;
     }
   } else {
-    for (int h = threadIdx.x - 32; h < H; h += kHcThreads - 32) {
+    for (int h = threadIdx.x; h < H; h += kHcThreads) {
       float acc = __fmul_rn(pre[0], __bfloat162float(xt[h]));
 #pragma unroll
       for (int q = 1; q < N; ++q) acc = __fadd_rn(acc, __fmul_rn(pre[q], __bfloat162float(xt[q * H + h])));
       collapsed[int64_t(t) * H + h] = __float2bfloat16_rn(acc);
     }
   }
-  if (normed == nullptr) return;  // the same for the whole grid
+  if (normed == nullptr) return;  // the same for the whole block
   // The row is in memory for the block after the barrier; plain loads (not __ldg: this launch wrote it). Then
   // rms_norm_kernel<true, false>'s arithmetic in its layout (hc_norm_fusable: H % 8 == 0, H <= 8192, aligned).
   __syncthreads();
@@ -280,7 +282,7 @@ void hc_pre_n(const HcPre& a, cudaStream_t stream) {
   hc_mix_kernel<N, kVec><<<dim3(slices, a.tokens), kHcThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.x), a.fn, a.hidden, slices, a.part);
   ROCKET_LAUNCH_CHECK();
-  hc_finish_kernel<N, kVec><<<a.tokens, kHcThreads, 0, stream>>>(
+  hc_finish_kernel<N, kVec><<<dim3(a.tokens, 2), kHcThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.x), a.part, a.hidden, slices, a.base, a.scale, a.iters, a.eps, a.norm_eps,
       a.post, a.comb, static_cast<__nv_bfloat16*>(a.collapsed), static_cast<const __nv_bfloat16*>(a.norm_w),
       a.rms_eps, static_cast<__nv_bfloat16*>(a.normed));

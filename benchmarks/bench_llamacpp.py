@@ -152,6 +152,10 @@ def build(args, run: Runner, build_dir: Path) -> None:
              "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
     if not args.cpu:
         cmake.append("-DCMAKE_CUDA_ARCHITECTURES=90")
+    cmake += args.cmake_arg
+    toolkit = {k: os.environ[k] for k in ("CUDAToolkit_ROOT", "CUDACXX") if k in os.environ}
+    if toolkit:  # the toolkit the configure found (llamacpp_build_cuda.sh's, on a machine without a GPU)
+        run.commands.append(("build", "(environment) " + " ".join(f"{k}={v}" for k, v in toolkit.items())))
     run("build", cmake, timeout=args.build_timeout)
     run("build", ["cmake", "--build", build_dir, "-j", args.jobs, "--target", *TARGETS], timeout=args.build_timeout)
 
@@ -194,6 +198,30 @@ def archive_build(bins: Path, dest: Path, name: str, commands: list[str]) -> lis
         part.write_bytes(data[i:i + ARCHIVE_PART])
         parts.append(part)
     return parts
+
+
+def cuda_library_dirs() -> list[str]:
+    """Folders that hold the CUDA runtime and cuBLAS here: those of the Python's nvidia-* wheels (torch's CUDA
+    libraries, e.g. nvidia/cu13/lib), then the toolkit's (CUDA_HOME, /usr/local/cuda). A build archived on another
+    machine (llamacpp_build_cuda.sh, without a GPU) carries no RPATH to them."""
+    dirs = []
+    for entry in sys.path:
+        root = Path(entry or ".") / "nvidia"
+        if root.is_dir():
+            dirs += [str(d) for d in sorted(root.glob("*/lib")) if any(d.glob("libcu*.so*"))]
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and Path(home, "lib64").is_dir():
+            dirs.append(str(Path(home, "lib64")))
+    return list(dict.fromkeys(dirs))
+
+
+def missing_libraries(tool: Path) -> list[str]:
+    """The shared libraries ldd cannot find for tool ([] where ldd is missing)."""
+    try:
+        out = subprocess.run(["ldd", str(tool)], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.split()[0] for line in out.splitlines() if "not found" in line]
 
 
 def unpack_build(src: Path, name: str, bins: Path) -> tuple[list[Path], list[str]]:
@@ -391,7 +419,8 @@ def _round256(n: int) -> int:
 
 # -- rocket_mpi -------------------------------------------------------------------------------------------------
 
-def bench_rocket(args, run: Runner, work: Path, ckpt: dict[str, Path]) -> dict:
+def bench_rocket(args, run: Runner, work: Path, ckpt: dict[str, Path], keep) -> None:
+    """Each ROCKET_VARIANTS checkpoint: batch 1, batch BATCH and the prefill; keep(key, row) after each."""
     cfg = json.loads((ckpt["bf16"] / "config.json").read_text())
     rng = random.Random(args.prefill)
     prompt = work / f"prompt-{args.prefill}.json"
@@ -411,13 +440,12 @@ def bench_rocket(args, run: Runner, work: Path, ckpt: dict[str, Path]) -> dict:
             raise StepFailed(f"step rocket: {path}: streams of {[len(t) for t in r['tokens']]} tokens, not {want}")
         return dict(r, wall_s=wall, load_s=doc["load"][0]["load_s"], parts_s=doc["load"][0].get("wall_s"))
 
-    out = {}
     for _, key in ROCKET_VARIANTS:
         b1 = decode(key, "b1", "--streams", "1", "--tokens", args.tokens, "--ignore-eos")
         bn = decode(key, f"b{args.batch}", "--streams", args.batch, "--tokens", args.tokens, "--ignore-eos")
         pre = decode(key, "prefill", "--prompts", prompt, "--sweep", "1,1", "--tokens", "1")
         s1, sn = b1["per_rank"][0], bn["per_rank"][0]
-        out[key] = {"checkpoint": str(ckpt[key]), "b1_tok_s": s1["tok_per_s"], "bN_tok_s": sn["tok_per_s"],
+        keep(key, {"checkpoint": str(ckpt[key]), "b1_tok_s": s1["tok_per_s"], "bN_tok_s": sn["tok_per_s"],
                     "bytes_per_token": s1["weight_bytes_per_step"], "run_s": b1["wall_s"],
                     # where the batch-1 run's wall time went, as the decode's report splits it (load[0].wall_s:
                     # the process's start, set-up, load, fabric, bandwidth probes, steps, captures); what is left is
@@ -425,8 +453,7 @@ def bench_rocket(args, run: Runner, work: Path, ckpt: dict[str, Path]) -> dict:
                     "run_parts_s": b1["parts_s"] or {"load": b1["load_s"], "prefill and decode steps":
                                                      s1["prefill_s"] + s1["decode_s"]},
                     "prefill_tok_s": pre["prefill"]["tokens"] / pre["per_rank"][0]["prefill_s"],
-                    "paths": [b1["path"], bn["path"]], "notes": [n for n in (b1["note"], bn["note"]) if n]}
-    return out
+                    "paths": [b1["path"], bn["path"]], "notes": [n for n in (b1["note"], bn["note"]) if n]})
 
 
 # -- the table --------------------------------------------------------------------------------------------------
@@ -516,6 +543,8 @@ def main() -> int:
                     help="before the steps: the tools and libraries from DIR's parts (--archive), instead of --build")
     ap.add_argument("--cpu", action="store_true", help="CPU only: llama.cpp without CUDA, rocket_mpi --device cpu")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="build jobs")
+    ap.add_argument("--cmake-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for the configure (repeatable)")
     ap.add_argument("--steps", default=",".join(STEPS),
                     help=f"comma-separated, of {', '.join(STEPS)} (empty: none, e.g. with --build alone)")
     ap.add_argument("--preset", default="air8", help="a GLM-4.x make-checkpoint preset")
@@ -562,11 +591,15 @@ def main() -> int:
     if results.get("spec") != spec:
         results = {"spec": spec, "commands": {}}
     if args.unpack:
-        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(bins), os.environ.get("LD_LIBRARY_PATH")]))
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(bins), os.environ.get("LD_LIBRARY_PATH"), *([] if args.cpu else cuda_library_dirs())]))
     try:
         if args.unpack:
             parts, made = unpack_build(args.unpack.resolve(), archive_name(args.cpu), bins)
             print(f"== build: unpacked {len(parts)} parts from {args.unpack} into {bins}", flush=True)
+            if lost := missing_libraries(bins / TARGETS[0]):
+                raise StepFailed(f"--unpack: {TARGETS[0]} cannot find {', '.join(lost)} (LD_LIBRARY_PATH "
+                                 f"{os.environ['LD_LIBRARY_PATH']})")
             results["commands"]["build"] = [*made, f"(this script) --unpack {args.unpack}: that build, archived"]
         if args.build:
             build(args, run, build_dir)
@@ -599,8 +632,13 @@ def main() -> int:
         if "rocket" in steps:
             if not stamp_ok(weights_stamp, weights_spec):
                 raise StepFailed("step rocket: no checkpoint of these settings in --work (run the weights step)")
-            results["rocket"] = bench_rocket(args, run, work, ckpt)
-            results["commands"]["rocket"] = run.lines("rocket")
+            results["rocket"] = {}
+
+            def keep(key: str, row: dict) -> None:  # each variant's row kept as it comes (a call may run out)
+                results["rocket"][key] = row
+                results["commands"]["rocket"] = run.lines("rocket")
+                results_file.write_text(json.dumps(results, indent=1))
+            bench_rocket(args, run, work, ckpt, keep)
     except StepFailed as e:
         print(f"\nFAILED {e}", file=sys.stderr)
         return 1

@@ -133,7 +133,8 @@ hf)
   T=400 run hf python3 benchmarks/bench_gpu.py --preset "$PRESET" --sweep ${SWEEP:-1,8} --tokens 16 ;;
 llamacpp_build)  # llama.cpp's tools built and archived into $OUT, in a call of their own (carry .llamacpp): bring the
   # parts back into .llamacpp/build; the step below runs both sides in the next call (a fresh machine cannot build
-  # and run them in one, and the machine is given back between calls)
+  # and run them in one, and the machine is given back between calls). Cheaper: benchmarks/llamacpp_build_cuda.sh
+  # builds the same archive on a machine without a GPU
   T=590 run llamacpp_build python3 benchmarks/bench_llamacpp.py --llama .llamacpp/llama.cpp --work .llamacpp/work \
     --build --steps "" --archive "$OUT" ;;
 llamacpp)  # rocket_mpi beside llama.cpp in one call on the archived build (carry .llamacpp/conv, .llamacpp/build and

@@ -81,3 +81,31 @@ def test_flags_build_and_unpack_exclusive(tmp_path):
     (conv / "CMakeLists.txt").write_text("")
     p = subprocess.run(base + ["--build", "--unpack", str(tmp_path)], capture_output=True, text=True)
     assert p.returncode == 2 and "one or the other" in p.stderr
+
+
+def test_unpacked_tools_find_cuda_libraries_and_name_missing_ones(bl, tmp_path, monkeypatch):
+    """A build archived on another machine has no RPATH to cuBLAS or the CUDA runtime: --unpack looks for them in the
+    Python's nvidia-* wheels (a folder with no CUDA library is not added) and ldd names what is still missing."""
+    lib = tmp_path / "site" / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcublas.so.13").write_bytes(b"")
+    (tmp_path / "site" / "nvidia" / "nccl" / "lib").mkdir(parents=True)  # no libcu*: not a CUDA library folder
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site"), *sys.path])
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    dirs = bl.cuda_library_dirs()
+    assert dirs[0] == str(lib) and not any(d.endswith(os.path.join("nccl", "lib")) for d in dirs)
+    if subprocess.run(["sh", "-c", "command -v ldd"], capture_output=True).returncode != 0:
+        pytest.skip("no ldd here to check the missing-library report")
+    # a shared object that needs a library nowhere on the path
+    src = tmp_path / "a.c"
+    src.write_text("int f(void) { return 0; }\n")
+    dep = tmp_path / "libnowhere_rocket.so"
+    tool = tmp_path / "tool"
+    cc = subprocess.run(["sh", "-c", f"cc -shared -fPIC -o {dep} {src} && echo 'int f(void); int main(void) "
+                         f"{{ return f(); }}' | cc -x c - -o {tool} -L{tmp_path} -lnowhere_rocket"],
+                        capture_output=True, text=True)
+    if cc.returncode != 0:
+        pytest.skip(f"no C compiler to build the check's binary: {cc.stderr.strip()[:200]}")
+    assert bl.missing_libraries(tool) == ["libnowhere_rocket.so"]
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    assert bl.missing_libraries(tool) == []

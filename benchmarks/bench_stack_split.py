@@ -87,6 +87,9 @@ def kernels_per_call(calls, split: int) -> list[int]:
             torch.cuda.synchronize()
         counts.append(sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name
                           and "Memset" not in e.name))
+    if 0 in counts:  # the profiler records nothing while another CUPTI client (ncu, nsys) holds the device
+        sys.exit(f"torch.profiler saw no kernel of call {counts.index(0)}: is another profiler attached (ncu, nsys)? "
+                 "This benchmark times with torch.profiler and cannot run under one.")
     return counts
 
 

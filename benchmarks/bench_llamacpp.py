@@ -57,7 +57,9 @@ as benchmarks/llamacpp_prepare.sh leaves it, its wheels/ beside it):
   PYTHONPATH=$PWD python3 benchmarks/bench_llamacpp.py --llama .llamacpp/llama.cpp --work .llamacpp/work --build \
       --steps "" --archive $OUT      (parts llama-build-cuda.tar.xz.00, .01, ...; back here into .llamacpp/build)
   PYTHONPATH=$PWD python3 benchmarks/bench_llamacpp.py --llama .llamacpp/conv --work .llamacpp/work \
-      --unpack .llamacpp/build --out FILE.json      (the same --work path: the binaries' RPATH)
+      --unpack .llamacpp/build --out FILE.json      (LD_LIBRARY_PATH: bin/, the Python's nvidia-* libraries, the toolkit)
+  Or build the same archive where nvcc exists but no GPU (no GPU time spent on it): benchmarks/llamacpp_build_cuda.sh
+  .llamacpp (cuBLAS from PyPI, a libcuda stub; .llamacpp/build as above).
 CPU check of the pipeline (numbers mean nothing):
   python benchmarks/bench_llamacpp.py --llama DIR --work DIR --build --cpu --preset default --layers 3 \
       --tokens 8 --prefill 64

@@ -6,9 +6,10 @@
 Each MoE layer is one cache of `capacity` x (experts the rank owns) slots. A step's requests are the experts with rows
 (each is read once however many rows it has); the hit rate counts those reads. The policies:
     ours    rocket_mpi.moe.cache.Policy as the engine runs it: decayed firing frequency, at most PROMOTIONS swaps per
-            layer at each upkeep, every --interval steps (the graphed engine's: 8), starting from the lowest ids (a
-            swap copies the expert in: bytes a demand cache would not move); --margins adds it at other promotion
-            margins and swap limits (ours@H or ours@H/P)
+            layer at each upkeep, every --interval steps (the graphed engine's: 8) and after steps 1, 2, 4, ... below
+            it (moe.cache.warm_upkeep), starting from the lowest ids (a swap copies the expert in: bytes a demand cache
+            would not move); --margins adds it at other promotion margins and swap limits (ours@H or ours@H/P),
+            --cold-upkeeps without the early upkeeps
     LRU     demand caching: a miss is brought in, the least recently read expert goes
     Belady  demand caching with bypass and the future known: a miss is brought in only if it is read again before
             the cached expert read last, which goes (the most hits any demand cache can have)
@@ -26,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from rocket_mpi.moe.cache import Policy, first_resident  # noqa: E402
+from rocket_mpi.moe.cache import Policy, first_resident, warm_upkeep  # noqa: E402
 
 
 def requests(rows: np.ndarray, owned: list[int]) -> list[set[int]]:
@@ -35,20 +36,25 @@ def requests(rows: np.ndarray, owned: list[int]) -> list[set[int]]:
     return [set(own[rows[t, own] > 0].tolist()) for t in range(rows.shape[0])]
 
 
-def replay_ours(reqs: list[set[int]], owned: list[int], cap: int, interval: int = 1, **policy) -> tuple[int, int, int]:
+def replay_ours(reqs: list[set[int]], owned: list[int], cap: int, interval: int = 1, warm: bool = False,
+                **policy) -> tuple[int, int, int]:
     """(hits, reads, copies) of the engine's policy, its upkeep every `interval` steps (the graphed engine's: 8) with
-    the steps' firing counts; policy: Policy's keyword arguments (hysteresis, promotions)."""
+    the steps' firing counts; warm: also after steps 1, 2, 4, ... below the interval (moe.cache.warm_upkeep); policy:
+    Policy's keyword arguments (hysteresis, promotions)."""
     pol = Policy(owned, cap, first_resident(owned, cap), **policy)
     hits = reads = copies = 0
     n = max(owned) + 1
     active = np.zeros(n)
     resident = pol.resident
+    last = 0
     for t, req in enumerate(reqs):
         hits += len(req & resident)
         reads += len(req)
         active[list(req)] += 1
-        if (t + 1) % interval == 0 or t + 1 == len(reqs):
-            pol.observe(active, interval)
+        due = (t + 1) % interval == 0 or (warm and warm_upkeep(t + 1, interval))
+        if due or t + 1 == len(reqs):
+            pol.observe(active, t + 1 - last)
+            last = t + 1
             copies += len(pol.swaps())
             resident = pol.resident
             active = np.zeros(n)
@@ -114,6 +120,8 @@ def main() -> int:
     ap.add_argument("--margins", default="", help="ours: also replayed at these promotion margins (Policy hysteresis), "
                     "each H or H/P (P: swaps per upkeep, Policy promotions)")
     ap.add_argument("--first", type=int, default=0, help="also the first N steps alone (a cold start)")
+    ap.add_argument("--cold-upkeeps", action="store_true", help="ours also without the upkeeps after steps 1, 2, "
+                    "4, ... below the interval (the engine's since the cache is cold at first)")
     a = ap.parse_args()
     z = np.load(a.trace)
     rows, layers = z["rows"], z["layers"]
@@ -125,10 +133,13 @@ def main() -> int:
     steps = rows.shape[0]
     print(f"{a.trace}: {steps} decode steps, {len(layers)} MoE layers, {rows.shape[2]} experts; rank {a.rank}'s "
           f"experts ({int(mine.sum())} over all layers); ours: upkeep every {a.interval} step(s)")
-    pols = [("ours", replay_ours, {})]
+    pols = [("ours", replay_ours, {"warm": True})]
+    if a.cold_upkeeps:
+        pols.append(("ours, every N only", replay_ours, {}))
     for m in (m for m in a.margins.split(",") if m):  # H or H/P: margin H, at most P swaps per upkeep
         h, _, n = m.partition("/")
-        pols.append((f"ours@{m}", replay_ours, {"hysteresis": float(h), **({"promotions": int(n)} if n else {})}))
+        pols.append((f"ours@{m}", replay_ours,
+                     {"warm": True, "hysteresis": float(h), **({"promotions": int(n)} if n else {})}))
     pols += [("LRU", replay_lru, {}), ("Belady", replay_belady, {})]
     windows = [("all steps", steps)] + ([(f"first {a.first} steps", a.first)] if 0 < a.first < steps else [])
     for title, n_steps in windows:

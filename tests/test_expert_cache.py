@@ -15,7 +15,8 @@ from rocket_mpi.checkpoint import specs
 from rocket_mpi.checkpoint.make import make_checkpoint
 from rocket_mpi.errors import RocketError
 from rocket_mpi.ops import nvfp4, pack
-from rocket_mpi.moe.cache import GIB, Policy, expert_bytes, first_resident, parse_budget, plan_capacity
+from rocket_mpi.moe.cache import (GIB, ExpertCache, Policy, expert_bytes, first_resident, parse_budget, plan_capacity,
+                                  warm_upkeep)
 from rocket_mpi.runtime.engine import Engine
 
 TOKENS = 10
@@ -58,6 +59,31 @@ def test_tokens_identical_for_every_budget(skewed_ckpt, path):
             assert st["hit_rows"] > 0 and st["swaps"] > 0, st
         if resident == 2:
             assert st["miss_rows"] > 0, st
+
+
+def test_cold_cache_upkeeps_early_on_the_fixed_shape_path(skewed_ckpt, monkeypatch):
+    """The fixed-shape path keeps its cache every MAINTAIN_EVERY steps, and while it is cold also after 1, 2 and 4
+    decode steps (warm_upkeep): each upkeep sees the steps since the last, none is lost, the tokens stay the
+    all-resident run's."""
+    from rocket_mpi.runtime.engine import MAINTAIN_EVERY
+    assert [d for d in range(20) if warm_upkeep(d, 8)] == [1, 2, 4]
+    assert not any(warm_upkeep(d, 1) for d in range(20))
+    seen = []
+    real = ExpertCache.maintain
+
+    def record(self, steps, account=True, promote=True):
+        seen.append((steps, account, promote))
+        return real(self, steps, account, promote)
+    monkeypatch.setattr(ExpertCache, "maintain", record)
+    _, ref = decode(skewed_ckpt, None, "device", tokens=20)
+    n_layers = len(Engine(skewed_ckpt).cfg.moe_layers)
+    _, res = decode(skewed_ckpt, 2 * n_layers * per_expert(skewed_ckpt) / GIB + 1e-9, "device", tokens=20)
+    assert res.tokens == ref.tokens and res.path == "device"
+    assert MAINTAIN_EVERY == 8
+    # the prefill's (host path, not accounted), then after decode steps 1, 2, 4, 7 and 15, and the run's last 4
+    assert seen == [(1, False, True), (1, True, True), (1, True, True), (2, True, True), (3, True, True),
+                    (8, True, True), (4, True, False)], seen
+    assert res.expert_cache["steps"] == 19
 
 
 def test_accounting_adds_up(skewed_ckpt):

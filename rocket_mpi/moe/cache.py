@@ -38,6 +38,13 @@ PROMOTIONS = 8       # at most this many swaps per layer at each upkeep (bounds 
 GIB = 2 ** 30
 
 
+def warm_upkeep(done: int, every: int) -> bool:
+    """The fixed-shape path's extra upkeeps while the cache is cold: after 1, 2, 4, ... decode steps, below `every`
+    (its upkeep interval). With an upkeep every 8 steps alone, the first 48 steps of a cold start hit 84-90 % of expert
+    reads on recorded traces; with these, 93-96 % (benchmarks/bench_cache.py --warm, docs/PERFORMANCE.md)."""
+    return 0 < done < every and done & (done - 1) == 0
+
+
 def parse_budget(text: str) -> float | None:
     """--expert-cache: 'auto' (None) or GiB >= 0 per rank."""
     if text == "auto":

@@ -20,7 +20,7 @@ from rocket_mpi.errors import AgreedError, RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
 from rocket_mpi.model import model_class
 from rocket_mpi.model.layers import loading_for
-from rocket_mpi.moe.cache import ExpertCache, expert_bytes, first_resident, plan_residency
+from rocket_mpi.moe.cache import ExpertCache, expert_bytes, first_resident, plan_residency, warm_upkeep
 from rocket_mpi.moe.experts import ExpertStore
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.moe.rebalance import Rebalancer, fixed_slots
@@ -378,7 +378,8 @@ class Engine:
         rb = self.rebalancer  # live rebalancing: at its steps, after the upkeep that read the counts, before the step
 
         def pause(n: int) -> bool:  # the fixed-shape step n waits until no step is in flight: upkeep, maybe a rebalance
-            return xc is not None and (n % every == 0 or (rb is not None and rb.due(n)))
+            # (n - 1 decode steps are done before step n; while the cache is cold, upkeeps after 1, 2, 4 of them too)
+            return xc is not None and (n % every == 0 or warm_upkeep(n - 1, every) or (rb is not None and rb.due(n)))
 
         since = 0  # decode steps since the cache's last upkeep
         if xc is not None:

@@ -58,55 +58,53 @@ __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const __nv_bfloat16*
   const int K = N * H;
   const __nv_bfloat16* xt = x + int64_t(t) * K;
   float* pt = part + int64_t(t) * slices * (J + 1);
-  {
-    const int k = s * kHcSlice + lane * kHcLaneK;
-    float xv[kHcLaneK];
-    float4 fv[kRows];
-    if (kVec && k < K) {  // K % 4 == 0: the lane's 4 k are all in range
-      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(xt + k));
-      const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-      const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-      xv[0] = __low2float(lo); xv[1] = __high2float(lo); xv[2] = __low2float(hi); xv[3] = __high2float(hi);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int j = warp + r * kHcWarps;
-        fv[r] = j < J ? __ldg(reinterpret_cast<const float4*>(fn + int64_t(j) * K + k)) : make_float4(0, 0, 0, 0);
-      }
-    } else {
-#pragma unroll
-      for (int q = 0; q < kHcLaneK; ++q) xv[q] = k + q < K ? __bfloat162float(xt[k + q]) : 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int j = warp + r * kHcWarps;
-        const float* f = fn + int64_t(j < J ? j : 0) * K + k;
-        fv[r] = make_float4(0, 0, 0, 0);
-        if (j < J) {
-          if (k < K) fv[r].x = __ldg(f);
-          if (k + 1 < K) fv[r].y = __ldg(f + 1);
-          if (k + 2 < K) fv[r].z = __ldg(f + 2);
-          if (k + 3 < K) fv[r].w = __ldg(f + 3);
-        }
-      }
-    }
+  const int k = s * kHcSlice + lane * kHcLaneK;
+  float xv[kHcLaneK];
+  float4 fv[kRows];
+  if (kVec && k < K) {  // K % 4 == 0: the lane's 4 k are all in range
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(xt + k));
+    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+    xv[0] = __low2float(lo); xv[1] = __high2float(lo); xv[2] = __low2float(hi); xv[3] = __high2float(hi);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int j = warp + r * kHcWarps;
-      if (j > J) continue;  // the same for the whole warp
-      float acc;
-      if (j == J) {
-        acc = __fmul_rn(xv[0], xv[0]);
-        acc = __fmaf_rn(xv[1], xv[1], acc);
-        acc = __fmaf_rn(xv[2], xv[2], acc);
-        acc = __fmaf_rn(xv[3], xv[3], acc);
-      } else {
-        acc = __fmul_rn(xv[0], fv[r].x);
-        acc = __fmaf_rn(xv[1], fv[r].y, acc);
-        acc = __fmaf_rn(xv[2], fv[r].z, acc);
-        acc = __fmaf_rn(xv[3], fv[r].w, acc);
-      }
-      acc = warp_sum(acc);
-      if (lane == 0) pt[s * (J + 1) + j] = acc;
+      fv[r] = j < J ? __ldg(reinterpret_cast<const float4*>(fn + int64_t(j) * K + k)) : make_float4(0, 0, 0, 0);
     }
+  } else {
+#pragma unroll
+    for (int q = 0; q < kHcLaneK; ++q) xv[q] = k + q < K ? __bfloat162float(xt[k + q]) : 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int j = warp + r * kHcWarps;
+      const float* f = fn + int64_t(j < J ? j : 0) * K + k;
+      fv[r] = make_float4(0, 0, 0, 0);
+      if (j < J) {
+        if (k < K) fv[r].x = __ldg(f);
+        if (k + 1 < K) fv[r].y = __ldg(f + 1);
+        if (k + 2 < K) fv[r].z = __ldg(f + 2);
+        if (k + 3 < K) fv[r].w = __ldg(f + 3);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int j = warp + r * kHcWarps;
+    if (j > J) continue;  // the same for the whole warp
+    float acc;
+    if (j == J) {
+      acc = __fmul_rn(xv[0], xv[0]);
+      acc = __fmaf_rn(xv[1], xv[1], acc);
+      acc = __fmaf_rn(xv[2], xv[2], acc);
+      acc = __fmaf_rn(xv[3], xv[3], acc);
+    } else {
+      acc = __fmul_rn(xv[0], fv[r].x);
+      acc = __fmaf_rn(xv[1], fv[r].y, acc);
+      acc = __fmaf_rn(xv[2], fv[r].z, acc);
+      acc = __fmaf_rn(xv[3], fv[r].w, acc);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) pt[s * (J + 1) + j] = acc;
   }
 }
 

@@ -152,7 +152,7 @@ def build(args, run: Runner, build_dir: Path) -> None:
     cmake = ["cmake", "-S", args.llama, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
              f"-DGGML_CUDA={'OFF' if args.cpu else 'ON'}", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
              "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
-    if not args.cpu:
+    if not args.cpu and not any(a.startswith("-DCMAKE_CUDA_ARCHITECTURES=") for a in args.cmake_arg):
         cmake.append("-DCMAKE_CUDA_ARCHITECTURES=90")
     cmake += args.cmake_arg
     toolkit = {k: os.environ[k] for k in ("CUDAToolkit_ROOT", "CUDACXX") if k in os.environ}

@@ -2,7 +2,8 @@
 glm5_next_hc and glm5_next_kda.
 
 CPU tests (always run):
-  - hc_pre with the block's input norm.
+  - hc_pre with the block's input norm;
+  - KDA's packed launches (b beside q/k/v and the gates where it tiles) give the unpacked layer's bits.
 GPU tests (skip, saying why, without a GPU or the extension):
   - hc_pre / hc_post within rounding of the torch ops and row invariant, the norm in hc_finish's launch;
   - KDA decode within rounding of the torch loop, three steps in a row; a prefill's tokens in one launch give
@@ -96,6 +97,26 @@ def _kda_case(heads, dk, hidden, streams, seed, lower_bound):
     conv = (torch.randn(streams, 3 * d, 4, generator=gen)).to(torch.bfloat16)   # the last K = 4 inputs
     rec = torch.randn(streams, heads, dk, dk, generator=gen) * 0.1
     return a, args, conv, rec
+
+
+@pytest.mark.parametrize("heads", [16, 2])
+def test_kda_packed_launches_cpu(heads):
+    """pack_kda: beta's projection b joins the q/k/v | f_a | g_a launch where it is whole tiles of 16 (16 heads; 2
+    heads keep it apart); either way the packed layer gives the unpacked one's bits, decode tokens and a prefill."""
+    from dataclasses import replace
+    from rocket_mpi.model.glm5_next_kda import kda_forward, pack_kda
+    a, args, conv, rec = _kda_case(heads, 16, 64, 3, seed=heads, lower_bound=-5.0)
+    packed = replace(a, packed=pack_kda(replace(a), "cpu"))
+    parts = sum(len(p.ends) for p in packed.packed["h"])
+    assert parts == (4 if heads == 16 else 3) and packed.packed["b"] is None  # 2 heads: F.linear (not whole tiles)
+    gen = torch.Generator().manual_seed(heads)
+    for idx, segments, t in ((torch.tensor([2, 0]), [], 2), (None, [(1, 0, 5)], 5)):
+        h = torch.randn(t, 64, generator=gen).bfloat16()
+        outs = []
+        for layer in (a, packed):
+            c, r = conv.clone(), rec.clone()
+            outs.append((kda_forward(layer, h, c, r, segments, args, idx=idx), c, r))
+        assert all(torch.equal(x, y) for x, y in zip(*outs)), (heads, t)
 
 
 @gpu

@@ -355,11 +355,12 @@ def test_packed_stack_nvfp4_held_as_stored_cpu_same_logits(preset, all_ckpts, on
     assert ix is None or (ix.stored and all(getattr(ix, k) is None for k in ix.stored))
     for kda in [L.kda for L in model.layers if getattr(L, "kda", None) is not None]:  # GLM-5.3-Flash's KDA layers
         assert set(kda.stored) == {"qkv", "f_a", "f_b", "b", "g_a", "g_b", "o"}
+        h = kda.packed["h"]  # q | k | v in one launch, then f_a | g_a | b (apart where f_a does not end on 32
+        parts = sum(len(p.ends) for p in h)  # features; b only where it is whole tiles of 16: not glm5-tiny's)
+        assert len(h[0].ends) == 3 and parts == 5
         for name in kda.stored:  # released where packed (tiny shapes not whole tiles of 16 keep F.linear)
             packed = kda.packed["h" if name in ("qkv", "f_a", "g_a") else name] is not None
             assert (getattr(kda, name) is None) == packed, name
-        h = kda.packed["h"]  # q | k | v in one launch, then f_a | g_a (apart where f_a does not end on 32 features)
-        assert len(h[0].ends) == 3 and sum(len(p.ends) for p in h) == 5
     assert all(getattr(L, n) == (None, None) for L in model.layers for n in L.stored)
     assert model.nbytes() < bf16_bytes
     assert torch.equal(_family_logits(model), ref) and torch.equal(_long_logits(model), ref_long)

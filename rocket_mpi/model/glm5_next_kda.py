@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from rocket_mpi import ops
 from rocket_mpi.model.layers import held, linears, pack_linears, release_stored
+from rocket_mpi.ops.pack import TILE_N
 
 DT = torch.bfloat16
 
@@ -43,8 +44,8 @@ class KDA:
     o_norm: torch.Tensor        # [dk] fp32 (BF16 values)
     o: torch.Tensor             # [H, D]
     # Glm5NextModel.pack_stack: copies in the expert kernel's tiles (layers.pack_linears; None where a shape does not
-    # fit): "h" qkv | f_a | g_a (one launch over the normed input; held as stored: q | k | v, then f_a | g_a), "b",
-    # "f_b", "g_b", "o"
+    # fit): "h" qkv | f_a | g_a | b (one launch over the normed input; held as stored: q | k | v, then f_a | g_a | b),
+    # "b" (where "h" is None), "f_b", "g_b", "o"
     packed: dict | None = None
     stored: dict = field(default_factory=dict)  # NVFP4 parts (layers: held as stored): "qkv" [q, k, v], f_a, f_b, ...
 
@@ -88,15 +89,20 @@ def kda_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch
 def pack_kda(a: KDA, device) -> dict:
     """KDA's linears in the kernel's tiles (KDA.packed): BF16, or NVFP4 held as stored, whose dense copies are
     released where the device holds the packed ones alone. q | k | v held as stored are three parts of one launch
-    (each its own weight_scale_2) and f_a | g_a a second, where the BF16 weights take one launch for all five."""
+    (each its own weight_scale_2) and f_a | g_a | b (all three over the normed input) a second, where the BF16
+    weights take one launch for all six."""
     st = a.stored
+    n_b, k_b = ops.weight_shape(held(a, "b")[0])
+    gates = ["f_a", "g_a", "b"] if n_b % TILE_N == 0 and k_b % TILE_N == 0 else ["f_a", "g_a"]  # b where it tiles
     if "qkv" in st:
-        qkv, gates = pack_linears(st["qkv"], device=device), pack_linears(held(a, "f_a", "g_a"), device=device)
-        h = None if qkv is None or gates is None else qkv + gates
+        qkv, low = pack_linears(st["qkv"], device=device), pack_linears(held(a, *gates), device=device)
+        h = None if qkv is None or low is None else qkv + low
     else:
-        h = pack_linears([a.qkv, a.f_a, a.g_a], device=device)
-    P = {"h": h, **{n: pack_linears(held(a, n), device=device) for n in ("b", "f_b", "g_b", "o")}}
-    for key, names in (("h", ["qkv", "f_a", "g_a"]), ("b", ["b"]), ("f_b", ["f_b"]), ("g_b", ["g_b"]), ("o", ["o"])):
+        h = pack_linears([a.qkv, *(getattr(a, n) for n in gates)], device=device)
+    in_h = ["qkv", *gates] if h is not None else []
+    P = {"h": h, **{n: None if n in in_h else pack_linears(held(a, n), device=device)
+                    for n in ("b", "f_b", "g_b", "o")}}
+    for key, names in (("h", in_h), ("b", ["b"]), ("f_b", ["f_b"]), ("g_b", ["g_b"]), ("o", ["o"])):
         if P[key] is not None:
             release_stored(a, names, device)
     return P
@@ -113,12 +119,14 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     t = h.shape[0]
     nh, dk, kk = args.heads, args.head_dim, args.conv_kernel
     P = a.packed or {}
-    if P.get("h") is not None and "qkv" in a.stored:  # q, k, v held as stored: three parts, then concatenated
-        qkv = a.qkv.chunk(3) if a.qkv is not None else (None,) * 3   # None: released (the packed copy dequantised)
-        *parts, f_ah, g_ah = linears(h, [*qkv, a.f_a, a.g_a], packs=P["h"])
-        mixed = torch.cat(parts, dim=-1)
-    else:
-        mixed, f_ah, g_ah = linears(h, [a.qkv, a.f_a, a.g_a], packs=P.get("h"))  # [T, 3D] pre-conv; gates' low rank
+    stored = P.get("h") is not None and "qkv" in a.stored  # q, k, v held as stored: three parts, then concatenated
+    qkv = (a.qkv.chunk(3) if a.qkv is not None else (None,) * 3) if stored else [a.qkv]  # None: released
+    # b joins the launch where it is whole tiles (pack_kda): then the launch has one part more than q/k/v and f_a, g_a
+    with_b = P.get("h") is not None and sum(len(p.ends) for p in P["h"]) == len(qkv) + 3
+    outs = linears(h, [*qkv, a.f_a, a.g_a, *([a.b] if with_b else [])], packs=P.get("h"))
+    mixed = torch.cat(outs[:3], dim=-1) if stored else outs[0]   # [T, 3D] pre-conv
+    f_ah, g_ah = outs[len(qkv)], outs[len(qkv) + 1]              # the gates' low rank
+    b = outs[-1] if with_b else _lin(a, "b", h)                  # beta's logits
     if fuse and (idx is not None or segments):  # ~35 torch kernels, the recurrent state read ~10 times: here one
         counts = None
         if idx is None:  # a prefill or a host-path step: each stream's tokens in order, in the launch
@@ -126,7 +134,7 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
             if [off for _, off, _ in segments] != [sum(counts[:i]) for i in range(len(counts))]:
                 raise ValueError(f"kda_forward: segments {segments} are not packed one after another")
             idx = torch.tensor([s for s, _, _ in segments], device=h.device)
-        y = ops.kda_decode(mixed, conv_state, a.conv, _lin(a, "f_b", f_ah), _lin(a, "b", h), _lin(a, "g_b", g_ah),
+        y = ops.kda_decode(mixed, conv_state, a.conv, _lin(a, "f_b", f_ah), b, _lin(a, "g_b", g_ah),
                                a.dt_bias, a.A_log, a.o_norm, rec_state, idx, nh, dk, args.lower_bound, args.eps, counts)
         return _lin(a, "o", y)
     conv_w = a.conv[:, None, :]                                       # [3D, 1, K]
@@ -148,7 +156,7 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     q = _l2norm(q) * dk ** -0.5
     k = _l2norm(k)
     g = forget_gate(a, f_ah, args)
-    beta = torch.sigmoid(_lin(a, "b", h)).float()                     # [T, heads]
+    beta = torch.sigmoid(b).float()                                  # [T, heads]
     out = torch.empty(t, nh, dk, dtype=torch.float32, device=h.device)
     if decode:
         rec_state[idx], out = kda_step(rec_state[idx], q, k, v, g, beta)

@@ -263,6 +263,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_chunks_kernel(co
 }
 
 __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kernel(const DecodeAttention a) {
+  dev::launch_dependents();  // o's row prep (a programmatic dependent) may start: it waits for this grid
   const int h = blockIdx.x, r = blockIdx.y;
   int64_t stream = 0;
   const int n = row_length(a, r, stream);

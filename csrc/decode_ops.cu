@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const __nv_bfloa
                                                                 __nv_bfloat16* __restrict__ out, int n, float eps,
                                                                 const int64_t* __restrict__ index, int64_t x_rows,
                                                                 __nv_bfloat16* __restrict__ x_out) {
+  dev::launch_dependents();  // the next linear's row prep (a programmatic dependent) may start: it waits for this grid
   __shared__ float red[32];
   int64_t src = blockIdx.x;
   bool valid = true;

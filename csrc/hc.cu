@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_finish_kernel(const __nv_bfloat
                                                                const __nv_bfloat16* __restrict__ norm_w, float rms_eps,
                                                                __nv_bfloat16* __restrict__ normed) {
   static_assert(kHcThreads == dev::kNormThreads, "hc_finish's norm is rms_norm_kernel's block layout");
+  dev::launch_dependents();  // the next linear's row prep (a programmatic dependent) may start: it waits for this grid
   constexpr int J = (2 + N) * N;
   constexpr int kRows = (J + 1 + kHcWarps - 1) / kHcWarps;  // rows (with the sum of squares) per warp
   const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -43,6 +43,7 @@ __device__ __forceinline__ float row_sum(float v, int dk, float* buf) {
 }
 
 __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, 1) kda_decode_kernel(const KdaDecode a) {
+  dev::launch_dependents();  // o's row prep (a programmatic dependent) may start: it waits for this grid
   // block (head, segment): the segment's tokens t0 .. t1 - 1 of one stream, in order (a decode step: one token each)
   const int h = blockIdx.x, seg = blockIdx.y, c = threadIdx.x, y = threadIdx.y;
   const int dk = a.dk, nh = a.heads, D = nh * dk, R = dk / kKdaQuarters;

@@ -9,7 +9,10 @@
 // free and start their weight copies there, then each block waits for its own pass only: a count per pass that
 // gate/up's warps add to once their h_frag rows are stored (GemmParams::ready; BF16 tiles and dense rows wait for
 // all of gate/up, griddepcontrol.wait). kPdlOff: down is launched normally. kPdlAuto (the default): kPdlOff for
-// launches of at most kPdlOffRows rows of x, kPdlPerPass above. prep and gate_up are always launched normally.
+// launches of at most kPdlOffRows rows of x, kPdlPerPass above. The prep and gate_up of expert launches are always
+// launched normally. Over dense rows (the stack's linears and MLPs) the chain is programmatic: prep is the dependent
+// of the kernel before it (a norm, hc_finish, the attention or KDA kernel that wrote x trigger at their start) and
+// the GEMM prep's, so the GEMM's first weight copies overlap prep and the end of the kernel before it.
 //
 // Dense launches (ops/stack.py: the replicated stack's linears and SwiGLU MLPs, BF16 tiles): one weight slot,
 // rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
@@ -751,6 +754,12 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
                                  const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
                                  int dense_rows, int n_tiles, int hidden, int pairs, int direct_k,
                                  uint4* __restrict__ frag, int* __restrict__ ready, int n_ready) {
+  // The GEMM after a dense prep (launched as its programmatic dependent) may start now and stream its first weight
+  // k-tiles while this grid runs; it reads the fragments only after griddepcontrol.wait (mainloop). A dense prep is
+  // itself the programmatic dependent of the kernel before it (launch_prep): every thread waits for that grid here,
+  // before it reads x (and so the GEMM's wait for this grid covers that kernel too).
+  dev::launch_dependents();
+  dev::grid_dependency_wait();
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx < n_ready) ready[idx] = 0;  // kPdlPerPass: the passes' counts (the grid has >= n_ready threads)
   if (idx >= int64_t(n_tiles) * pairs * 32) return;
@@ -802,6 +811,25 @@ __global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8
   }
 }
 
+// prep_rows_kernel over n thread slots; pdl: as the programmatic dependent of the kernel before it in the stream (dense
+// rows: the norm or attention kernel that wrote x may let it start early, and the GEMM after it then too).
+void launch_prep(int64_t n, bool pdl, cudaStream_t stream, const uint32_t* x, int64_t x_rows, int64_t x_ld_words,
+                 const int64_t* row_index, const int* pad_rows, int dense_rows, int n_tiles, int hidden, int pairs,
+                 int direct_k, uint4* frag, int* ready, int n_ready) {
+  const int threads = 256;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned((n + threads - 1) / threads));
+  cfg.blockDim = dim3(threads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  ROCKET_CUDA_CHECK(cudaLaunchKernelEx(&cfg, prep_rows_kernel, x, x_rows, x_ld_words, row_index, pad_rows, dense_rows,
+                                       n_tiles, hidden, pairs, direct_k, frag, ready, n_ready));
+}
+
 // The dynamic shared memory attribute belongs to a function on each device: set once per (kernel, device).
 template <typename Kernel>
 void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
@@ -813,8 +841,8 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
   }
 }
 
-// pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up), so its blocks
-// can start while that kernel's last wave runs (the wait is in mainloop).
+// pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up; a dense GEMM:
+// its prep launch), so its blocks can start while that kernel's last wave runs (the wait is in mainloop).
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
@@ -946,11 +974,9 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   if (!direct) {  // rows -> fragments
     const int pairs = a.hidden_pad / 32;
     const int64_t n = int64_t(a.n_tiles) * pairs * 32;
-    const int threads = 256;
-    prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
-        static_cast<const uint32_t*>(a.x), a.x_rows, a.hidden / 2, a.row_index, a.pad_rows, a.dense_rows, a.n_tiles,
-        a.hidden, pairs, a.direct_k, a.x_frag, ready ? a.ready : nullptr, ready ? a.n_groups : 0);
-    ROCKET_LAUNCH_CHECK();
+    launch_prep(n, dense, stream, static_cast<const uint32_t*>(a.x), a.x_rows, a.hidden / 2, a.row_index, a.pad_rows,
+                a.dense_rows, a.n_tiles, a.hidden, pairs, a.direct_k, a.x_frag, ready ? a.ready : nullptr,
+                ready ? a.n_groups : 0);
   }
   {  // gate/up + SwiGLU: N = 2 inter_pad (tiles of 8 gate + 8 up), K = hidden_pad
     GemmParams p{};
@@ -978,7 +1004,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.h_pairs = a.inter_pad / 32;
     p.ready = ready ? a.ready : nullptr;
     pass_params(p, a);
-    launch_gemm<true>(p, a.bf16 != 0, false, wide, stream);
+    launch_gemm<true>(p, a.bf16 != 0, dense && !direct, wide, stream);  // dense rows: prep's dependent
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
@@ -1030,11 +1056,8 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   if (!direct) {  // rows -> fragments
     const int pairs = a.k_pad / 32;
     const int64_t n = int64_t(n_tiles) * pairs * 32;
-    const int threads = 256;
-    prep_rows_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
-        static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows), n_tiles, a.k, pairs,
-        nvfp4 ? 0 : 1, a.x_frag, nullptr, 0);
-    ROCKET_LAUNCH_CHECK();
+    launch_prep(n, true, stream, static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows),
+                n_tiles, a.k, pairs, nvfp4 ? 0 : 1, a.x_frag, nullptr, 0);
   }
   GemmParams p{};
   p.q = static_cast<const uint8_t*>(a.w);
@@ -1063,7 +1086,7 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   }
   p.n_res = a.n_res;
   for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-  launch_gemm<false>(p, !nvfp4, false, false, stream);
+  launch_gemm<false>(p, !nvfp4, !direct, false, stream);  // after a prep launch: its programmatic dependent
 }
 
 }  // namespace

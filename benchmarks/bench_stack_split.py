@@ -10,6 +10,12 @@ over the replays. Split 0 is the kernel's own rule (csrc/nvfp4_experts.cu dense_
 weight bytes, output features and K, us at every split, the best split and its fraction of the copy bandwidth; the
 totals compare the rule with the best split per call. Every split computes each row's sums in another order, so the
 outputs differ in their last bits between splits, never between runs of one split.
+
+    ncu --profile-from-start off -k regex:experts_gemm --section SpeedOfLight ... \
+        python benchmarks/bench_stack_split.py preset:glm5-flash-4l:nvfp4-all 8 --splits 0 --ncu
+
+--ncu: no timing; each call runs once per split between cudaProfilerStart and Stop, for Nsight Compute's counters
+(ncu and torch.profiler cannot share the device's profiling interface).
 """
 from __future__ import annotations
 
@@ -118,12 +124,32 @@ def time_calls(calls, split: int, reps: int) -> list[float]:
     return [statistics.median(u) for u in us]
 
 
+def profile_once(calls, splits: list[int]) -> int:
+    """--ncu: the calls listed, then each run once per split inside the profiler range (warmed up before it)."""
+    for i, c in enumerate(calls):
+        name, nb, shape = describe(c)
+        print(f"{i} {name} {shape} {nb / 1e6:.2f} MB")
+    def every_call():
+        for s in splits:
+            for c in calls:
+                run(c, s)
+        torch.cuda.synchronize()
+
+    every_call()  # warm-up: first launches, lazy allocations
+    torch.cuda.profiler.start()
+    every_call()
+    torch.cuda.profiler.stop()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("m", nargs="?", type=int, default=1, help="streams (default 1)")
     ap.add_argument("--splits", default="0,1,2,4,8", help="K slices to time (0: the kernel's rule)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ncu", action="store_true", help="each call once per split inside cudaProfilerStart / Stop "
+                    "(for ncu --profile-from-start off), no timing")
     a = ap.parse_args()
     if not (torch.cuda.is_available() and ops.available()):
         sys.exit(f"bench_stack_split needs a CUDA device and the extension: {ops.unavailable_reason() or 'no GPU'}")
@@ -136,6 +162,8 @@ def main() -> int:
     calls = record(eng, a.m)
     if not calls:
         sys.exit(f"{a.checkpoint}: no stack launches in a decode step")
+    if a.ncu:
+        return profile_once(calls, splits)
     bw = copy_bandwidth(2 << 30, 10)
     times = {s: time_calls(calls, s, a.reps) for s in splits}
     print(f"{a.checkpoint}, M={a.m}: {len(calls)} stack launches per decode step; copy {bw:.0f} GB/s; "

@@ -46,6 +46,8 @@
 // pass) come through one block-wide shared-memory ring in the NVFP4 instances, filled by bulk copies of one
 // thread (RowsRing, mbarriers: the block's one synchronisation), and through L1 in the BF16 instances (the ring
 // reaches more of the copy bandwidth than every warp loading the rows through L1).
+#include <utility>
+
 #include "common.cuh"
 
 namespace rocket {
@@ -811,23 +813,32 @@ __global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8
   }
 }
 
-// prep_rows_kernel over n thread slots; pdl: as the programmatic dependent of the kernel before it in the stream (dense
-// rows: the norm or attention kernel that wrote x may let it start early, and the GEMM after it then too).
-void launch_prep(int64_t n, bool pdl, cudaStream_t stream, const uint32_t* x, int64_t x_rows, int64_t x_ld_words,
-                 const int64_t* row_index, const int* pad_rows, int dense_rows, int n_tiles, int hidden, int pairs,
-                 int direct_k, uint4* frag, int* ready, int n_ready) {
-  const int threads = 256;
+// kernel<<<grid, block, smem, stream>>>(args...); pdl: as the programmatic dependent of the kernel ahead of it in the
+// stream (it may start before that kernel ends, and waits for it with griddepcontrol.wait).
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, bool pdl, cudaStream_t stream,
+                   Args&&... args) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned((n + threads - 1) / threads));
-  cfg.blockDim = dim3(threads);
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  ROCKET_CUDA_CHECK(cudaLaunchKernelEx(&cfg, prep_rows_kernel, x, x_rows, x_ld_words, row_index, pad_rows, dense_rows,
-                                       n_tiles, hidden, pairs, direct_k, frag, ready, n_ready));
+  ROCKET_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// prep_rows_kernel over n thread slots; pdl: as the programmatic dependent of the kernel before it in the stream (dense
+// rows: the norm or attention kernel that wrote x may let it start early, and the GEMM after it then too).
+void launch_prep(int64_t n, bool pdl, cudaStream_t stream, const uint32_t* x, int64_t x_rows, int64_t x_ld_words,
+                 const int64_t* row_index, const int* pad_rows, int dense_rows, int n_tiles, int hidden, int pairs,
+                 int direct_k, uint4* frag, int* ready, int n_ready) {
+  const int threads = 256;
+  launch_kernel(prep_rows_kernel, dim3(unsigned((n + threads - 1) / threads)), dim3(threads), 0, pdl, stream, x, x_rows,
+                x_ld_words, row_index, pad_rows, dense_rows, n_tiles, hidden, pairs, direct_k, frag, ready, n_ready);
 }
 
 // The dynamic shared memory attribute belongs to a function on each device: set once per (kernel, device).
@@ -849,21 +860,12 @@ void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   constexpr int bytes = block_smem<S, kBf16, W, kWide>();
   auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK, kWide>;
   set_smem_attr(kernel, bytes, done);
-  cudaLaunchConfig_t cfg{};
   const int per_block = p.split_k ? W / p.split_k : W;  // feature groups per block
   const unsigned fblocks = (p.n_fgroups + per_block - 1) / per_block;
   ROCKET_CHECK((p.pass_major ? fblocks : unsigned(p.n_groups)) <= 65535u, "grid of " << fblocks << " x "
                << p.n_groups << " blocks");
-  cfg.gridDim = p.pass_major ? dim3(p.n_groups, fblocks) : dim3(fblocks, p.n_groups);
-  cfg.blockDim = dim3(W * 32);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  ROCKET_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel(kernel, p.pass_major ? dim3(p.n_groups, fblocks) : dim3(fblocks, p.n_groups), dim3(W * 32), bytes, pdl,
+                stream, p);
 }
 
 template <bool kSwiglu>

@@ -1,15 +1,15 @@
 """The stack's launches of one decode step, each timed at every K split (GPU): which split each weight wants.
 
-    python benchmarks/bench_stack_split.py preset:glm5-flash-4l:nvfp4-all [M] [--splits 0,1,2,4,8,16,32] [--reps 10]
+    python benchmarks/bench_stack_split.py preset:glm5-flash-4l:nvfp4-all [M] [--splits 0,1,2,4,8] [--reps 10]
 
 Records every ops.linear and ops.swiglu_dense call of one eager decode step of the model (the stack's linears, dense
 MLPs, shared experts and the packed lm_head, in step order, with the step's own rows), then, per split, captures all
 of them in one CUDA graph in that order (each weight read once per replay, as the step reads it; the sequence is
 larger than L2) and replays it under torch.profiler. Per call: its kernels' device time (row prep and GEMMs), median
-over the replays. Split 0 is the kernel's own rule (csrc/nvfp4_experts.cu dense_split, dense_split_nvfp4). The
-table gives each call's weight bytes, output features and K, us at every split, the best split and its fraction of
-the copy bandwidth; the totals compare the rule with the best split per call. Every split computes each row's sums
-in another order, so the outputs differ in their last bits between splits, never between runs of one split.
+over the replays. Split 0 is the kernel's own rule (csrc/nvfp4_experts.cu dense_split). The table gives each call's
+weight bytes, output features and K, us at every split, the best split and its fraction of the copy bandwidth; the
+totals compare the rule with the best split per call. Every split computes each row's sums in another order, so the
+outputs differ in their last bits between splits, never between runs of one split.
 
     ncu --profile-from-start off -k regex:experts_gemm --section SpeedOfLight ... \
         python benchmarks/bench_stack_split.py preset:glm5-flash-4l:nvfp4-all 8 --splits 0 --ncu
@@ -63,19 +63,8 @@ def record(eng: Engine, m: int) -> list[tuple]:
     return calls
 
 
-BF16_MAX_SPLIT = 8  # the BF16 tiles' K slices stop at a block's warps; NVFP4's go on over clusters (to 32)
-
-
-def nvfp4(call) -> bool:
-    kind, _, w, _, _ = call
-    return w[0].nvfp4 if kind == "linear" else not w.bf16
-
-
 def run(call, split: int):
-    """One recorded call at `split` (a BF16 call past its largest split: its own rule, 0)."""
     kind, x, w, res, limit = call
-    if split > BF16_MAX_SPLIT and not nvfp4(call):
-        split = 0
     if kind == "linear":
         return ops.linear(x, w, res, split=split)
     return ops.swiglu_dense(x, w, res, limit, split=split)
@@ -157,8 +146,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("m", nargs="?", type=int, default=1, help="streams (default 1)")
-    ap.add_argument("--splits", default="0,1,2,4,8,16,32",
-                    help="K slices to time (0: the kernel's rule; past 8, BF16 launches run their rule)")
+    ap.add_argument("--splits", default="0,1,2,4,8", help="K slices to time (0: the kernel's rule)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--ncu", action="store_true", help="each call once per split inside cudaProfilerStart / Stop "
                     "(for ncu --profile-from-start off), no timing")
@@ -166,8 +154,8 @@ def main() -> int:
     if not (torch.cuda.is_available() and ops.available()):
         sys.exit(f"bench_stack_split needs a CUDA device and the extension: {ops.unavailable_reason() or 'no GPU'}")
     splits = [int(s) for s in a.splits.split(",")]
-    if any(s not in (0, 1, 2, 4, 8, 16, 32) for s in splits):
-        ap.error(f"--splits {a.splits}: each of 0, 1, 2, 4, 8, 16, 32")
+    if any(s not in (0, 1, 2, 4, 8) for s in splits):
+        ap.error(f"--splits {a.splits}: each of 0, 1, 2, 4, 8")
     reader = SyntheticReader(a.checkpoint, "cuda")
     eng = Engine(a.checkpoint, reader=reader, device="cuda")
     eng.set_decode_path("device", "local")

@@ -46,7 +46,6 @@
 // pass) come through one block-wide shared-memory ring in the NVFP4 instances, filled by bulk copies of one
 // thread (RowsRing, mbarriers: the block's one synchronisation), and through L1 in the BF16 instances (the ring
 // reaches more of the copy bandwidth than every warp loading the rows through L1).
-#include <cooperative_groups.h>
 #include <utility>
 
 #include "common.cuh"
@@ -97,17 +96,10 @@ __host__ __device__ constexpr int block_smem() {
 // reserved per block). (GB10, sm_121, has about 100 KiB per SM: one block of either instance there; not measured.)
 static_assert(kBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "NVFP4 blocks per SM");
 static_assert(kBf16BlocksPerSm * (block_smem<kBf16Ring, true, kBf16Warps>() + 1024) <= 228 * 1024, "BF16 blocks per SM");
-// NVFP4 tiles with K split (dense launches of the stack held as stored; rows through L1, so no rows ring): 2 blocks
-// per SM, so the launch bounds leave the L1 rows' prefetch its registers (128), as the BF16 instances'; launches of
-// one row tile (up to 8 rows: decode steps) take an instance of their own with 4 blocks per SM (64 registers), since
-// a decode step's stack launches have too few blocks to hide their latency with 16 warps per SM.
-constexpr int kSplitBlocksPerSm = 2, kSplit1BlocksPerSm = 4;
-template <int S, int W>
-__host__ __device__ constexpr int split_smem() { return W * warp_smem<S, false>(); }
-static_assert(kSplit1BlocksPerSm * (split_smem<kRing, kWarps>() + 1024) <= 228 * 1024, "split NVFP4 blocks");
-// K slices of NVFP4 dense launches: up to kSplitMax, as clusters of kSplitMax / kWarps blocks (one slice per warp,
-// the blocks' sums added over distributed shared memory, run_group).
-constexpr int kSplitMax = 32;
+// NVFP4 tiles with K split (dense launches of the stack held as stored; rows through L1): 2 blocks per SM, so the
+// launch bounds leave the L1 rows' prefetch its registers (128), as the BF16 instances'. (Not measured yet.)
+constexpr int kSplitBlocksPerSm = 2;
+static_assert(kSplitBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "split NVFP4 blocks");
 constexpr int kWideBlocksPerSm = 2;
 static_assert(kWideBlocksPerSm * (block_smem<kRing, false, kWarps, true>() + 1024) <= 228 * 1024, "wide NVFP4 blocks");
 
@@ -151,10 +143,9 @@ struct GemmParams {
   __nv_bfloat16* out;
   int hidden;
   const int* pad_rows;       // null: dense rows (below)
-  int split_k;               // dense launches: K cut into split_k slices (1, 2, 4 ... kSplitMax), one warp each, so a
-                             // block of W warps takes W / split_k feature groups (run_group), or past W slices one
-                             // group takes a cluster of split_k / W blocks; 0: expert launches (a warp per group)
-  int cluster = 1;           // dense NVFP4 launches: blocks per feature group (split_k / W past W slices, else 1)
+  int split_k;               // dense launches: K cut into split_k slices (1, 2, 4 or 8), one warp each, so a block
+                             // of W warps takes W / split_k feature groups (run_group); 0: expert launches (a warp
+                             // per group)
   int n_groups;              // entries of `groups`, or weight passes of dense rows
   // Dense rows (the replicated stack's linears and SwiGLU MLPs, ops.linear / swiglu_dense): one weight slot,
   // rows 0..dense_rows-1 in order, so no pad_rows and no groups; pass y covers row tiles 4y..4y+3.
@@ -636,13 +627,10 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
 
 // One weight pass of one feature group: the mainloop, then the epilogue.
 // kSplit (dense launches: one weight matrix has too few feature groups to fill the GPU, 16 for a 4096-wide
-// output): K is cut into P = p.split_k slices, slice j the k-tiles [j nk / P, (j + 1) nk / P) in the ascending order
-// of the mainloop from 0. Up to W slices, the block's W warps take W / P feature groups, P consecutive warps each,
-// and the group's first warp adds the others' partial sums in slice order (fp32), then runs the epilogue. Past W
-// slices (NVFP4: clusters), a group takes C = P / W blocks of one cluster, block rank r the slices rW .. rW + W - 1:
-// each block sums its W slices in order as above, then rank 0's first warp adds the other blocks' sums in rank order
-// over distributed shared memory, ((s0 + .. + s7) + (s8 + .. + s15)) + ..., and runs the epilogue. The split depends
-// on the launch's shape alone (dense_split), so a row's bits still do not depend on the other rows.
+// output): K is cut into P = p.split_k slices and the block's W warps take W / P feature groups, P consecutive warps
+// each, slice j = warp % P the k-tiles [j nk / P, (j + 1) nk / P), in the ascending order of the mainloop from 0;
+// then the group's first warp adds the others' partial sums in slice order (fp32) and runs the epilogue. The split
+// depends on the launch's shape alone (launch_bf16_linear), so a row's bits still do not depend on the other rows.
 // A warp whose group is past the last (`active` false) still meets the block's barriers and stores nothing.
 template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
@@ -659,9 +647,7 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
     mainloop<RT, S, L, kBf16, !kSwiglu && !kBf16, false, kWide>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk,
                                                                   rr);
   } else {
-    const int P = p.split_k, Pb = P < W ? P : W;  // slices in all, in this block
-    const int rank = p.cluster > 1 ? int((p.pass_major ? blockIdx.y : blockIdx.x) % unsigned(p.cluster)) : 0;
-    const int slice = rank * W + warp % Pb;
+    const int P = p.split_k, slice = warp % P;
     const int kt0 = slice * p.nk / P, kt1 = (slice + 1) * p.nk / P;
     mainloop<RT, S, L, kBf16, false, !kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, active ? kt1 - kt0 : 0,
                                             rr);
@@ -670,56 +656,24 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
     dev::cp_async_wait<0>();
     __syncthreads();  // every ring drained: its shared memory now holds the partial sums
     float* part = reinterpret_cast<float*>(smem) + lane;
-    auto at = [&](int w, int i, int rt, int c) { return ((w * kFT + i) * RT * 4 + rt * 4 + c) * 32; };
-    const bool lead = warp % Pb == 0;  // the group's first warp in this block
-    if (!lead) {
+    if (slice > 0) {
 #pragma unroll
       for (int i = 0; i < kFT; ++i)
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) part[at(warp, i, rt, c)] = acc[i][rt][c];
+          for (int c = 0; c < 4; ++c) part[((warp * kFT + i) * RT * 4 + rt * 4 + c) * 32] = acc[i][rt][c];
     }
     __syncthreads();
-    if (lead && active) {
-      for (int w = warp + 1; w < warp + Pb; ++w)
+    if (slice != 0 || !active) return;
+    for (int w = warp + 1; w < warp + P; ++w)
 #pragma unroll
-        for (int i = 0; i < kFT; ++i)
+      for (int i = 0; i < kFT; ++i)
 #pragma unroll
-          for (int rt = 0; rt < RT; ++rt)
+        for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][rt][c] = __fadd_rn(acc[i][rt][c], part[at(w, i, rt, c)]);
-    }
-    if constexpr (!kBf16) {
-      if (p.cluster > 1) {  // one group per cluster (its warp 0 leads each block): the blocks' sums in rank order
-        namespace cg = cooperative_groups;
-        cg::cluster_group cluster = cg::this_cluster();
-        __syncthreads();  // the lead has read the block's partials: warp 0's own slot is free
-        if (rank > 0 && warp == 0) {
-#pragma unroll
-          for (int i = 0; i < kFT; ++i)
-#pragma unroll
-            for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-              for (int c = 0; c < 4; ++c) part[at(0, i, rt, c)] = acc[i][rt][c];
-        }
-        cluster.sync();  // every block's sum is in its shared memory (release / acquire across the cluster)
-        if (rank == 0 && warp == 0) {
-          for (int r = 1; r < p.cluster; ++r) {
-            const float* remote = cluster.map_shared_rank(part, r);
-#pragma unroll
-            for (int i = 0; i < kFT; ++i)
-#pragma unroll
-              for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[i][rt][c] = __fadd_rn(acc[i][rt][c], remote[at(0, i, rt, c)]);
-          }
-        }
-        cluster.sync();  // rank 0 has read them: no block leaves while its shared memory may still be read
-        if (rank > 0) return;
-      }
-    }
-    if (!lead || !active) return;
+          for (int c = 0; c < 4; ++c)
+            acc[i][rt][c] = __fadd_rn(acc[i][rt][c], part[((w * kFT + i) * RT * 4 + rt * 4 + c) * 32]);
   }
   if constexpr (kSwiglu) {
     epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
@@ -732,25 +686,14 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   }
 }
 
-// kMaxRT: the most row tiles a pass of the instance has (the one-tile instance of dense NVFP4 launches compiles only
-// that path, within its smaller register bound).
-template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide = false, int kMaxRT = kMaxRowTiles>
+template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide = false>
 __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg, char* smem, int warp, int lane,
                                          const RowsRing& rr, bool active = true) {
   switch (grp.z) {
     case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
-    case 2:
-      if constexpr (kMaxRT >= 2)
-        run_group<2, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active);
-      break;
-    case 3:
-      if constexpr (kMaxRT >= 3)
-        run_group<3, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active);
-      break;
-    case 4:
-      if constexpr (kMaxRT >= 4)
-        run_group<4, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active);
-      break;
+    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -759,10 +702,8 @@ __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, i
 // y, so a block's warps share the pass's rows in L1 (dense launches: block x takes feature group x, its warps
 // split K; with several passes the grid is pass-major). Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was slower on the H200.)
-// kSplitK: the NVFP4 instances of dense launches with K split (the stack held as stored), its rows through L1; past W
-// slices, a cluster of p.cluster consecutive blocks (along the grid's feature-group dimension) per feature group.
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false,
-          int kMaxRT = kMaxRowTiles>
+// kSplitK: the NVFP4 instance of dense launches with K split (the stack held as stored), its rows through L1.
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false>
 __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   // gate/up: the down kernel (launched as its programmatic dependent) may take SM slots this grid's last
@@ -774,8 +715,7 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   // feature groups, split_k consecutive warps each. (The NVFP4 ring instances keep the expression they were tuned
   // with.)
   int fg;
-  if constexpr (kSplitK) fg = p.split_k > W ? fblock / p.cluster : fblock * (W / p.split_k) + warp / p.split_k;
-  else if constexpr (kBf16) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
+  if constexpr (kBf16 || kSplitK) fg = p.split_k ? fblock * (W / p.split_k) + warp / p.split_k : fblock * W + warp;
   else fg = p.split_k ? fblock : fblock * W + warp;
   RowsRing rr{};
   if constexpr (!kBf16 && !kSplitK) {  // NVFP4: the block's rows ring (expert launches)
@@ -804,12 +744,11 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   }
   if constexpr (kBf16 || kSplitK) {  // dense launches (the NVFP4 ring instances stay as they were)
     if (p.split_k) {
-      run_pass<kSwiglu, S, L, kBf16, W, true, false, kMaxRT>(p, grp, fg, smem, warp, lane, rr, fg < p.n_fgroups);
+      run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane, rr, fg < p.n_fgroups);
       return;
     }
   }
-  if constexpr (!kSplitK)  // (dense NVFP4 launches always split K: dense_split_nvfp4 >= 1)
-    run_pass<kSwiglu, S, L, kBf16, W, false, kWide>(p, grp, fg, smem, warp, lane, rr);
+  run_pass<kSwiglu, S, L, kBf16, W, false, kWide>(p, grp, fg, smem, warp, lane, rr);
 }
 
 // One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.
@@ -915,50 +854,24 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
 
 // pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up; a dense GEMM:
 // its prep launch), so its blocks can start while that kernel's last wave runs (the wait is in mainloop).
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false,
-          int kMaxRT = kMaxRowTiles>
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
-  constexpr int bytes = kSplitK ? split_smem<S, W>() : block_smem<S, kBf16, W, kWide>();
-  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK, kWide, kMaxRT>;
+  constexpr int bytes = block_smem<S, kBf16, W, kWide>();
+  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK, kWide>;
   set_smem_attr(kernel, bytes, done);
-  cudaLaunchConfig_t cfg{};
-  ROCKET_CHECK(p.split_k <= W ? p.cluster == 1 : (kSplitK && p.cluster * W == p.split_k && p.cluster <= 8),
-               "split " << p.split_k << " over " << p.cluster << " blocks of " << W << " warps");
-  // feature groups per block; past W slices, p.cluster blocks per group
-  const int per_block = p.split_k ? (p.split_k > W ? 1 : W / p.split_k) : W;
-  const unsigned fblocks = (p.n_fgroups + per_block - 1) / per_block * unsigned(p.cluster);
+  const int per_block = p.split_k ? W / p.split_k : W;  // feature groups per block
+  const unsigned fblocks = (p.n_fgroups + per_block - 1) / per_block;
   ROCKET_CHECK((p.pass_major ? fblocks : unsigned(p.n_groups)) <= 65535u, "grid of " << fblocks << " x "
                << p.n_groups << " blocks");
-  cfg.gridDim = p.pass_major ? dim3(p.n_groups, fblocks) : dim3(fblocks, p.n_groups);
-  cfg.blockDim = dim3(W * 32);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int n_attr = 0;
-  if (pdl) {
-    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n_attr++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (p.cluster > 1) {  // a feature group's blocks: consecutive along the grid's feature-group dimension
-    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attr].val.clusterDim.x = p.pass_major ? 1 : p.cluster;
-    attr[n_attr].val.clusterDim.y = p.pass_major ? p.cluster : 1;
-    attr[n_attr++].val.clusterDim.z = 1;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n_attr;
-  ROCKET_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel(kernel, p.pass_major ? dim3(p.n_groups, fblocks) : dim3(fblocks, p.n_groups), dim3(W * 32), bytes, pdl,
+                stream, p);
 }
 
 template <bool kSwiglu>
 void launch_gemm(const GemmParams& p, bool bf16, bool pdl, bool wide, cudaStream_t stream) {
   if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, pdl, stream);
-  else if (p.split_k && p.n_tiles == 1)  // one row tile (decode steps): the 4-blocks-per-SM instance
-    launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kSplit1BlocksPerSm, false, kWarps, true, false, 1>(p, pdl,
-                                                                                                         stream);
-  else if (p.split_k)
-    launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kSplitBlocksPerSm, false, kWarps, true>(p, pdl, stream);
+  else if (p.split_k) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kSplitBlocksPerSm, false, kWarps, true>(p, pdl, stream);
   else if (wide) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kWideBlocksPerSm, false, kWarps, false, true>(p, pdl, stream);
   else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, pdl, stream);
 }
@@ -984,29 +897,13 @@ int pdl_for(int pdl, int64_t rows) {
 // sums, so the rule depends on no GPU property (the same bits on every rank whatever its GPU), and an explicit split
 // must be the same on every rank; a row's bits still depend on no other row.
 constexpr int kSplit4Groups = 256;
-// NVFP4 tiles (kSplitK instances): up to kSplitMax slices; 0: the fewest slices (a power of 2) that give the launch
-// kSplitWarps warps, at most kSplitMax and at least 2 k-tiles per slice. A decode step's stack launches then fill the
-// GPU's SMs with warps (4224 warp slots on an H200 at 4 blocks of 8 warps per SM; the rule itself depends on no GPU
-// property, so every rank computes the same bits whatever its GPU).
-constexpr int kSplitWarps = 4096;
-void check_split(int split, int most) {
-  ROCKET_CHECK(split == 0 || (split > 0 && split <= most && (split & (split - 1)) == 0), "split " << split
-               << ": expected 0 (by the launch's shape) or a power of 2 up to " << most);
+void check_split(int split) {
+  ROCKET_CHECK(split == 0 || (split > 0 && split <= kBf16Warps && kBf16Warps % split == 0), "split " << split
+               << ": expected 0 (by the output's width), 1, 2, 4 or 8");
 }
 int dense_split(int split, int n_fgroups) {
   if (split != 0) return split;
   return n_fgroups >= kSplit4Groups ? 4 : kBf16Warps;
-}
-int dense_split_nvfp4(int split, int n_fgroups, int nk) {
-  if (split != 0) return split;
-  int P = 1;
-  while (P < kSplitMax && int64_t(n_fgroups) * P < kSplitWarps && 4 * P <= nk) P *= 2;
-  return P;
-}
-// A dense launch's K slices and the blocks per feature group they take (GemmParams split_k, cluster).
-void set_split(GemmParams& p, int split, bool bf16) {
-  p.split_k = bf16 ? dense_split(split, p.n_fgroups) : dense_split_nvfp4(split, p.n_fgroups, p.nk);
-  p.cluster = p.split_k > kWarps ? p.split_k / kWarps : 1;
 }
 
 void check_wide(int wide) {
@@ -1030,9 +927,7 @@ void pass_params(GemmParams& p, const ExpertsLaunch& a) {
   p.dense_rows = a.dense_rows;
   p.n_tiles = a.n_tiles;
   p.pass_major = a.pad_rows == nullptr && p.n_groups > 1;
-  p.cluster = 1;
-  if (a.pad_rows == nullptr) set_split(p, a.split, a.bf16 != 0);
-  else p.split_k = 0;
+  p.split_k = a.pad_rows == nullptr ? dense_split(a.split, p.n_fgroups) : 0;
   p.n_segs = 1;
 }
 
@@ -1047,13 +942,13 @@ bool rows_direct(const void* x, int64_t rows, int k) {
 
 void check_launch_tuning(int pdl, int split, int wide) {
   check_pdl(pdl);
-  check_split(split, kSplitMax);
+  check_split(split);
   check_wide(wide);
 }
 
 void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   check_pdl(a.pdl);
-  check_split(a.split, a.bf16 ? kBf16Warps : kSplitMax);
+  check_split(a.split);
   check_wide(a.wide);
   ROCKET_CHECK(a.split == 0 || a.pad_rows == nullptr, "split " << a.split << ": dense rows only (expert launches: 0)");
   ROCKET_CHECK(a.hidden % 16 == 0 && a.inter % 16 == 0, "hidden " << a.hidden << ", inter " << a.inter
@@ -1146,7 +1041,7 @@ namespace {
 // NVFP4 tiles (rows through a prep launch, each part's weight_scale_2 in the epilogue's multiplier); K split by
 // the output's width either way (dense_split).
 void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
-  check_split(a.split, nvfp4 ? kSplitMax : kBf16Warps);
+  check_split(a.split);
   ROCKET_CHECK(a.k % 16 == 0 && a.k_pad % kTileK == 0 && a.k_pad >= a.k && a.n % 16 == 0 &&
                a.n_pad % (kFT * kTileN) == 0 && a.n_pad >= a.n, "linear [" << a.n << ", " << a.k << "] padded to ["
                << a.n_pad << ", " << a.k_pad << "]");
@@ -1184,7 +1079,7 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   p.n_tiles = n_tiles;
   p.n_groups = (n_tiles + kMaxRowTiles - 1) / kMaxRowTiles;
   p.pass_major = p.n_groups > 1;
-  set_split(p, a.split, !nvfp4);
+  p.split_k = dense_split(a.split, p.n_fgroups);
   p.n_segs = a.n_segs;
   for (int s = 0; s < a.n_segs; ++s) {
     p.seg_end[s] = a.seg_end[s];

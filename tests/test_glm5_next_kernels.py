@@ -101,19 +101,28 @@ def _kda_case(heads, dk, hidden, streams, seed, lower_bound):
 
 @pytest.mark.parametrize("heads", [16, 2])
 def test_kda_packed_launches_cpu(heads):
-    """pack_kda: beta's projection b joins the q/k/v | f_a | g_a launch where it is whole tiles of 16 (16 heads; 2
-    heads keep it apart); either way the packed layer gives the unpacked one's bits, decode tokens and a prefill."""
+    """pack_kda with q/k/v, f_a, g_a and b held as stored (NVFP4): beta's projection b joins the f_a | g_a launch where
+    it is whole tiles of 16 (16 heads; 2 heads keep it apart, in F.linear); either way the packed layer gives the bits
+    of the unpacked one (the dequantised weights), for decode tokens and a prefill."""
     from dataclasses import replace
     from rocket_mpi.model.glm5_next_kda import kda_forward, pack_kda
+    from rocket_mpi.ops import nvfp4
     a, args, conv, rec = _kda_case(heads, 16, 64, 3, seed=heads, lower_bound=-5.0)
-    packed = replace(a, packed=pack_kda(replace(a), "cpu"))
-    parts = sum(len(p.ends) for p in packed.packed["h"])
-    assert parts == (4 if heads == 16 else 3) and packed.packed["b"] is None  # 2 heads: F.linear (not whole tiles)
+    d = heads * 16
+    parts = {n: nvfp4.quantize(w.float()) for n, w in (("q", a.qkv[:d]), ("k", a.qkv[d:2 * d]), ("v", a.qkv[2 * d:]),
+                                                        ("f_a", a.f_a), ("g_a", a.g_a), ("b", a.b))}
+    dq = {n: nvfp4.dequantize(*p, dtype=torch.bfloat16) for n, p in parts.items()}
+    dense = replace(a, qkv=torch.cat([dq["q"], dq["k"], dq["v"]]), f_a=dq["f_a"], g_a=dq["g_a"], b=dq["b"])
+    stored = {"qkv": [parts["q"], parts["k"], parts["v"]], **{n: parts[n] for n in ("f_a", "g_a", "b")}}
+    held = replace(dense, stored=stored)
+    packed = replace(held, packed=pack_kda(replace(held), "cpu"))
+    n_parts = sum(len(p.ends) for p in packed.packed["h"])
+    assert n_parts == (6 if heads == 16 else 5) and packed.packed["b"] is None  # 2 heads: not whole tiles
     gen = torch.Generator().manual_seed(heads)
     for idx, segments, t in ((torch.tensor([2, 0]), [], 2), (None, [(1, 0, 5)], 5)):
         h = torch.randn(t, 64, generator=gen).bfloat16()
         outs = []
-        for layer in (a, packed):
+        for layer in (dense, packed):
             c, r = conv.clone(), rec.clone()
             outs.append((kda_forward(layer, h, c, r, segments, args, idx=idx), c, r))
         assert all(torch.equal(x, y) for x, y in zip(*outs)), (heads, t)

@@ -89,16 +89,17 @@ def kda_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch
 def pack_kda(a: KDA, device) -> dict:
     """KDA's linears in the kernel's tiles (KDA.packed): BF16, or NVFP4 held as stored, whose dense copies are
     released where the device holds the packed ones alone. q | k | v held as stored are three parts of one launch
-    (each its own weight_scale_2) and f_a | g_a | b (all three over the normed input) a second, where the BF16
-    weights take one launch for all six."""
+    (each its own weight_scale_2) and f_a | g_a | b (all three over the normed input; b where it is whole tiles) a
+    second; BF16 weights take one launch for q|k|v | f_a | g_a and one for b (a launch writes at most three parts)."""
     st = a.stored
-    n_b, k_b = ops.weight_shape(held(a, "b")[0])
-    gates = ["f_a", "g_a", "b"] if n_b % TILE_N == 0 and k_b % TILE_N == 0 else ["f_a", "g_a"]  # b where it tiles
     if "qkv" in st:
+        n_b, k_b = ops.weight_shape(held(a, "b")[0])
+        gates = ["f_a", "g_a", "b"] if n_b % TILE_N == 0 and k_b % TILE_N == 0 else ["f_a", "g_a"]
         qkv, low = pack_linears(st["qkv"], device=device), pack_linears(held(a, *gates), device=device)
         h = None if qkv is None or low is None else qkv + low
     else:
-        h = pack_linears([a.qkv, *(getattr(a, n) for n in gates)], device=device)
+        gates = ["f_a", "g_a"]
+        h = pack_linears([a.qkv, a.f_a, a.g_a], device=device)
     in_h = ["qkv", *gates] if h is not None else []
     P = {"h": h, **{n: None if n in in_h else pack_linears(held(a, n), device=device)
                     for n in ("b", "f_b", "g_b", "o")}}
@@ -121,7 +122,7 @@ def kda_forward(a: KDA, h: torch.Tensor, conv_state: torch.Tensor, rec_state: to
     P = a.packed or {}
     stored = P.get("h") is not None and "qkv" in a.stored  # q, k, v held as stored: three parts, then concatenated
     qkv = (a.qkv.chunk(3) if a.qkv is not None else (None,) * 3) if stored else [a.qkv]  # None: released
-    # b joins the launch where it is whole tiles (pack_kda): then the launch has one part more than q/k/v and f_a, g_a
+    # held as stored, b joins the gates' launch where it is whole tiles (pack_kda): then h has a part more
     with_b = P.get("h") is not None and sum(len(p.ends) for p in P["h"]) == len(qkv) + 3
     outs = linears(h, [*qkv, a.f_a, a.g_a, *([a.b] if with_b else [])], packs=P.get("h"))
     mixed = torch.cat(outs[:3], dim=-1) if stored else outs[0]   # [T, 3D] pre-conv

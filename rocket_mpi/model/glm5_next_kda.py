@@ -44,8 +44,8 @@ class KDA:
     o_norm: torch.Tensor        # [dk] fp32 (BF16 values)
     o: torch.Tensor             # [H, D]
     # Glm5NextModel.pack_stack: copies in the expert kernel's tiles (layers.pack_linears; None where a shape does not
-    # fit): "h" qkv | f_a | g_a | b (one launch over the normed input; held as stored: q | k | v, then f_a | g_a | b),
-    # "b" (where "h" is None), "f_b", "g_b", "o"
+    # fit): "h" qkv | f_a | g_a (one launch over the normed input; held as stored: q | k | v, then f_a | g_a | b, b
+    # where it is whole tiles), "b" (where not in "h"), "f_b", "g_b", "o"
     packed: dict | None = None
     stored: dict = field(default_factory=dict)  # NVFP4 parts (layers: held as stored): "qkv" [q, k, v], f_a, f_b, ...
 

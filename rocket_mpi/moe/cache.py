@@ -41,7 +41,8 @@ GIB = 2 ** 30
 def warm_upkeep(done: int, every: int) -> bool:
     """The fixed-shape path's extra upkeeps while the cache is cold: after 1, 2, 4, ... decode steps, below `every`
     (its upkeep interval). With an upkeep every 8 steps alone, the first 48 steps of a cold start hit 84-90 % of expert
-    reads on recorded traces; with these, 93-96 % (benchmarks/bench_cache.py --warm, docs/PERFORMANCE.md)."""
+    reads on recorded traces; with these, 93-96 % (benchmarks/bench_cache.py --first 48, against --cold-upkeeps;
+    docs/PERFORMANCE.md)."""
     return 0 < done < every and done & (done - 1) == 0
 
 

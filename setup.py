@@ -46,6 +46,8 @@ def cuda_extension():
         note(f"nvcc not found (no CUDA_HOME) for torch {torch.__version__}: {skipped}; {HOW}")
         return [], {}
     archs = [a for a in os.environ.get("ROCKET_CUDA_ARCHS", "90;121").replace(",", ";").split(";") if a]
+    # sm_90 as sm_90a: the NVFP4 expert kernel's warpgroup-mma instance needs it (the cubin runs on sm_90 GPUs only)
+    archs = ["90a" if a == "90" else a for a in archs]
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     # No --use_fast_math: the kernels round exactly like the torch references (no ftz, IEEE div/exp).
     nvcc = ["-O3", *gencode]  # the C++ standard is torch's choice (17 or 20; csrc needs 17)

@@ -27,7 +27,8 @@ either side is reported by side), then one table: rows/expert, ours us (median, 
 kernels, plan and row_index already on the device), ours GB/s (packed weight bytes / time), % of copy BW,
 grouped_mm us (including its x[tokens] gather, as ExpertStore's torch path gathers too), speed-up;
 plus the whole engine call with its host plan and upload ("op us"), and each of the NVFP4 kernel's two instances
-forced (narrow: 3 blocks per SM; wide: 2, for 17-32 rows of one expert; "auto" picks by the launch, rocket.h kWide*;
+forced (narrow: 3 blocks per SM; wide: 2, for 17-32 rows of one expert; wgmma: the wide shape on warpgroup mma, on
+sm_90 GPUs; "auto" picks by the launch, rocket.h kWide*;
 their outputs are checked bitwise against auto's); then a second table for BF16 weights:
 ours (BF16 tiles) us, GB/s of its bf16 bytes, % of copy BW, grouped_mm us, speed-up. Copy BW is a torch
 device-to-device copy of a few GB, counting read + write. torch's grouped GEMM is the baseline only: the
@@ -50,6 +51,7 @@ from rocket_mpi.ops.rows import plan_rows
 
 HIDDEN, INTER, LIMIT = 4096, 2048, 10.0
 TARGET_PCT, TARGET_SPEEDUP, TARGET_MAX_ROWS = 85.0, 4.0, 32
+INSTANCES = {0: "narrow", 1: "wide", 2: "wgmma"}  # the `wide` values forced beside auto
 
 
 def median_us(fn, reps: int, warmup: int = 3) -> float:
@@ -273,6 +275,8 @@ def main():
     print(f"device: {prop.name}, {prop.multi_processor_count} SMs, {prop.total_memory / 2**30:.0f} GiB; "
           f"torch {torch.__version__} (CUDA {torch.version.cuda})")
     copy_bw = copy_bandwidth(int(args.copy_gb * 2**30), args.reps)
+    # the kernel instances forced beside auto (rocket.h kWide*): the warpgroup-mma one runs on sm_90 only
+    instances = (0, 1, 2) if torch.cuda.get_device_capability(0) == (9, 0) else (0, 1)
     p = random_experts(args.experts, seed=0)
     wbytes = p.nbytes
     roof_us = wbytes / (copy_bw * 1e9) * 1e6
@@ -327,7 +331,7 @@ def main():
         t_ours = median_us(functools.partial(ops.nvfp4_experts_planned, *launch, pdl=args.pdl), args.reps)
         # both kernel instances (rocket.h kWide*): the same bits, each one's time
         t_inst = []
-        for wide in (0, 1):
+        for wide in instances:
             w = ops.nvfp4_experts_planned(*launch, pdl=args.pdl, wide=wide)
             if not torch.equal(w.view(torch.int16), a_bits):
                 print(f"rows/expert {rows}: wide={wide} and the auto instance DIFFER bitwise")
@@ -348,7 +352,7 @@ def main():
 
     print()
     print(f"| rows/expert | ours us | ours GB/s | % of copy BW | {base_name if rows_list else 'bf16'} us | speed-up | "
-          "op us | rel err | narrow us (%) | wide us (%) |")
+          "op us | rel err | " + " | ".join(f"{INSTANCES[w]} us (%)" for w in instances) + " |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows, t_ours, t_op, t_base, err, _, _, t_inst in results:
         gbs = wbytes / (t_ours * 1e-6) / 1e9

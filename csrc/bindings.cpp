@@ -184,7 +184,7 @@ void launch_experts(const torch::Tensor& x, const int64_t* row_index, const int*
 
 // Returns {out, x_frag, h_frag}: the scratch fragments are kept for the tests' stage-by-stage checks. pdl: how down
 // follows gate/up (rocket.h kPdl*: -1 auto, 0 off, 3 each pass of down waits for its own pass of gate/up); wide: the
-// kernel instance (rocket.h kWide*: -1 auto, 0 off, 1 on). Neither ever changes the bits.
+// kernel instance (rocket.h kWide*: -1 auto, 0 off, 1 on, 2 warpgroup mma). Neither ever changes the bits.
 std::vector<torch::Tensor> nvfp4_experts_stages(const torch::Tensor& x, const std::optional<torch::Tensor>& row_index,
                                                 const torch::Tensor& plan, int64_t n_tiles, int64_t n_groups,
                                                 int64_t n_rows, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
@@ -1141,7 +1141,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kc, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rocket_mpi CUDA kernels (csrc/): NVFP4 routed experts, moe_scatter_add";
   m.def("nvfp4_experts", &nvfp4_experts, "NVFP4 routed experts of one rank (batch-invariant); pdl: -1 auto, 0 off, "
-        "3 down waits for each pass of gate/up; wide: -1 auto, 0 off, 1 on (neither changes the bits)", py::arg("x"),
+        "3 down waits for each pass of gate/up; wide: -1 auto, 0 off, 1 on, 2 warpgroup mma (sm_90; neither changes "
+        "the bits)", py::arg("x"),
         py::arg("row_index"), py::arg("plan"), py::arg("n_tiles"), py::arg("n_groups"), py::arg("n_rows"),
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("hidden"),
         py::arg("inter"), py::arg("swiglu_limit"), py::arg("pdl") = rocket::kPdlAuto, py::arg("far") = py::none(),

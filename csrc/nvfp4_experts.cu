@@ -46,6 +46,12 @@
 // pass) come through one block-wide shared-memory ring in the NVFP4 instances, filled by bulk copies of one
 // thread (RowsRing, mbarriers: the block's one synchronisation), and through L1 in the BF16 instances (the ring
 // reaches more of the copy bandwidth than every warp loading the rows through L1).
+//
+// Instances of the NVFP4 expert launches (rocket.h kWide*): 3 blocks of 8 warps per SM for passes of up to 16 rows
+// (decode), 2 blocks per SM for passes of more (prefill chunks); on sm_90 GPUs those take warpgroup mma
+// (mainloop_wg): the same decoded A fragments, the rows read by the tensor cores from the rows ring as core matrices,
+// so prep and gate/up lay the rows out for it (prep_rows_kernel, epilogue_swiglu with wg). Its sums are mma.sync's,
+// bit for bit.
 #include <utility>
 
 #include "common.cuh"
@@ -217,6 +223,70 @@ __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&f
   }
 }
 
+// This lane's weights of feature group fg's kFT tiles from k-tile kt0: the slot's copy in device memory, or (an
+// expert-cache miss) in mapped host memory.
+template <bool kBf16>
+__device__ __forceinline__ void weight_ptrs(const GemmParams& p, int slot, int fg, int kt0, int lane,
+                                            const uint8_t* (&qp)[kFT], const uint8_t* (&sp)[kFT]) {
+  constexpr int kTileBytes = kBf16 ? kBf16TileBytes : kTileCodeBytes;  // weight bytes of a tile per k-tile
+  const int64_t q_tile = int64_t(p.nk) * kTileBytes, s_tile = int64_t(p.nk) * kTileScaleBytes;
+  const bool far = p.q_far != nullptr && slot >= p.near;
+  const uint8_t* qb = far ? p.q_far : p.q;
+  const uint8_t* sb = far ? p.s_far : p.s;
+  const int64_t ws = far ? slot - p.near : slot;
+#pragma unroll
+  for (int i = 0; i < kFT; ++i) {
+    qp[i] = qb + ws * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + int64_t(kt0) * kTileBytes + lane * 16;
+    sp[i] = kBf16 ? nullptr : sb + ws * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile +
+                              int64_t(kt0) * kTileScaleBytes + (lane >> 2) * 8;
+  }
+}
+
+// Copy the k-tile `u` past the one qp / sp point at into the warp's weight ring slot st_in (u: a constant where
+// unrolled). Each lane copies only what it reads itself.
+template <bool kBf16>
+__device__ __forceinline__ void issue_weights(char* s_codes, char* s_scales, const uint8_t* const (&qp)[kFT],
+                                              const uint8_t* const (&sp)[kFT], int st_in, int u) {
+  constexpr int kStage = kBf16 ? kBf16StageBytes : kStageBytes;
+  constexpr int kTileBytes = kBf16 ? kBf16TileBytes : kTileCodeBytes;
+#pragma unroll
+  for (int i = 0; i < kFT; ++i) {
+    if constexpr (kBf16) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        dev::cp_async_16(s_codes + st_in * kStage + i * kTileBytes + j * 512, qp[i] + u * kTileBytes + j * 512);
+    } else {
+      dev::cp_async_16(s_codes + st_in * kStage + i * 512, qp[i] + u * kTileBytes);
+      dev::cp_async_8(s_scales + st_in * kStage + i * 256, sp[i] + u * kTileScaleBytes);
+    }
+  }
+}
+
+// n k-tiles issued: move the weight pointers on.
+template <bool kBf16>
+__device__ __forceinline__ void advance_weights(const uint8_t* (&qp)[kFT], const uint8_t* (&sp)[kFT], int n) {
+  constexpr int kTileBytes = kBf16 ? kBf16TileBytes : kTileCodeBytes;
+#pragma unroll
+  for (int i = 0; i < kFT; ++i) {
+    qp[i] += n * kTileBytes;
+    if constexpr (!kBf16) sp[i] += n * kTileScaleBytes;
+  }
+}
+
+// The rows ring's producer (thread 0): fill stage g % kRowsRing with group g (G k-tiles of nk, RT row tiles from src,
+// kTileStride apart in the stage) once every warp of the block has released its previous use.
+template <int RT, int G, int kStage, int kTileStride>
+__device__ __forceinline__ void rows_issue(const RowsRing& rr, const uint4* const (&src)[RT], int g, int nk) {
+  const int st = g % kRowsRing, use = g / kRowsRing;
+  if (use > 0) dev::mbar_wait(&rr.empty[st], (use - 1) & 1);
+  const int n = min(G, nk - g * G);
+  dev::mbar_arrive_expect_tx(&rr.full[st], RT * n * kRowsTileBytes);
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+    dev::bulk_copy_g2s(rr.data + st * kStage + rt * kTileStride, src[rt] + int64_t(g) * G * 2 * 32, n * kRowsTileBytes,
+                       &rr.full[st]);
+}
+
 // The batch-invariant core: acc[i][rt] = W tile (fg * kFT + i) x rows of tile (tile0 + rt) over all K,
 // k-steps of 16 in ascending order, one mma per step into the same fp32 accumulator starting from 0.
 // Weights stream through the warp's cp.async ring, one commit group per k-tile. B fragments: NVFP4 from the
@@ -234,45 +304,16 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   constexpr int kStage = kBf16 ? kBf16StageBytes : kStageBytes;
   constexpr int kTileBytes = kBf16 ? kBf16TileBytes : kTileCodeBytes;  // weight bytes of a tile per k-tile
   const int nk_all = p.nk;
-  const int64_t q_tile = int64_t(nk_all) * kTileBytes, s_tile = int64_t(nk_all) * kTileScaleBytes;
   const uint8_t* qp[kFT];
   const uint8_t* sp[kFT];
-  const bool far = p.q_far != nullptr && slot >= p.near;  // an expert-cache miss: its weights in host memory
-  const uint8_t* qb = far ? p.q_far : p.q;
-  const uint8_t* sb = far ? p.s_far : p.s;
-  const int64_t ws = far ? slot - p.near : slot;
-#pragma unroll
-  for (int i = 0; i < kFT; ++i) {
-    qp[i] = qb + ws * p.q_slot_stride + (int64_t(fg) * kFT + i) * q_tile + int64_t(kt0) * kTileBytes + lane * 16;
-    sp[i] = kBf16 ? nullptr : sb + ws * p.s_slot_stride + (int64_t(fg) * kFT + i) * s_tile +
-                              int64_t(kt0) * kTileScaleBytes + (lane >> 2) * 8;
-  }
+  weight_ptrs<kBf16>(p, slot, fg, kt0, lane, qp, sp);
   // No L2 evict-first hint: with createpolicy + cp.async .L2::cache_hint, nvcc 13.0 emitted an LDGSTS
   // whose descriptor sat in an odd uniform register (desc[UR1]), an illegal instruction on H200.
   char* s_codes = smem_warp + lane * 16;
   char* s_scales = smem_warp + kStageCodes + lane * 8;
   static_assert(L >= 1 && L <= S - 1, "lookahead");
-  // Issue the k-tile `u` past the one qp / sp point at into ring slot st_in (u: a constant where unrolled).
-  auto issue = [&](int st_in, int u) {
-#pragma unroll
-    for (int i = 0; i < kFT; ++i) {
-      if constexpr (kBf16) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          dev::cp_async_16(s_codes + st_in * kStage + i * kTileBytes + j * 512, qp[i] + u * kTileBytes + j * 512);
-      } else {
-        dev::cp_async_16(s_codes + st_in * kStage + i * 512, qp[i] + u * kTileBytes);
-        dev::cp_async_8(s_scales + st_in * kStage + i * 256, sp[i] + u * kTileScaleBytes);
-      }
-    }
-  };
-  auto advance = [&](int n) {  // n k-tiles issued: move the weight pointers on
-#pragma unroll
-    for (int i = 0; i < kFT; ++i) {
-      qp[i] += n * kTileBytes;
-      if constexpr (!kBf16) sp[i] += n * kTileScaleBytes;
-    }
-  };
+  auto issue = [&](int st_in, int u) { issue_weights<kBf16>(s_codes, s_scales, qp, sp, st_in, u); };
+  auto advance = [&](int n) { advance_weights<kBf16>(qp, sp, n); };
   // L k-tiles in flight; slot (kt + L) % S is refilled S - L iterations after its read (each lane reads
   // only what it copied, and a read's registers are consumed within its iteration, so L = S - 1 is safe).
 #pragma unroll
@@ -401,16 +442,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     src[rt] = frag + (int64_t(tile0 + rt) * nk_all + kt0) * 2 * 32;
     sel[rt] = valid[rt] ? lane : (lane & 3);
   }
-  auto rows_issue = [&](int g) {  // producer only
-    const int st = g % kRowsRing, use = g / kRowsRing;
-    if (use > 0) dev::mbar_wait(&rr.empty[st], (use - 1) & 1);
-    const int n = min(G, nk - g * G);
-    dev::mbar_arrive_expect_tx(&rr.full[st], RT * n * kRowsTileBytes);
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-      dev::bulk_copy_g2s(rr.data + st * kRowsStage + rt * kRowTileStride, src[rt] + int64_t(g) * G * 2 * 32,
-                         n * kRowsTileBytes, &rr.full[st]);
-  };
+  auto rows_issue = [&](int g) { rocket::rows_issue<RT, G, kRowsStage, kRowTileStride>(rr, src, g, nk); };
   const char* rows = rr.data;
   auto rows_first = [&](int j) {  // k-tile j opens its group
     const int g = j / G;
@@ -527,6 +559,105 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   }
 }
 
+// The warpgroup-mma main loop (kWg: NVFP4 expert launches on sm_90a, launch_gemm). The same sums as mainloop's: each
+// k-step's decoded A fragment (this warp's 16 features of tile i, mma.sync's layout) is this warp's quarter of a
+// wgmma m64nNk16's A, and the pass's rows (N = 8 RT) are its B, which the tensor cores read from the block's rows ring
+// themselves. acc[i] takes the k-steps in ascending order from 0, one instruction each, and wgmma's sums equal
+// mma.sync's bit for bit (scripts/probe_wgmma.cu), so a row's bits do not depend on the instance its launch takes.
+// The rows are in the wgmma layout (prep_rows_kernel and epilogue_swiglu with wg): per row tile and k-tile 1 KiB of
+// 8 x 8 core matrices [k-block][row][8 k], so a stage is [row tile][k-tile of the group][k-block][row], a k-step's B
+// at k-block 2 jj (lbo 128 B on for its second 8 k, sbo a row tile on for the next 8 rows). A warpgroup (4 warps: 4
+// feature groups of the pass; launches whose feature groups are whole warpgroups, wg_ok) issues each instruction
+// together. Per k-step: decode into one of two register sets while the instructions of the step before run, one
+// commit group a step, at most one in flight; a rows stage is released once its last k-step's group is complete.
+template <int RT, int S, int L, bool kWaitPass>
+__device__ __forceinline__ void mainloop_wg(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
+                                            float (&acc)[kFT][RT][4], const RowsRing& rr) {
+#if ROCKET_WGMMA
+  const int nk = p.nk;
+  const uint8_t* qp[kFT];
+  const uint8_t* sp[kFT];
+  weight_ptrs<false>(p, slot, fg, 0, lane, qp, sp);
+  char* s_codes = smem_warp + lane * 16;
+  char* s_scales = smem_warp + kStageCodes + lane * 8;
+#pragma unroll
+  for (int kt = 0; kt < L; ++kt) {
+    if (kt < nk) issue_weights<false>(s_codes, s_scales, qp, sp, kt, kt);
+    dev::cp_async_commit();
+  }
+  advance_weights<false>(qp, sp, L < nk ? L : nk);
+  // as mainloop: the rows only after the previous grid (or this pass's gate/up warps) are done
+  if (!kWaitPass || p.ready_need == 0) dev::grid_dependency_wait();
+  else if (threadIdx.x == 0) dev::wait_count(p.ready + blockIdx.y, p.ready_need, kReadyTimeoutNs);
+  constexpr int G = kRowsGroup, kRowsStage = rows_stage<true>(), kRowTileStride = G * kRowsTileBytes;
+  static_assert(S == G && RT * kRowTileStride <= kRowsStage, "a group's rows fit a stage, a group per ring pass");
+  const bool producer = threadIdx.x == 0;
+  const int groups = (nk + G - 1) / G;
+  const uint4* src[RT];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) src[rt] = p.frag + int64_t(tile0 + rt) * nk * 2 * 32;
+  if (producer) rows_issue<RT, G, kRowsStage, kRowTileStride>(rr, src, 0, nk);
+  const uint32_t ring = dev::smem_addr(rr.data);
+  uint32_t a[2][kFT][4];
+  // k-tile j = u past where qp / sp point: weights in ring slot st, the k-tile L on (if `more`) into st_next;
+  // `first` / `last`: j opens / closes its rows group
+  auto step = [&](int u, int j, int st, int st_next, bool more, bool first, bool last) {
+    const int g = j / G;
+    if (first) {
+      if (producer && g + 1 < groups) rows_issue<RT, G, kRowsStage, kRowTileStride>(rr, src, g + 1, nk);
+      dev::mbar_wait(&rr.full[g % kRowsRing], (g / kRowsRing) & 1);
+    }
+    dev::cp_async_wait<L - 1>();
+    if (more) issue_weights<false>(s_codes, s_scales, qp, sp, st_next, u);
+    dev::cp_async_commit();
+    uint4 qv[kFT];
+    uint2 sv[kFT];
+#pragma unroll
+    for (int i = 0; i < kFT; ++i) {
+      qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
+      sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
+    }
+    const uint32_t rows = ring + (g % kRowsRing) * kRowsStage + (j % G) * kRowsTileBytes;
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+      for (int i = 0; i < kFT; ++i) {
+        const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
+                          : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
+        decode_a(word(qv[i], jj), sc, a[jj & 1][i]);
+      }
+      dev::wgmma_fence();
+      const uint64_t b = dev::wgmma_desc(rows + jj * 2 * 128, 128, kRowTileStride);
+#pragma unroll
+      for (int i = 0; i < kFT; ++i) dev::wgmma_bf16<RT>(acc[i], a[jj & 1][i], b);
+      dev::wgmma_commit();
+      dev::wgmma_wait<1>();  // the step before is complete: its register set may be decoded into
+    }
+    if (last) {  // the stage's last instructions complete, then this warp releases it
+      dev::wgmma_wait<0>();
+      __syncwarp();
+      if (lane == 0) dev::mbar_arrive(&rr.empty[g % kRowsRing]);
+    }
+  };
+  int kt = 0;
+  for (; kt + S + L <= nk; kt += S) {
+#pragma unroll
+    for (int u = 0; u < S; ++u) step(u, kt + u, u, (u + L) % S, true, u == 0, u == S - 1);
+    advance_weights<false>(qp, sp, S);
+  }
+  for (; kt < nk; ++kt) {
+    const bool more = kt + L < nk;
+    step(0, kt, kt % S, (kt + L) % S, more, kt % G == 0, kt % G == G - 1 || kt + 1 == nk);
+    if (more) advance_weights<false>(qp, sp, 1);
+  }
+  dev::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kFT; ++i) dev::wgmma_fence_acc<RT>(acc[i]);
+#else
+  __trap();  // the host launches kWg instances on sm_90 GPUs only (wg_device)
+#endif
+}
+
 // torch: gate, up = F.linear(x, W).chunk(2) (bf16); clamp; F.silu(gate) * up (bf16 each step).
 __device__ __forceinline__ uint32_t swiglu(float g_acc, float u_acc, float sg, float su, float limit, int has_limit) {
   float g = dev::round_bf16(__fmul_rn(g_acc, sg));
@@ -541,15 +672,15 @@ __device__ __forceinline__ uint32_t swiglu(float g_acc, float u_acc, float sg, f
 
 // Tile i of this warp holds gate (rows g) and up (rows g+8) of intermediate features 16 fg + 8 i + g:
 // together one k-step (fg) of the down projection. Lanes g, g^1 swap one value so each stores a
-// bf16 pair straight into the down kernel's B fragment.
-template <int RT>
+// bf16 pair straight into the down kernel's B fragment (kWg: into its core matrices, mainloop_wg).
+template <int RT, bool kWg>
 __device__ __forceinline__ void epilogue_swiglu(const GemmParams& p, int slot, int tile0, int fg, int lane,
                                                 const float (&acc)[kFT][RT][4]) {
   static_assert(kFT == 2, "two gate/up tiles make one 16-wide k-step of down");
   const int g = lane >> 2, t = lane & 3, odd = g & 1;
   const float sg = __fmul_rn(p.s2[2 * slot], p.w_mul);     // 2^8 undoes NVFP4's packed 2^-8, exactly
   const float su = __fmul_rn(p.s2[2 * slot + 1], p.w_mul);
-  const int dst_lane = (2 * t + odd) * 4 + (g >> 1);
+  const int dst_lane = (2 * t + odd) * 4 + (g >> 1);  // (fragment layout)
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
     uint32_t pair[kFT];
@@ -560,8 +691,16 @@ __device__ __forceinline__ void epilogue_swiglu(const GemmParams& p, int slot, i
       const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? h0 : h1, 4);
       pair[i] = odd ? (recv | (h1 << 16)) : (h0 | (recv << 16));
     }
-    uint32_t* dst = p.h_frag + ((int64_t(tile0 + rt) * p.h_pairs + (fg >> 1)) * 32 + dst_lane) * 4 + (fg & 1) * 2;
-    *reinterpret_cast<uint2*>(dst) = make_uint2(pair[0], pair[1]);
+    if constexpr (kWg) {
+      // pair i: row 2t + odd, down's k 16 fg + 8 i + (g & ~1) and the next: k-tile fg / 4, k-block (2 fg + i) % 8
+      char* dst = reinterpret_cast<char*>(p.h_frag) + (int64_t(tile0 + rt) * p.h_pairs + (fg >> 2) * 2) * 512 +
+                  (2 * t + odd) * 16 + (g & ~1) * 2;
+#pragma unroll
+      for (int i = 0; i < kFT; ++i) *reinterpret_cast<uint32_t*>(dst + ((2 * fg + i) & 7) * 128) = pair[i];
+    } else {
+      uint32_t* dst = p.h_frag + ((int64_t(tile0 + rt) * p.h_pairs + (fg >> 1)) * 32 + dst_lane) * 4 + (fg & 1) * 2;
+      *reinterpret_cast<uint2*>(dst) = make_uint2(pair[0], pair[1]);
+    }
   }
 }
 
@@ -632,7 +771,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
 // then the group's first warp adds the others' partial sums in slice order (fp32) and runs the epilogue. The split
 // depends on the launch's shape alone (launch_bf16_linear), so a row's bits still do not depend on the other rows.
 // A warp whose group is past the last (`active` false) still meets the block's barriers and stores nothing.
-template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide>
+template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide, bool kWg>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
                                           int lane, const RowsRing& rr, bool active = true) {
   float acc[kFT][RT][4];
@@ -643,7 +782,9 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][rt][c] = 0.0f;
   char* smem_warp = smem + warp * warp_smem<S, kBf16>();
-  if constexpr (!kSplit) {
+  if constexpr (kWg) {
+    mainloop_wg<RT, S, L, !kSwiglu>(p, grp.x, grp.y, fg, smem_warp, lane, acc, rr);
+  } else if constexpr (!kSplit) {
     mainloop<RT, S, L, kBf16, !kSwiglu && !kBf16, false, kWide>(p, grp.x, grp.y, fg, smem_warp, lane, acc, 0, p.nk,
                                                                   rr);
   } else {
@@ -676,7 +817,7 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
             acc[i][rt][c] = __fadd_rn(acc[i][rt][c], part[((w * kFT + i) * RT * 4 + rt * 4 + c) * 32]);
   }
   if constexpr (kSwiglu) {
-    epilogue_swiglu<RT>(p, grp.x, grp.y, fg, lane, acc);
+    epilogue_swiglu<RT, kWg>(p, grp.x, grp.y, fg, lane, acc);
     // per-pass readiness (expert launches: blockIdx.y is the pass): this warp's h_frag rows are stored
     if constexpr (!kBf16 && !kSplit) {
       if (p.ready != nullptr) dev::warp_release_add(p.ready + blockIdx.y, lane);
@@ -686,14 +827,14 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   }
 }
 
-template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide = false>
+template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide = false, bool kWg = false>
 __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg, char* smem, int warp, int lane,
                                          const RowsRing& rr, bool active = true) {
   switch (grp.z) {
-    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
-    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
-    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
-    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit, kWide>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 1: run_group<1, kSwiglu, S, L, kBf16, W, kSplit, kWide, kWg>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 2: run_group<2, kSwiglu, S, L, kBf16, W, kSplit, kWide, kWg>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 3: run_group<3, kSwiglu, S, L, kBf16, W, kSplit, kWide, kWg>(p, grp, fg, smem, warp, lane, rr, active); break;
+    case 4: run_group<4, kSwiglu, S, L, kBf16, W, kSplit, kWide, kWg>(p, grp, fg, smem, warp, lane, rr, active); break;
     default: break;  // tiles = 0: an unused entry of a fixed-capacity plan (moe_plan.cu)
   }
 }
@@ -703,8 +844,11 @@ __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, i
 // split K; with several passes the grid is pass-major). Which warp or block does the work never changes
 // what it computes. (A persistent grid dealing units out evenly was slower on the H200.)
 // kSplitK: the NVFP4 instance of dense launches with K split (the stack held as stored), its rows through L1.
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false>
+// kWg: the wide instance's shape with the warpgroup-mma main loop (mainloop_wg).
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false,
+          bool kWg = false>
 __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
+  static_assert(!kWg || (kWide && !kBf16 && !kSplitK && W % 4 == 0), "kWg: NVFP4 expert launches, whole warpgroups");
   extern __shared__ __align__(16) char smem[];
   // gate/up: the down kernel (launched as its programmatic dependent) may take SM slots this grid's last
   // wave leaves free, and start its weight copies there, once every block of this grid has started.
@@ -748,13 +892,14 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
       return;
     }
   }
-  run_pass<kSwiglu, S, L, kBf16, W, false, kWide>(p, grp, fg, smem, warp, lane, rr);
+  run_pass<kSwiglu, S, L, kBf16, W, false, kWide, kWg>(p, grp, fg, smem, warp, lane, rr);
 }
 
-// One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel.
+// One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel. wg (the warpgroup-mma
+// instance, mainloop_wg): per tile and k-tile, 8 core matrices [k-block][row][8 k] instead, one uint4 a row's 8 k.
 __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows, int64_t x_ld_words,
                                  const int64_t* __restrict__ row_index, const int* __restrict__ pad_rows,
-                                 int dense_rows, int n_tiles, int hidden, int pairs, int direct_k,
+                                 int dense_rows, int n_tiles, int hidden, int pairs, int direct_k, int wg,
                                  uint4* __restrict__ frag, int* __restrict__ ready, int n_ready) {
   // The GEMM after a dense prep (launched as its programmatic dependent) may start now and stream its first weight
   // k-tiles while this grid runs; it reads the fragments only after griddepcontrol.wait (mainloop). A dense prep is
@@ -768,7 +913,8 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
   const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
   const int64_t rest = idx >> 5;
   const int pp = int(rest % pairs), tile = int(rest / pairs);
-  const int i = tile * kRowTile + g;
+  const int in_tile = int(idx % (int64_t(pairs) * 32));  // wg: row in_tile % 8, k from 8 (in_tile / 8)
+  const int i = tile * kRowTile + (wg ? in_tile & 7 : g);
   int64_t src = pad_rows != nullptr ? pad_rows[i] : (i < dense_rows ? i : -1);
   if (src < 0) return;  // a padding row: the GEMMs never load it (mainloop reads row 0's instead)
   if (row_index != nullptr) src = row_index[src];
@@ -780,7 +926,8 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
   for (int e = 0; e < 4; ++e) {
     // word e of pair pp: k-step j = 2 (pp % 2) + e / 2, register kh = e % 2 of k-tile pp / 2; its input column
     // in the logical order, or in direct_k_order (weights packed by pack_bf16_direct)
-    const int k = direct_k ? 64 * (pp >> 1) + 16 * t + 4 * (2 * (pp & 1) + (e >> 1)) + 2 * (e & 1)
+    const int k = wg ? 8 * (in_tile >> 3) + 2 * e
+                : direct_k ? 64 * (pp >> 1) + 16 * t + 4 * (2 * (pp & 1) + (e >> 1)) + 2 * (e & 1)
                            : 32 * pp + 16 * (e >> 1) + 8 * (e & 1) + 2 * t;
     v[e] = (valid && k < hidden) ? __ldg(x + src * x_ld_words + k / 2) : 0u;
   }
@@ -835,10 +982,11 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, b
 // rows: the norm or attention kernel that wrote x may let it start early, and the GEMM after it then too).
 void launch_prep(int64_t n, bool pdl, cudaStream_t stream, const uint32_t* x, int64_t x_rows, int64_t x_ld_words,
                  const int64_t* row_index, const int* pad_rows, int dense_rows, int n_tiles, int hidden, int pairs,
-                 int direct_k, uint4* frag, int* ready, int n_ready) {
+                 int direct_k, bool wg, uint4* frag, int* ready, int n_ready) {
   const int threads = 256;
   launch_kernel(prep_rows_kernel, dim3(unsigned((n + threads - 1) / threads)), dim3(threads), 0, pdl, stream, x, x_rows,
-                x_ld_words, row_index, pad_rows, dense_rows, n_tiles, hidden, pairs, direct_k, frag, ready, n_ready);
+                x_ld_words, row_index, pad_rows, dense_rows, n_tiles, hidden, pairs, direct_k, int(wg), frag, ready,
+                n_ready);
 }
 
 // The dynamic shared memory attribute belongs to a function on each device: set once per (kernel, device).
@@ -854,11 +1002,12 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
 
 // pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up; a dense GEMM:
 // its prep launch), so its blocks can start while that kernel's last wave runs (the wait is in mainloop).
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false>
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false,
+          bool kWg = false>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
   constexpr int bytes = block_smem<S, kBf16, W, kWide>();
-  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK, kWide>;
+  auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK, kWide, kWg>;
   set_smem_attr(kernel, bytes, done);
   const int per_block = p.split_k ? W / p.split_k : W;  // feature groups per block
   const unsigned fblocks = (p.n_fgroups + per_block - 1) / per_block;
@@ -868,11 +1017,16 @@ void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
                 stream, p);
 }
 
+// inst: the NVFP4 expert launches' instance (kWideOff, kWideOn, kWideWg; instance_for); BF16 tiles and dense NVFP4
+// rows have one each.
 template <bool kSwiglu>
-void launch_gemm(const GemmParams& p, bool bf16, bool pdl, bool wide, cudaStream_t stream) {
+void launch_gemm(const GemmParams& p, bool bf16, bool pdl, int inst, cudaStream_t stream) {
   if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, pdl, stream);
   else if (p.split_k) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kSplitBlocksPerSm, false, kWarps, true>(p, pdl, stream);
-  else if (wide) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kWideBlocksPerSm, false, kWarps, false, true>(p, pdl, stream);
+  else if (inst == kWideWg)
+    launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kWideBlocksPerSm, false, kWarps, false, true, true>(p, pdl, stream);
+  else if (inst == kWideOn)
+    launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kWideBlocksPerSm, false, kWarps, false, true>(p, pdl, stream);
   else launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kBlocksPerSm, false, kWarps>(p, pdl, stream);
 }
 
@@ -907,16 +1061,38 @@ int dense_split(int split, int n_fgroups) {
 }
 
 void check_wide(int wide) {
-  ROCKET_CHECK(wide == kWideAuto || wide == kWideOff || wide == kWideOn, "wide " << wide << ": expected "
-               << kWideAuto << " (auto), " << kWideOff << " (off) or " << kWideOn << " (on)");
+  ROCKET_CHECK(wide == kWideAuto || wide == kWideOff || wide == kWideOn || wide == kWideWg, "wide " << wide
+               << ": expected " << kWideAuto << " (auto), " << kWideOff << " (off), " << kWideOn << " (on) or "
+               << kWideWg << " (warpgroup mma)");
 }
 
-// kWideAuto: the wide instance when the passes average more than this many row tiles (launch_plan's counts are
-// exact; a device plan's are capacities, a pass per expert and tile, so decode steps stay off).
+// The warpgroup-mma instance runs on sm_90 GPUs (setup.py builds sm_90 as sm_90a); asked once per device.
+bool wg_device() {
+  static int cc[64] = {};  // 0: not asked yet, else major * 10 + minor
+  int dev = 0;
+  ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && cc[dev] != 0) return cc[dev] == 90;
+  int major = 0, minor = 0;
+  ROCKET_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  ROCKET_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (dev < 64) cc[dev] = major * 10 + minor;
+  return major == 9 && minor == 0;
+}
+
+// kWideAuto: the wide shape when the passes average more than this many row tiles (launch_plan's counts are exact; a
+// device plan's are capacities, a pass per expert and tile, so decode steps stay off), with the warpgroup mma where
+// the GPU and the shapes allow it (wg_ok), else mma.sync.
 constexpr int kWideTilesPerPass = 2;
-bool wide_for(int wide, int n_tiles, int n_groups) {
-  if (wide != kWideAuto) return wide == kWideOn;
-  return int64_t(n_tiles) > int64_t(kWideTilesPerPass) * n_groups;
+// The warpgroup-mma instance: an sm_90 GPU, and down's feature groups whole warpgroups (gate/up's always are:
+// inter_pad / 16 of them).
+bool wg_ok(int hidden_pad) { return (hidden_pad / (kFT * kTileN)) % 4 == 0 && wg_device(); }
+int instance_for(int wide, int n_tiles, int n_groups, int hidden_pad) {
+  if (wide == kWideWg)
+    ROCKET_CHECK(wg_ok(hidden_pad), "wide " << kWideWg << " (warpgroup mma): needs an sm_90 GPU and a hidden size "
+                 "padded to a multiple of " << 4 * kFT * kTileN << " (" << hidden_pad << ")");
+  if (wide != kWideAuto) return wide;
+  if (int64_t(n_tiles) <= int64_t(kWideTilesPerPass) * n_groups) return kWideOff;
+  return wg_ok(hidden_pad) ? kWideWg : kWideOn;
 }
 
 // Rows and passes of an expert launch: its plan's, or dense rows (pass-major when there are several passes).
@@ -965,7 +1141,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   ROCKET_CHECK(a.n_tiles >= 0 && a.n_groups >= 0 && (dense || a.n_groups <= 65535), "groups " << a.n_groups);
   if (a.n_tiles == 0 || a.n_groups == 0) return;
   const int pdl = pdl_for(a.pdl, dense ? a.dense_rows : a.x_rows);
-  const bool wide = !dense && wide_for(a.wide, a.n_tiles, a.n_groups);  // dense NVFP4 rows: the split instance
+  // dense NVFP4 rows: the split instance; BF16 tiles: their one instance
+  const int inst = dense || a.bf16 ? kWideOff : instance_for(a.wide, a.n_tiles, a.n_groups, a.hidden_pad);
   // per-pass readiness: NVFP4 expert launches (their down kernel reads h_frag only through the rows ring)
   const bool ready = pdl == kPdlPerPass && !dense && !a.bf16 && a.ready != nullptr;
   ROCKET_CHECK(!ready || a.n_groups <= a.n_tiles, "groups " << a.n_groups << " > tiles " << a.n_tiles);
@@ -977,8 +1154,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     const int pairs = a.hidden_pad / 32;
     const int64_t n = int64_t(a.n_tiles) * pairs * 32;
     launch_prep(n, dense, stream, static_cast<const uint32_t*>(a.x), a.x_rows, a.hidden / 2, a.row_index, a.pad_rows,
-                a.dense_rows, a.n_tiles, a.hidden, pairs, a.direct_k, a.x_frag, ready ? a.ready : nullptr,
-                ready ? a.n_groups : 0);
+                a.dense_rows, a.n_tiles, a.hidden, pairs, a.direct_k, inst == kWideWg, a.x_frag,
+                ready ? a.ready : nullptr, ready ? a.n_groups : 0);
   }
   {  // gate/up + SwiGLU: N = 2 inter_pad (tiles of 8 gate + 8 up), K = hidden_pad
     GemmParams p{};
@@ -1006,7 +1183,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.h_pairs = a.inter_pad / 32;
     p.ready = ready ? a.ready : nullptr;
     pass_params(p, a);
-    launch_gemm<true>(p, a.bf16 != 0, dense && !direct, wide, stream);  // dense rows: prep's dependent
+    launch_gemm<true>(p, a.bf16 != 0, dense && !direct, inst, stream);  // dense rows: prep's dependent
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
@@ -1031,7 +1208,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.s2_out = a.s2_dn;
     p.n_res = a.n_res;
     for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-    launch_gemm<false>(p, a.bf16 != 0, pdl == kPdlPerPass, wide, stream);
+    launch_gemm<false>(p, a.bf16 != 0, pdl == kPdlPerPass, inst, stream);
   }
 }
 
@@ -1059,7 +1236,7 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
     const int pairs = a.k_pad / 32;
     const int64_t n = int64_t(n_tiles) * pairs * 32;
     launch_prep(n, true, stream, static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows),
-                n_tiles, a.k, pairs, nvfp4 ? 0 : 1, a.x_frag, nullptr, 0);
+                n_tiles, a.k, pairs, nvfp4 ? 0 : 1, false, a.x_frag, nullptr, 0);
   }
   GemmParams p{};
   p.q = static_cast<const uint8_t*>(a.w);
@@ -1088,7 +1265,7 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   }
   p.n_res = a.n_res;
   for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-  launch_gemm<false>(p, !nvfp4, !direct, false, stream);  // after a prep launch: its programmatic dependent
+  launch_gemm<false>(p, !nvfp4, !direct, kWideOff, stream);  // after a prep launch: its programmatic dependent
 }
 
 }  // namespace

@@ -86,11 +86,14 @@ constexpr int kPdlOff = 0;
 constexpr int kPdlPerPass = 3;
 // The NVFP4 expert launch's kernel instance (ExpertsLaunch::wide). kWideOn: 2 blocks per SM, 128 registers, every
 // pass through the unrolled loop (17-32 rows of one expert: no spills); kWideOff: 3 blocks per SM, 80 registers (more
-// warps for the passes of 1-16 rows); kWideAuto: on when the launch's passes average more than kWideTilesPerPass
-// row tiles (a prefill chunk's). Never changes the bits: each row's mma sequence is the same in both.
+// warps for the passes of 1-16 rows); kWideWg: kWideOn's shape on warpgroup mma (wgmma: sm_90 GPUs, hidden sizes
+// padded to multiples of 128; the rows in another layout); kWideAuto: kWideWg where it runs, else kWideOn, when the
+// launch's passes average more than kWideTilesPerPass row tiles (a prefill chunk's), else kWideOff. Never changes the
+// bits: each row's sequence of fp32 sums is the same in all three.
 constexpr int kWideAuto = -1;
 constexpr int kWideOff = 0;
 constexpr int kWideOn = 1;
+constexpr int kWideWg = 2;
 
 struct ExpertsLaunch {
   // rows

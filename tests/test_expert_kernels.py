@@ -7,7 +7,8 @@ GPU tests (skip, with the reason, without a GPU or the extension):
   - nvfp4_experts against nvfp4_experts_ref within TOL_KERNEL (small odd shapes, GLM-5.3 shape);
   - batch invariance: every row's output is bitwise the same as when computed alone, with 1..64 rows
     per expert, other experts present, shuffled expert order, different launch sizes, row_index;
-  - the launch's scheduling (pdl) and kernel instance (wide) keep the bits, per-pass waits across waves included;
+  - the launch's scheduling (pdl) and kernel instance (wide, the warpgroup-mma one on sm_90 too) keep the bits,
+    per-pass waits across waves included;
   - BF16 experts (pack_experts_bf16, the same kernel without the decode): against the F.linear SwiGLU MLP
     of ExpertStore.compute within TOL_STORE, against nvfp4_experts_ref within TOL_KERNEL, and batch
     invariant as above.
@@ -25,6 +26,10 @@ from helpers import (TOL_KERNEL, TOL_STORE, assert_close, expert_store_class, gp
                      make_experts, pytest, run_without_pytest, segments_for, store_for)  # package on sys.path
 from rocket_mpi import ops  # noqa: E402
 from rocket_mpi.ops import pack  # noqa: E402
+
+# the NVFP4 kernel instances (rocket.h kWide*: auto, narrow, wide; warpgroup mma on sm_90 GPUs, an error elsewhere)
+WGMMA = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+INSTANCES = (-1, 0, 1, 2) if WGMMA else (-1, 0, 1)
 
 
 @pytest.mark.parametrize("limit", [None, 0.02])
@@ -155,8 +160,9 @@ def test_gpu_scheduling_switches_keep_bits(bf16):
     """Programmatic dependent launch (the launch argument pdl, csrc/nvfp4_experts.cu) only moves when the weight
     copies and the rows start (3: each pass of down waits for its own pass of gate/up; -1: by the launch's rows),
     and the NVFP4 kernel instance (wide: 0 the 3-blocks-per-SM one, 1 the 2-blocks-per-SM one with every row-tile
-    count unrolled, -1 by the launch's passes; the BF16 tiles have one instance): every combination gives the same
-    bits, on every row-tile path (1-4 tiles, a second weight pass), and a bad value is one clear error."""
+    count unrolled, 2 that one on warpgroup mma (sm_90 GPUs), -1 by the launch's passes; the BF16 tiles have one
+    instance): every combination gives the same bits, on every row-tile path (1-4 tiles, a second weight pass), and a
+    bad value is one clear error."""
     h, i = 4096, 2048
     counts = {0: 1, 1: 5, 2: 8, 3: 13, 4: 24, 5: 32, 6: 40}
     ids = sorted(counts)
@@ -169,13 +175,13 @@ def test_gpu_scheduling_switches_keep_bits(bf16):
         torch.bfloat16).cuda()
     outs = {}
     for v in (0, 3, -1, 0, 3, -1):
-        for w in (-1, 0, 1):
+        for w in INSTANCES:
             outs[(len(outs), v, w)] = ops.nvfp4_experts(x, segs, p, pdl=v, wide=w)
     torch.cuda.synchronize()
     for bad in (1, 2, 4):
         with pytest.raises(RuntimeError, match=f"pdl {bad}"):
             ops.nvfp4_experts(x, segs, p, pdl=bad)
-    for bad in (2, -2):
+    for bad in (3, -2):
         with pytest.raises(RuntimeError, match=f"wide {bad}"):
             ops.nvfp4_experts(x, segs, p, wide=bad)
     first = next(iter(outs))
@@ -188,9 +194,8 @@ def test_gpu_scheduling_switches_keep_bits(bf16):
 def test_gpu_per_pass_wait_across_waves():
     """pdl=3: a pass of down starts once its own gate/up warps have published h_frag (counters, not
     the whole grid). With more blocks than the GPU holds at once (several waves of both kernels, passes finishing
-    out of order), launches give exactly the bits of launches with no overlap at all (mode 0), in both kernel
-    instances (wide 0 and 1). Two inputs
-    alternate, so the scratch a launch reuses holds the other input's h_frag: a pass read before its rows were
+    out of order), launches give exactly the bits of launches with no overlap at all (mode 0), in every kernel
+    instance (wide 0, 1 and, on sm_90, 2). Two inputs alternate, so the scratch a launch reuses holds the other input's h_frag: a pass read before its rows were
     complete would differ."""
     h, i, n_exp = 512, 1024, 64
     ids = list(range(n_exp))
@@ -202,7 +207,8 @@ def test_gpu_per_pass_wait_across_waves():
     xs = [(torch.randn(sum(counts.values()), h, generator=gen) * 2).to(torch.bfloat16).cuda() for _ in range(2)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     refs = [ops.nvfp4_experts(x, segs, p, pdl=0, wide=0) for x in xs]
-    outs = [ops.nvfp4_experts(xs[k % 2], segs, p, pdl=3, wide=k // 2 % 2) for k in range(6)]
+    wides = [w for w in INSTANCES if w >= 0]
+    outs = [ops.nvfp4_experts(xs[k % 2], segs, p, pdl=3, wide=wides[k // 2]) for k in range(2 * len(wides))]
     assert not torch.equal(refs[0], refs[1])
     passes = sum((c + 31) // 32 for c in counts.values())
     for k, out in enumerate(outs):
@@ -210,6 +216,30 @@ def test_gpu_per_pass_wait_across_waves():
         assert not differ.any(), f"launch {k} with per-pass waits differs from mode 0 in {int(differ.sum())} values"
     print(f"\n[per-pass waits] {passes} passes, {passes * (2 * i // 32 // 8)} gate/up blocks for {3 * sms} slots: "
           f"{len(outs)} launches identical to mode 0")
+
+
+@gpu
+def test_gpu_wgmma_instance_where_it_runs():
+    """The warpgroup-mma instance (wide=2) needs an sm_90 GPU and down's feature groups in whole warpgroups (the hidden
+    size padded to a multiple of 128). Asked for where it cannot run, it is one clear error; auto then takes the
+    mma.sync wide instance, with the bits of the narrow one."""
+    h, i = 192, 128                                     # hidden_pad 192: 6 feature groups of down
+    ids = [0, 1, 2]
+    p = pack.pack_experts(make_experts(ids, h, i, seed=9), h, i).to("cuda")
+    counts = {0: 32, 1: 29, 2: 40}                      # passes average more than 2 row tiles: auto goes wide
+    segs = segments_for(counts, base=0)
+    x = (torch.randn(sum(counts.values()), h, generator=torch.Generator().manual_seed(4))).to(torch.bfloat16).cuda()
+    with pytest.raises(RuntimeError, match="warpgroup mma"):
+        ops.nvfp4_experts(x, segs, p, wide=2)
+    auto, narrow = (ops.nvfp4_experts(x, segs, p, wide=w) for w in (-1, 0))
+    assert torch.equal(auto.view(torch.int16), narrow.view(torch.int16))
+    if not WGMMA:
+        h = 256
+        p = pack.pack_experts(make_experts(ids, h, i, seed=9), h, i).to("cuda")
+        with pytest.raises(RuntimeError, match="warpgroup mma"):
+            ops.nvfp4_experts(torch.zeros(4, h, dtype=torch.bfloat16, device="cuda"), segments_for({0: 4}), p, wide=2)
+    print(f"\n[wgmma instance] {'sm_90: runs where' if WGMMA else 'not sm_90: refused, as'} expected; hidden {192}: "
+          "refused, auto falls back with the same bits")
 
 
 def make_bf16_experts(ids, hidden, inter, seed=0):

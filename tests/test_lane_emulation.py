@@ -189,8 +189,9 @@ def test_gpu_stages_match_emulation():
     xs = (torch.randn(n + 4, h) * 3).to(torch.bfloat16)
     row_index = torch.randperm(n + 4)[:n]
     out_e, xf_e, hf_e = emulate_nvfp4_experts(xs, segs, p, base=7, row_index=row_index, limit=0.05)
+    # wide=0: the mma.sync instances' fragment layout (the warpgroup-mma instance lays the rows out as core matrices)
     out_k, xf_k, hf_k = (t.cpu() for t in ops.nvfp4_experts_stages(xs.cuda(), segs, p.to("cuda"), 7,
-                                                                        row_index.cuda(), 0.05))
+                                                                        row_index.cuda(), 0.05, wide=0))
     # prep writes the rows' words only: padding rows (-1 in the plan) are never written (the GEMMs read their
     # tile's row 0 in their place)
     plan, n_tiles, _, _ = ops.launch_plan(segs, 7, p.slot)

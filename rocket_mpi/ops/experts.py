@@ -10,8 +10,9 @@ and from the kernel only in the order of the fp32 sums.
 The GPU entry points take `pdl` (how the kernel launches down after gate/up: -1 auto, 0 off, 3 each pass of down
 waits for its own pass of gate/up, csrc/rocket.h kPdl*). It only moves when the weight copies and the rows start,
 never the bits, so the CPU reference ignores it. The host-planned ones also take `wide` (the NVFP4 kernel instance:
--1 auto, the wide one when the passes average more than 2 row tiles, as a prefill chunk's; 0 off; 1 on; rocket.h
-kWide*), which never changes the bits either.
+-1 auto, the wide one when the passes average more than 2 row tiles, as a prefill chunk's, on warpgroup mma where the
+GPU is sm_90; 0 off; 1 on; 2 the wide one on warpgroup mma, an error elsewhere; rocket.h kWide*), which never changes
+the bits either.
 """
 from __future__ import annotations
 

@@ -213,6 +213,13 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
+// The lane's A fragment of k-step jj (0-3, a constant where unrolled) of one tile's k-tile: codes qv, scales sv.
+__device__ __forceinline__ void decode_step(const uint4& qv, uint2 sv, int jj, uint32_t (&a)[4]) {
+  const uint32_t sc = jj == 0 ? decode_scales<0>(sv) : jj == 1 ? decode_scales<1>(sv)
+                    : jj == 2 ? decode_scales<2>(sv) : decode_scales<3>(sv);
+  decode_a(word(qv, jj), sc, a);
+}
+
 // Rows of each row tile of one k-tile for this lane (B fragments, 2 x uint4 per tile), from fr[rt] + off.
 template <int RT>
 __device__ __forceinline__ void load_b(uint4 (&b)[RT][2], const uint4* const (&fr)[RT], int off, int pp_stride) {
@@ -409,10 +416,8 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
         for (int jj = 2 * pp; jj < 2 * pp + 2; ++jj) {
 #pragma unroll
           for (int i = 0; i < kFT; ++i) {
-            const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
-                              : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
             uint32_t a[4];
-            decode_a(word(qv[i], jj), sc, a);
+            decode_step(qv[i], sv[i], jj, a);
 #pragma unroll
             for (int rt = 0; rt < RT; ++rt)
               dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bh[rt].z : bh[rt].x, (jj & 1) ? bh[rt].w : bh[rt].y);
@@ -622,9 +627,7 @@ __device__ __forceinline__ void mainloop_wg(const GemmParams& p, int slot, int t
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
       for (int i = 0; i < kFT; ++i) {
-        const uint32_t sc = jj == 0 ? decode_scales<0>(sv[i]) : jj == 1 ? decode_scales<1>(sv[i])
-                          : jj == 2 ? decode_scales<2>(sv[i]) : decode_scales<3>(sv[i]);
-        decode_a(word(qv[i], jj), sc, a[jj & 1][i]);
+        decode_step(qv[i], sv[i], jj, a[jj & 1][i]);
       }
       dev::wgmma_fence();
       const uint64_t b = dev::wgmma_desc(rows + jj * 2 * 128, 128, kRowTileStride);
@@ -948,10 +951,8 @@ __global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8
   const int64_t ld = k_pad / 2;  // words per row
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t sc = j == 0 ? decode_scales<0>(sv) : j == 1 ? decode_scales<1>(sv)
-                      : j == 2 ? decode_scales<2>(sv) : decode_scales<3>(sv);
     uint32_t a[4];
-    decode_a(word(qv, j), sc, a);
+    decode_step(qv, sv, j, a);
     const int64_t r0 = int64_t(tile) * kTileN + g, kw = (int64_t(kt) * kTileK + 16 * j + 2 * t) / 2;
     o[r0 * ld + kw] = a[0];
     o[(r0 + 8) * ld + kw] = a[1];

@@ -10,8 +10,7 @@ step, the hit rate of the expert reads, the far bytes and promotion copies per s
     resident bytes read / HBM copy bandwidth + far bytes / host-to-device bandwidth
 (both bandwidths measured in the same process), with the step as a multiple of it. Tokens are compared with the
 first budget's (the cache never changes the bits). "all-steps ms" is the mean over every decode step (the upkeep's
-promotion copies land in one step of each interval, which the median of the timed steps leaves out). swaps: the
-promotions, and in brackets those copied off the step's stream into spare slots (moe/cache.py promotion_spares).
+promotion copies land in one step of each interval, which the median of the timed steps leaves out).
 
 --hysteresis H,...: the policy's promotion margin (moe/cache.py HYSTERESIS), one run per value on the same engine,
 in turn (the residency one run leaves is where the next starts; the runs alternate, so each value starts warm).
@@ -58,8 +57,7 @@ def main() -> int:
     owned_bytes = (len(cfg.moe_layers) * cfg.n_routed_experts *
                    expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, nvfp4, packed=True))
     header = (f"{'budget':>7} {'hyst':>5} {'M':>3} {'resident GiB':>12} {'far GiB':>8} {'ms/step':>8} {'hit %':>6} "
-              f"{'far MB/step':>11} {'copies MB/step':>14} {'floor ms':>8} {'x floor':>7} {'all-steps ms':>12} "
-              f"{'same tokens':>11} {'swaps (off-stream)':>18}")
+              f"{'far MB/step':>11} {'copies MB/step':>14} {'floor ms':>8} {'x floor':>7} {'all-steps ms':>12} {'same tokens':>11}")
     for spec in a.budgets.split(","):
         t0 = time.perf_counter()
         eng = Engine(a.checkpoint, reader=SyntheticReader(a.checkpoint, str(dev)), device=str(dev),
@@ -86,8 +84,7 @@ def main() -> int:
             hs = "-" if h is None else f"{h:g}"
             print(f"{spec:>7} {hs:>5} {m:>3} {st['resident_gib']:>12.2f} {st['far_gib']:>8.2f} {ms:>8.2f} "
                   f"{100 * st['hit_rate']:>6.1f} {far / 1e6:>11.1f} {st['moved_bytes_per_step'] / 1e6:>14.1f} "
-                  f"{floor:>8.2f} {ms / floor:>7.2f} {all_ms:>12.2f} {str(same):>11} "
-                  f"{st.get('swaps', 0):>9} ({st.get('offstream_swaps', 0)})", flush=True)
+                  f"{floor:>8.2f} {ms / floor:>7.2f} {all_ms:>12.2f} {str(same):>11}", flush=True)
         del eng
         torch.cuda.empty_cache()
     return 0

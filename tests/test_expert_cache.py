@@ -280,60 +280,6 @@ def test_experts_in_the_checkpoint_only_give_the_same_rows():
     assert torch.equal(store.compute(x, tokens, segs, 0).view(torch.int16), want.view(torch.int16))
 
 
-def test_promotions_in_flight_land_at_the_next_upkeep():
-    """Promotions off the step's stream (ExpertCache, promotion_spares): a layer of 10 experts, 6 resident, one spare
-    device slot and one spare far slot. An upkeep starts a swap's copies into the spares and changes nothing the steps
-    read: the same residency, the same rows. The next upkeep lands it (the experts read from their new slots), counts
-    the interval under the residency it ran with, and only then starts another. (On the CPU the copies are done when
-    issued; on a GPU they run on a copy stream and land once their event has completed.)"""
-    from rocket_mpi.moe.experts import ExpertStore
-    h, i, ids = 64, 32, list(range(10))
-    ex = make_experts(ids, h, i, seed=6)
-    full = pack.pack_experts(ex, h, i)
-    packer = ops.ExpertPacker(ids, h, i, bf16=False, resident=list(range(6)), slots=12, near_slots=7)
-    for e in ids:
-        packer.add(e, *ex[e])
-    store = ExpertStore(0, ids, {}, {}, torch.ones(10), 0)
-    store.packed, store.spares = packer.done(), 1
-    store.capacity = store.packed.near - store.spares
-    store.read_bytes_per_expert = store.packed.bytes_per_expert
-    assert store.promotion_room() == 1 and store.resident() == list(range(6))
-    xc = ExpertCache({0: store}, [0], 10)
-    counts = xc.counter("host", "cpu")
-    swapped = []
-    xc.on_swap["test"] = swapped.append
-    counts_seg = {0: 2, 3: 1, 7: 4, 8: 3, 9: 1}
-    segs = segments_for(counts_seg)
-    x = (torch.randn(sum(counts_seg.values()), h, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
-    tokens = torch.arange(x.shape[0])
-    want = ops.nvfp4_experts(x, segs, full, 0, tokens).view(torch.int16)
-
-    def step(hot: list[int]) -> None:  # one decode step's firing counts: rows and activity of the hot experts
-        counts[0, 0, hot] += 3
-        counts[0, 1, hot] += 1
-
-    for _ in range(3):
-        step([8, 9])
-    xc.maintain(3)  # 8 and 9 fire, resident 0..5 do not: one swap (one spare pair) starts, nothing lands yet
-    (event, moves), = xc.pending.values()
-    assert len(moves) == 1 and moves[0][:2] == (8, 5), moves
-    assert store.resident() == list(range(6)) and xc.policies[0].resident == {0, 1, 2, 3, 4, 8} and not swapped
-    assert store.promotion_room() == 0 and xc.stats.offstream_swaps == 1
-    assert torch.equal(store.compute(x, tokens, segs, 0).view(torch.int16), want)
-    step([8, 9])
-    xc.maintain(1)  # the interval ran with 8 far: misses; then 8 lands in the spare device slot, 5 in the spare far
-    assert xc.stats.miss_rows == 4 * 6 and xc.stats.hit_rows == 0, xc.stats
-    assert store.resident() == sorted([0, 1, 2, 3, 4, 8]) and swapped == [0]
-    assert not store.is_resident(5) and store.packed.slot[5] >= store.packed.near
-    assert torch.equal(store.compute(x, tokens, segs, 0).view(torch.int16), want)
-    (_, moves), = xc.pending.values()  # and 9 starts in the spares 8 and 5 left
-    assert moves[0][:2] == (9, 4), moves
-    step([8, 9])
-    xc.maintain(1)
-    assert xc.stats.hit_rows == 3 and xc.stats.miss_rows == 4 * 6 + 3 and store.resident() == [0, 1, 2, 3, 8, 9]
-    assert torch.equal(store.compute(x, tokens, segs, 0).view(torch.int16), want)
-
-
 @gpu
 def test_host_memory_short_reads_experts_from_the_checkpoint(tmp_path):
     """The engine on a GPU with a cache of a few experts and host memory for one far slot per layer: the other
@@ -374,31 +320,6 @@ def test_graphed_step_with_a_cache_matches(tmp_path):
     assert out[0.0].tokens == out[None].tokens
     assert out[4e-5].tokens == out[None].tokens
     assert out[4e-5].expert_cache["swaps"] > 0 and out[4e-5].expert_cache["hit_rows"] > 0
-
-
-@gpu
-@pytest.mark.parametrize("path", ["host", "graph"])
-def test_promotions_off_the_step_stream_keep_the_tokens(tmp_path, path):
-    """A cache of 10 of a layer's 16 experts on a GPU keeps one device slot (and one far slot) spare: promotions copy
-    on the copy stream and land at a later upkeep. The tokens are the all-resident run's, on the host path and the
-    captured step, and the swaps really went that way."""
-    d = str(tmp_path / "sk")
-    make_checkpoint("tiny", d, seed=5, skew=1.5, nvfp4_experts=True)
-    ref = Engine(d, device="cuda")
-    ref.set_decode_path(path, "local")
-    prompts = [[(3 * s + i) % ref.cfg.vocab_size for i in range(5)] for s in range(4)]
-    want = ref.generate(prompts, 24).tokens
-    bpe = expert_bytes(ref.cfg.hidden_size, ref.cfg.moe_intermediate_size, True, packed=True)
-    n_moe = len(ref.experts)
-    del ref
-    eng = Engine(d, device="cuda", expert_cache=10 * n_moe * bpe / GIB + 1e-9)
-    assert all(s.spares == 1 and s.capacity == 9 for s in eng.experts.values()), eng.cache_plan.reason
-    eng.set_decode_path(path, "local")
-    res = eng.generate(prompts, 24)
-    assert res.path == path and not res.note, res.note
-    assert res.tokens == want
-    c = res.expert_cache
-    assert c["offstream_swaps"] == c["swaps"] > 0 and c["hit_rows"] > 0 and c["resident_experts"] == 9 * n_moe, c
 
 
 def test_plan_command():

@@ -35,7 +35,6 @@ PROMOTIONS = 8       # at most this many swaps per layer at each upkeep (bounds 
                      # --interval 8): the fewest expert transfers (misses read + copies in and out) in the first 48 steps
                      # and over 200-400 steps (docs/PERFORMANCE.md, expert cache); a margin of 2 and 4 swaps left a cold
                      # start missing 5-8 points more
-SPARES = 8           # promotions in flight per layer at most, off the step's stream (promotion_spares)
 GIB = 2 ** 30
 
 
@@ -93,17 +92,15 @@ class Policy:
         """active[e]: the steps (of the last `steps`) in which expert e had rows."""
         self.scores = self.scores * self.decay ** steps + np.asarray(active)[self.ids].astype(np.float64)
 
-    def swaps(self, limit: int | None = None) -> list[tuple[int, int]]:
-        """(far expert in, resident expert out) pairs, best first, at most `limit` (default: promotions); the policy's
-        residency already updated."""
+    def swaps(self) -> list[tuple[int, int]]:
+        """(far expert in, resident expert out) pairs, best first; the policy's residency already updated."""
         if self.capacity == 0 or self.capacity >= len(self.owned):
             return []
-        n = self.promotions if limit is None else min(limit, self.promotions)
         s, ids = self.scores, self.ids
         far = np.flatnonzero(~self.mask)
         res = np.flatnonzero(self.mask)
-        far = far[np.lexsort((ids[far], -s[far]))][:n]   # highest score first, then lowest id
-        res = res[np.lexsort((-ids[res], s[res]))][:n]   # lowest score first, then highest id
+        far = far[np.lexsort((ids[far], -s[far]))][:self.promotions]   # highest score first, then lowest id
+        res = res[np.lexsort((-ids[res], s[res]))][:self.promotions]   # lowest score first, then highest id
         out = []
         for a, b in zip(far.tolist(), res.tolist()):
             if s[a] <= s[b] + self.hysteresis:
@@ -111,15 +108,6 @@ class Policy:
             out.append((int(ids[a]), int(ids[b])))
             self.mask[a], self.mask[b] = True, False
         return out
-
-
-def promotion_spares(capacity: int) -> int:
-    """Of a layer's `capacity` device slots, the ones kept spare for promotions in flight (up to SPARES, an eighth at
-    most): a promotion copies the far expert into a spare device slot and the expert it replaces into a spare far
-    slot on a copy stream while the steps go on reading both where they are, and the slot table is pointed at the new
-    places at the first upkeep after the copies are complete. With none (capacity under 8), promotions copy on the
-    step's stream."""
-    return min(SPARES, capacity // 8)
 
 
 def first_resident(owned: list[int], capacity: int, prior: np.ndarray | None = None) -> list[int]:
@@ -138,7 +126,6 @@ class CacheStats:
     far_bytes: int = 0        # far experts' weights the kernel read (GPU) or the checkpoint gave (CPU)
     moved_bytes: int = 0      # promotions: bytes copied in (and the demoted expert's out)
     swaps: int = 0
-    offstream_swaps: int = 0  # of them, copied on the copy stream into spare slots (promotion_spares)
     steps: int = 0
 
     def as_dict(self, resident_bytes: int, far_resident_bytes: int, capacity: dict[int, int],
@@ -150,7 +137,7 @@ class CacheStats:
                 "hit_rate": self.hit_rows / rows if rows else 1.0, "hit_rows": self.hit_rows,
                 "miss_rows": self.miss_rows, "hit_reads": self.hit_reads, "miss_reads": self.miss_reads,
                 "far_bytes_per_step": self.far_bytes / steps, "moved_bytes_per_step": self.moved_bytes / steps,
-                "swaps": self.swaps, "offstream_swaps": self.offstream_swaps, "steps": self.steps}
+                "swaps": self.swaps, "steps": self.steps}
 
 
 @dataclass
@@ -160,13 +147,7 @@ class ExpertCache:
     counters: cumulative [n_moe, 2, E] int32 tensors (any device) that the MoE steps add to; maintain() reads them,
     accounts the interval since the last call under the residency it ran with, then swaps. on_swap(layer): called
     after a layer's residency changed (the fixed-shape step refreshes its device slot table). listeners(delta,
-    steps): given each decode interval's counts [n_moe, 2, E] (live rebalancing's decayed counts, moe/rebalance.py).
-
-    Where a layer has spare slots (ExpertStore.promotion_room), its swaps copy on a copy stream into them (the
-    promotions in flight, `pending`) and land at the first upkeep after their copies are complete: the experts are
-    pointed at their new slots there, where no step is in flight, so every step reads each expert whole from one
-    place. A layer with promotions in flight starts no more. `live`: per layer, the residency the steps run with
-    (over the policy's ids); the policy's own runs ahead of it by the promotions in flight."""
+    steps): given each decode interval's counts [n_moe, 2, E] (live rebalancing's decayed counts, moe/rebalance.py)."""
     stores: dict
     layers: list[int]                       # MoE layers in order: counter row i is layers[i]
     n_experts: int
@@ -177,15 +158,11 @@ class ExpertCache:
     stats: CacheStats = field(default_factory=CacheStats)
     last: np.ndarray | None = None
     listeners: list = field(default_factory=list)
-    pending: dict = field(default_factory=dict)   # layer -> (event or None, [(e_in, e_out, device slot, far slot)])
-    live: dict = field(default_factory=dict)
-    copy_stream: object = None
 
     def __post_init__(self):
         for layer in self.layers:
             st = self.stores[layer]
             self.policies[layer] = Policy(st.owned, st.capacity, st.resident())
-            self.live[layer] = self.policies[layer].mask.copy()
         self.last = np.zeros((len(self.layers), 2, self.n_experts), dtype=np.int64)
         self.base = np.zeros_like(self.last)  # the counts of counters since replaced
 
@@ -234,78 +211,32 @@ class ExpertCache:
         st = self.stats
         st.steps += steps if account else 0
         for i, layer in enumerate(self.layers):
-            store, pol, live = self.stores[layer], self.policies[layer], self.live[layer]
+            store, pol = self.stores[layer], self.policies[layer]
             rows, active = delta[i, 0][pol.ids], delta[i, 1][pol.ids]
-            if account:  # under the residency the interval ran with
-                hit, miss = (active > 0) & live, (active > 0) & ~live
+            if account:  # under the residency the interval ran with (the policy's mirrors the store's)
+                hit, miss = (active > 0) & pol.mask, (active > 0) & ~pol.mask
                 st.hit_rows += int(rows[hit].sum())
                 st.hit_reads += int(active[hit].sum())
                 st.miss_rows += int(rows[miss].sum())
                 st.miss_reads += int(active[miss].sum())
                 st.far_bytes += int(active[miss].sum()) * store.read_bytes_per_expert
-            self._land(layer)
             pol.observe(delta[i, 1], steps)
-            if not promote or layer in self.pending:
-                continue
-            room = store.promotion_room()
-            swaps = pol.swaps(room or None)
-            if not swaps:
-                continue
-            st.swaps += len(swaps)
-            st.moved_bytes += 2 * len(swaps) * store.read_bytes_per_expert
-            if room:
-                st.offstream_swaps += len(swaps)
-                self._begin(layer, swaps)
-                continue
+            swaps = pol.swaps() if promote else []
             for e_in, e_out in swaps:
                 store.swap(e_in, e_out)
-            self._moved(layer, swaps)
-
-    def _moved(self, layer: int, swaps: list) -> None:
-        """The steps from now on read the swapped experts where they are now."""
-        live, ids = self.live[layer], self.policies[layer].ids
-        for e_in, e_out, *_ in swaps:
-            live[np.searchsorted(ids, e_in)], live[np.searchsorted(ids, e_out)] = True, False
-        for fn in self.on_swap.values():
-            fn(layer)
-
-    def _begin(self, layer: int, swaps: list) -> None:
-        """Promotions off the step's stream: the copies into spare slots on the copy stream (after the work on the
-        step's stream so far), an event after them."""
-        store = self.stores[layer]
-        stream = event = None
-        if store.packed.device.type == "cuda":
-            if self.copy_stream is None:
-                self.copy_stream = torch.cuda.Stream(store.packed.device)
-            stream = self.copy_stream
-            stream.wait_stream(torch.cuda.current_stream(store.packed.device))
-        moves = [(e_in, e_out, *store.swap_begin(e_in, e_out, stream)) for e_in, e_out in swaps]
-        if stream is not None:
-            event = torch.cuda.Event()
-            event.record(stream)
-        self.pending[layer] = (event, moves)
-
-    def _land(self, layer: int) -> None:
-        """The layer's promotions in flight whose copies are complete: the experts read from their new slots."""
-        event, moves = self.pending.get(layer, (None, None))
-        if moves is None or (event is not None and not event.query()):
-            return
-        store = self.stores[layer]
-        for e_in, e_out, near, far in moves:
-            store.swap_end(e_in, e_out, near, far)
-        del self.pending[layer]
-        self._moved(layer, moves)
+            if swaps:
+                st.swaps += len(swaps)
+                st.moved_bytes += 2 * len(swaps) * store.read_bytes_per_expert
+                for fn in self.on_swap.values():
+                    fn(layer)
 
     def rebuild(self, layer: int) -> None:
         """The layer's experts changed (live rebalancing, ExpertStore.rehome): a policy over the new ones, the scores
         of the experts that stay carried over."""
         old, st = self.policies[layer], self.stores[layer]
-        if layer in self.pending:  # (live rebalancing keeps no spare slots for promotions in flight)
-            raise AssertionError(f"layer {layer}: rehomed with promotions in flight")
         pol = Policy(st.owned, st.capacity, st.resident(), old.decay, old.promotions, old.hysteresis)
         pol.carry(old)
         self.policies[layer] = pol
-        self.live[layer] = pol.mask.copy()
 
     def summary(self) -> dict:
         res = sum(self.stores[la].resident_bytes() for la in self.layers)

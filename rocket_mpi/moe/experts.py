@@ -82,8 +82,6 @@ class ExpertStore:
         self.launches = 0
         self.file_reads = 0          # experts read from the checkpoint into a far slot, and their bytes
         self.file_bytes = 0
-        self.spares = 0                  # device (and far) slots set aside for promotions in flight (load, spares)
-        self.reserved: set[int] = set()  # spare slots that promotions in flight copy into (swap_begin)
         self.source: ExpertSource | None = None  # where loading read the experts (live rebalancing reads there too)
         self.gate_up = gate_up
         self.down = down
@@ -100,7 +98,7 @@ class ExpertStore:
     @classmethod
     def load(cls, reader: CheckpointReader, layer: int, owned: list[int], prefix: str | None = None,
              device=None, resident: list[int] | None = None, slots: int | None = None,
-             near: int | None = None, far_slots: int | None = None, spares: int = 0) -> "ExpertStore":
+             near: int | None = None, far_slots: int | None = None) -> "ExpertStore":
         """`prefix`: the experts' tensor-name prefix (default model.layers.{layer}.mlp.experts).
         On a GPU with the CUDA extension built, NVFP4 experts stay packed and run in the batch-invariant
         kernel (ops.nvfp4_experts), and BF16 experts are packed into the same kernel's BF16 tiles; otherwise they
@@ -109,9 +107,7 @@ class ExpertStore:
         the checkpoint when a step needs them. `slots`: room for this many experts (live rebalancing: a fixed
         number, more than owned leaves spare slots); `near`: how many of them in device memory (default: the
         resident experts', all where resident is None); `far_slots` (GPU, host memory short): at most this many far
-        slots, the far experts past them read from the checkpoint when a step needs them (compute, swap); `spares`
-        (GPU, packed, every far expert in a far slot): of the device slots, this many stay spare, and as many far slots
-        beside the far experts' (slots counts both), for promotions off the step's stream (moe/cache.py)."""
+        slots, the far experts past them read from the checkpoint when a step needs them (compute, swap)."""
         cfg = reader.config
         h, i, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         pre = prefix or f"model.layers.{layer}.mlp.experts"
@@ -169,8 +165,7 @@ class ExpertStore:
             store.packed = packer.done()
             store.unslotted = set(packer.unslotted)
             store.read_bytes_per_expert = per_expert
-            store.spares = spares
-            store.capacity = store.packed.near - spares
+            store.capacity = store.packed.near
         else:
             store.read_bytes_per_expert = dense_bytes
             store.fetch = src.dense
@@ -208,23 +203,6 @@ class ExpertStore:
         gu, d = self.fetch(e_in)
         del self.gate_up[e_out], self.down[e_out]
         self.gate_up[e_in], self.down[e_in] = gu.to(dev), d.to(dev)
-
-    def promotion_room(self) -> int:
-        """Swaps that can start now off the step's stream (swap_begin): spare device and far slot pairs of packed
-        experts that no swap in flight has taken (the cache's spares, ExpertStore.load `spares`); 0: swaps copy on
-        the step's stream (swap)."""
-        pk = self.packed
-        if pk is None or not self.spares:
-            return 0
-        free = [s for s in pk.free_slots() if s not in self.reserved]
-        return min(sum(s < pk.near for s in free), sum(s >= pk.near for s in free))
-
-    def swap_begin(self, e_in: int, e_out: int, stream=None) -> tuple[int, int]:
-        """A swap's copies into spare slots on `stream`, every expert still read where it is (PackedExperts)."""
-        return self.packed.swap_begin(e_in, e_out, self.reserved, stream)
-
-    def swap_end(self, e_in: int, e_out: int, near: int, far: int) -> None:
-        self.packed.swap_end(e_in, e_out, near, far, self.reserved)
 
     # -- live rebalancing (moe/rebalance.py) ---------------------------------------------
     def rehome(self, owned: list[int]) -> tuple[list[int], list[int], int]:

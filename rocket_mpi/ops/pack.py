@@ -50,7 +50,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
 
-import contextlib
 import math
 import weakref
 
@@ -449,35 +448,6 @@ class PackedExperts:
         self.s2_gu[[a, b]] = self.s2_gu[[b, a]]
         self.s2_dn[[a, b]] = self.s2_dn[[b, a]]
         self.slot[e_in], self.slot[e_out] = b, a
-
-    def swap_begin(self, e_in: int, e_out: int, reserved: set[int], stream=None) -> tuple[int, int]:
-        """The copies of a swap while every slot stays where it is: far expert e_in into a spare device slot, resident
-        expert e_out into a spare far slot (spares not in `reserved`, which gains both), on `stream` (None: the
-        current one), so steps still read both experts where they are meanwhile. swap_end then points the experts at
-        their new slots, once the copies are complete. -> (device slot, far slot)."""
-        a, b = self.slot[e_in], self.slot[e_out]
-        if a < self.near or b >= self.near:
-            raise ValueError(f"swap: expert {e_in} must be far and {e_out} resident (slots {a}, {b}, near {self.near})")
-        free = [s for s in self.free_slots() if s not in reserved]
-        near = next((s for s in free if s < self.near), None)
-        far = next((s for s in free if s >= self.near), None)
-        if near is None or far is None:
-            raise ValueError(f"swap of {e_in} for {e_out}: no spare device and far slot (spare: {free})")
-        self.s2_gu[near], self.s2_gu[far] = self.s2_gu[a], self.s2_gu[b]  # read only once the slots are pointed at
-        self.s2_dn[near], self.s2_dn[far] = self.s2_dn[a], self.s2_dn[b]
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for name in KERNEL_PARTS:
-                if getattr(self, name).numel():
-                    self.part(name, near).copy_(self.part(name, a), non_blocking=True)
-                    self.part(name, far).copy_(self.part(name, b), non_blocking=True)
-        reserved.update((near, far))
-        return near, far
-
-    def swap_end(self, e_in: int, e_out: int, near: int, far: int, reserved: set[int]) -> None:
-        """swap_begin's copies are complete: e_in is read from device slot `near`, e_out from far slot `far`; their
-        former slots become spare."""
-        self.slot[e_in], self.slot[e_out] = near, far
-        reserved.difference_update((near, far))
 
     @property
     def n_slots(self) -> int:

@@ -20,8 +20,7 @@ from rocket_mpi.errors import AgreedError, RocketError
 from rocket_mpi.fabric.base import Fabric, LocalFabric
 from rocket_mpi.model import model_class
 from rocket_mpi.model.layers import loading_for
-from rocket_mpi.moe.cache import (ExpertCache, expert_bytes, first_resident, plan_residency, promotion_spares,
-                                  warm_upkeep)
+from rocket_mpi.moe.cache import ExpertCache, expert_bytes, first_resident, plan_residency, warm_upkeep
 from rocket_mpi.moe.experts import ExpertStore
 from rocket_mpi.moe.placement import Placement
 from rocket_mpi.moe.rebalance import Rebalancer, fixed_slots
@@ -212,14 +211,10 @@ class Engine:
                     raise torch.OutOfMemoryError("ROCKET_FAULT: injected out of memory")
                 keep = self.cache_plan.capacity
                 room = max(len(owned), slots)
-                # bounded, packed on a GPU, every far expert in host memory, no live rebalancing: spare slots for
-                # promotions off the step's stream, out of the device slots
-                spares = (promotion_spares(keep) if keep < room and ops.on_gpu(self.device) and not slots
-                          and self.cache_plan.far_slots is None else 0)
                 self.experts[layer] = ExpertStore.load(self.reader, layer, owned, prefix(self.reader, layer),
                                                        self.device, None if keep >= room else
-                                                       first_resident(owned, keep - spares), room + 2 * spares,
-                                                       min(keep, room), self.cache_plan.far_slots, spares)
+                                                       first_resident(owned, keep), room, min(keep, room),
+                                                       self.cache_plan.far_slots)
                 loading.update()
             loading.close()
             if self.device.type != "cpu":

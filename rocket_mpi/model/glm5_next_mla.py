@@ -251,16 +251,16 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
     # packed copies dequantised for this prefill (the same bits)
     P = a.packed or {}
     q_a, kv_a, *wk = dense_linears(latent_input_linears(a)[0], P.get("h"))
-    q_resid = rms_norm(F.linear(h, q_a, a.q_a_bias), a.q_a_norm, args.eps)             # [T, q_lora]
-    q = F.linear(q_resid, dense_linears([a.q_b], P.get("q_b"))[0]).view(t, args.heads, args.qk_dim)
-    latent = rms_norm(F.linear(h, kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)           # [T, kv_lora]
+    q_resid = rms_norm(linear_rows(h, q_a, a.q_a_bias), a.q_a_norm, args.eps)             # [T, q_lora]
+    q = linear_rows(q_resid, dense_linears([a.q_b], P.get("q_b"))[0]).view(t, args.heads, args.qk_dim)
+    latent = rms_norm(linear_rows(h, kv_a, a.kv_a_bias), a.kv_a_norm, args.eps)           # [T, kv_lora]
     ix, iq, iw = a.indexer, None, None
     if ix is not None:
-        ik = F.layer_norm(F.linear(h, wk[0]), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
-        ig = F.linear(h, ix.gate)
+        ik = F.layer_norm(linear_rows(h, wk[0]), (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
+        ig = linear_rows(h, ix.gate)
         if any((p0 + n) // args.kpool > args.index_topk // args.kpool for p0, n in zip(starts, seqlens)):
             wq_b = dense_linears([ix.wq_b], P.get("wq_b"))[0]
-            iq = F.linear(q_resid, wq_b).view(t, args.index_heads, args.index_dim)      # some rows pick pools
+            iq = linear_rows(q_resid, wq_b).view(t, args.index_heads, args.index_dim)      # some rows pick pools
             iw = linear_rows(h, ix.weights).float() * args.index_heads ** -0.5         # [T, ih]
     sels, outs, off = [], [], 0
     for s, (p0, n) in enumerate(zip(starts, seqlens)):
@@ -278,7 +278,7 @@ def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens
         sels.append(sel)
         outs += _prefill_attention(a, q[off:off + n], c.latent[s], sel, args)
         off += n
-    return F.linear(torch.cat(outs), dense_linears([a.o], P.get("o"))[0], a.o_bias), sels
+    return linear_rows(torch.cat(outs), dense_linears([a.o], P.get("o"))[0], a.o_bias), sels
 
 
 def _prefill_attention(a: MLA, q: torch.Tensor, latents: torch.Tensor, sel: PoolSelection,
@@ -291,7 +291,7 @@ def _prefill_attention(a: MLA, q: torch.Tensor, latents: torch.Tensor, sel: Pool
     outs = []
     if sel.blocks[0][2] is None:
         end = sel.p0 + sel.n
-        kv = F.linear(latents[:end], a.kv_b).view(end, args.heads, args.qk_dim + args.v_dim)
+        kv = linear_rows(latents[:end], a.kv_b).view(end, args.heads, args.qk_dim + args.v_dim)
         k, v = (x.transpose(0, 1)[None] for x in kv.split([args.qk_dim, args.v_dim], dim=-1))  # [1, heads, end, .]
         for r0, r1, _, _ in sel.blocks:
             w = sel.p0 + r1

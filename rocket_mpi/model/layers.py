@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from rocket_mpi import ops
 from rocket_mpi.ops.norm import rms_norm_ref as rms_norm  # noqa: F401 (the families take the references from here)
 from rocket_mpi.ops.pack import TILE_N
-from rocket_mpi.ops.stack import swiglu_mlp  # noqa: F401
+from rocket_mpi.ops.stack import ROW_CLASS, linear_rows, swiglu_mlp  # noqa: F401
 
 
 
@@ -61,16 +61,6 @@ def distinct_writes():
 _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype=): bf16 in, fp32 out (CUDA)
 
 
-ROW_CLASS = 4  # the CPU GEMMs round a row the same way in every launch of at least this many rows
-
-
-def linear_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose rows do not depend on how many rows share the call (batch invariance): the CPU's fp32 GEMM
-    (MKL) sums a launch of 1, 2-3 and 4+ rows in different orders, so fewer than ROW_CLASS rows are padded to it."""
-    n = x.shape[0]
-    if x.is_cuda or n >= ROW_CLASS or n == 0:
-        return F.linear(x, w, b)
-    return F.linear(torch.cat((x, x[:1].expand(ROW_CLASS - n, *x.shape[1:]))), w, b)[:n]
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -197,7 +187,7 @@ def stack_linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, pac
     biases = biases or [None] * len(weights)
 
     def dense(xs, res):
-        outs = [F.linear(xs, w, b) for w, b in zip(dense_linears(weights, packs), biases)]
+        outs = [linear_rows(xs, w, b) for w, b in zip(dense_linears(weights, packs), biases)]
         if res:
             outs[0] = ops.add_residuals(outs[0], res)
         return outs
@@ -235,7 +225,7 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], biases=None, packs=Non
     only): + each in order (r + y, the stack's x + o), in the kernel's epilogue where it runs."""
     if packs is not None and x.shape[0] <= ops.STACK_KERNEL_MAX_ROWS:
         return ops.linear(x, packs, residual)
-    outs = [F.linear(x, w, b) for w, b in zip(dense_linears(weights, packs), biases or [None] * len(weights))]
+    outs = [linear_rows(x, w, b) for w, b in zip(dense_linears(weights, packs), biases or [None] * len(weights))]
     if residual:
         outs[0] = ops.add_residuals(outs[0], residual)
     return outs
@@ -302,7 +292,7 @@ def head_logits(model, h: torch.Tensor) -> torch.Tensor:
     own, at any row count), else F.linear."""
     if model.head_packed is not None:
         return ops.linear(h, model.head_packed)[0]
-    return F.linear(h, model.lm_head)
+    return linear_rows(h, model.lm_head)
 
 
 def held(obj, *names) -> list:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from rocket_mpi import ops
+from rocket_mpi.ops.stack import linear_rows
 from rocket_mpi.checkpoint.reader import CheckpointReader
 
 
@@ -328,11 +329,12 @@ class ExpertStore:
                 continue
             xe = x[tokens[start:end]]                                        # [n_e, H]
             w_gu, w_dn = self._weights(e)
-            gate, up = F.linear(xe, w_gu.to(xe.device)).chunk(2, dim=-1)
+            # linear_rows: an expert's rows whatever how many the batch routes to it
+            gate, up = linear_rows(xe, w_gu.to(xe.device)).chunk(2, dim=-1)
             if self.swiglu_limit is not None:  # GLM-5.3-Flash: clamp before the activation
                 gate = gate.clamp(max=self.swiglu_limit)
                 up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-            out[start - base:end - base] = F.linear(F.silu(gate) * up, w_dn.to(xe.device))
+            out[start - base:end - base] = linear_rows(F.silu(gate) * up, w_dn.to(xe.device))
         return out
 
     def to(self, device) -> "ExpertStore":

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.ops import _ext
+from rocket_mpi.ops.stack import linear_rows
 
 
 def route_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
@@ -15,7 +15,7 @@ def route_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: Mo
     fp32 logits, sigmoid, + e_score_correction_bias for choice only, group-limited top-k, weights are
     the unbiased scores of the chosen, normalised, times routed_scaling_factor.
     """
-    return route_logits(F.linear(x.float(), weight), bias, cfg)
+    return route_logits(linear_rows(x.float(), weight), bias, cfg)  # a row's logits whatever the batch
 
 
 def route_logits(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

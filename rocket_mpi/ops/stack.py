@@ -52,6 +52,18 @@ from rocket_mpi.ops.pack import (TILE_K, TILE_N, PackedExperts, _parts, deinterl
                                  pack_bf16_direct, pack_codes, pack_experts, pack_experts_bf16, padded_codes, round_up,
                                  unpack_bf16, unpack_bf16_direct)
 
+ROW_CLASS = 4  # the CPU GEMMs round a row the same way in every launch of at least this many rows
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose rows do not depend on how many rows share the call (batch invariance): the CPU's GEMMs (MKL,
+    oneDNN) sum a launch of 1, 2-3 and 4+ rows in different orders, so fewer than ROW_CLASS rows are padded to it."""
+    n = x.shape[0]
+    if x.is_cuda or n >= ROW_CLASS or n == 0:
+        return F.linear(x, w, b)
+    return F.linear(torch.cat((x, x[:1].expand(ROW_CLASS - n, *x.shape[1:]))), w, b)[:n]
+
+
 FUSE_ALIGN = 2 * TILE_N  # features of one warp in the kernel: fused parts must end on these
 # Steps of at most this many rows take the packed copies; larger ones (and prefill) cuBLAS on the dense weights,
 # which is faster there (the graphed step on the H200 crosses over between 16 and 32 rows).
@@ -85,10 +97,10 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit
                ) -> torch.Tensor:
     """x [T, H] @ gate_up [2I, H] -> silu(gate) * up [T, I] -> @ down [H, I] -> [T, H]. With `limit`
     (GLM-5.3-Flash's swiglu_limit): gate.clamp(max=limit) and up.clamp(-limit, limit) before the activation."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    gate, up = linear_rows(x, gate_up).chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.linear(F.silu(gate) * up, down)
+    return linear_rows(F.silu(gate) * up, down)
 
 
 def is_stored(w) -> bool:
@@ -166,7 +178,7 @@ def linear_ref(x: torch.Tensor, p: PackedLinear) -> list[torch.Tensor]:
     outs, start = [], 0
     for w, e in zip(unpack_linear(p), p.ends):
         b = None if p.bias is None else p.bias[start:e]
-        outs.append(F.linear(x, w, b))
+        outs.append(linear_rows(x, w, b))
         start = e
     return outs
 

@@ -84,6 +84,26 @@ def test_every_stream_alone_equals_batched_and_ended_streams_change_nothing(monk
     assert_alone_equals_batched(e, p, n, 2, f"{case}: ")
 
 
+@pytest.mark.parametrize("case", ["tiny", "dsa-tiny", "glm5-tiny"])
+def test_cpu_linears_see_the_row_class(monkeypatch, case):
+    """A CPU GEMM may round a row differently in a call of 1-3 rows than in one of 4 or more (MKL and oneDNN pick
+    kernels by the row count, and which counts differ varies by CPU), so every linear of a CPU forward pads its rows
+    to ops.stack.ROW_CLASS (linear_rows): a stream decoded alone then meets the kernels a batch does. Every F.linear
+    call of one stream's prefill and decode has at least ROW_CLASS rows."""
+    from rocket_mpi.ops.stack import ROW_CLASS
+    preset, cfg, *_ = CASES[case]
+    e = _engine(monkeypatch, preset, cfg)
+    real, small = torch.nn.functional.linear, []
+
+    def linear(x, w, b=None):
+        if not x.is_cuda and x.dim() == 2 and x.shape[0] < ROW_CLASS:
+            small.append((tuple(x.shape), tuple(w.shape)))
+        return real(x, w, b)
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    e.generate([default_prompts(1, e.cfg.vocab_size)[0]], 4)
+    assert not small, f"{case}: CPU linears of fewer than {ROW_CLASS} rows (x, w shapes): {sorted(set(small))}"
+
+
 def assert_alone_equals_batched(e, p: list[list[int]], n: int, eos_at: int, label: str = "") -> None:
     """Each stream of `p` decoded alone for n steps has the logits it has in the batch, and beside streams that end
     early (stream 0's token at step eos_at made an end-of-text id)."""

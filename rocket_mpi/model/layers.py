@@ -61,8 +61,6 @@ def distinct_writes():
 _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()   # bmm(..., out_dtype=): bf16 in, fp32 out (CUDA)
 
 
-
-
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, m, k] @ b [B, k, n] (or one b [k, n] for every batch) of bf16 values -> fp32 [B, m, n]: bf16 products
     (exact in fp32), fp32 sums. On a GPU the bf16 tensor cores (bmm / mm with out_dtype); on the CPU, or a torch

@@ -329,7 +329,7 @@ class ExpertStore:
                 continue
             xe = x[tokens[start:end]]                                        # [n_e, H]
             w_gu, w_dn = self._weights(e)
-            # linear_rows: an expert's rows whatever how many the batch routes to it
+            # linear_rows: a row's bits whatever number of rows the batch routes to its expert
             gate, up = linear_rows(xe, w_gu.to(xe.device)).chunk(2, dim=-1)
             if self.swiglu_limit is not None:  # GLM-5.3-Flash: clamp before the activation
                 gate = gate.clamp(max=self.swiglu_limit)

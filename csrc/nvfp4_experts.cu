@@ -269,6 +269,16 @@ __device__ __forceinline__ void issue_weights(char* s_codes, char* s_scales, con
   }
 }
 
+// This lane's NVFP4 codes and scales of its kFT tiles in weight ring slot st (what it copied there itself).
+__device__ __forceinline__ void read_slot(const char* s_codes, const char* s_scales, int st, uint4 (&qv)[kFT],
+                                          uint2 (&sv)[kFT]) {
+#pragma unroll
+  for (int i = 0; i < kFT; ++i) {
+    qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
+    sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
+  }
+}
+
 // n k-tiles issued: move the weight pointers on.
 template <bool kBf16>
 __device__ __forceinline__ void advance_weights(const uint8_t* (&qp)[kFT], const uint8_t* (&sp)[kFT], int n) {
@@ -403,11 +413,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     } else {
       uint4 qv[kFT];
       uint2 sv[kFT];
-#pragma unroll
-      for (int i = 0; i < kFT; ++i) {
-        qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStage + i * 512);
-        sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStage + i * 256);
-      }
+      read_slot(s_codes, s_scales, st, qv, sv);
 #pragma unroll
       for (int pp = 0; pp < 2; ++pp) {
         uint4 bh[RT];
@@ -617,11 +623,7 @@ __device__ __forceinline__ void mainloop_wg(const GemmParams& p, int slot, int t
     dev::cp_async_commit();
     uint4 qv[kFT];
     uint2 sv[kFT];
-#pragma unroll
-    for (int i = 0; i < kFT; ++i) {
-      qv[i] = *reinterpret_cast<const uint4*>(s_codes + st * kStageBytes + i * 512);
-      sv[i] = *reinterpret_cast<const uint2*>(s_scales + st * kStageBytes + i * 256);
-    }
+    read_slot(s_codes, s_scales, st, qv, sv);
     const uint32_t rows = ring + (g % kRowsRing) * kRowsStage + (j % G) * kRowsTileBytes;
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {

@@ -15,7 +15,7 @@ HOW = ("to build it: install a CUDA torch and nvcc first, then pip install --no-
        "(or -e . for a checkout)")
 SOURCES = ["csrc/bindings.cpp", "csrc/nvfp4_experts.cu", "csrc/scatter.cu", "csrc/moe_plan.cu", "csrc/ipc_bells.cu",
            "csrc/decode_ops.cu", "csrc/router.cu", "csrc/hc.cu", "csrc/kda.cu", "csrc/proxy_bells.cu", "csrc/proxy.cpp",
-           "csrc/decode_attention.cu"]
+           "csrc/decode_attention.cu", "csrc/mla.cu"]
 
 
 def note(msg: str) -> None:

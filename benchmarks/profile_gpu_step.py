@@ -4,6 +4,13 @@ under torch.profiler, kernels summed per step.
     python benchmarks/profile_gpu_step.py preset:air8:nvfp4 [M]
     mpirun -n 2 python benchmarks/profile_gpu_step.py preset:air8 [M] [fabric]    # one table per rank, one GPU each
     python benchmarks/profile_gpu_step.py preset:glm5-flash-4l:nvfp4 1 --capacity 4096   # a long run's cache
+    python benchmarks/profile_gpu_step.py preset:glm5-flash-4l:nvfp4 1 \
+        --ranges rocket_mpi.model.glm5_next_mla:mla_decode,_pool_decode,_absorbed    # device time per function
+
+--ranges MODULE:FN[,FN...] (repeatable) wraps those module-level functions in profiler ranges for the profiled steps
+and prints each one's calls, kernels and device time per step: the kernels of the torch ops it runs, those of the
+ranges it calls included (the profiler does not link the extension's launches to a range; they are in the kernel
+table). A function is wrapped where it is looked up when called: in the module that calls it.
 
 Under mpirun each rank loads its share of the experts and exchanges rows over the fabric (default cuda-ipc),
 as `rocket_mpi decode` does; a rank's exchange kernel time includes its wait for the slower rank.
@@ -15,8 +22,11 @@ launched ahead of the host's reads (Engine.steps_ahead) would put the next step'
 steps' window: one step at a time here.
 """
 import argparse
+import functools
+import importlib
+from contextlib import ExitStack
 
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from rocket_mpi.checkpoint.synthetic import SyntheticReader
 from rocket_mpi.fabric import make_fabric
@@ -39,6 +49,8 @@ def main() -> int:
     ap.add_argument("--capacity", type=int, default=0, help="cache positions per stream (the fixed step spans them)")
     ap.add_argument("--pdl", type=int, default=0, choices=PDL, help="the expert and MLP kernels' pdl (default 0: off)")
     ap.add_argument("--rows", type=int, default=30, help="kernels listed (default 30)")
+    ap.add_argument("--ranges", action="append", default=[], metavar="MODULE:FN[,FN...]",
+                    help="functions timed as profiler ranges (repeatable)")
     a = ap.parse_args()
     comm = world()
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
@@ -49,7 +61,8 @@ def main() -> int:
     if size > 1:
         eng.fabric = make_fabric(a.fabric, comm, eng.max_rows([prompts]), eng.cfg.hidden_size, 60.0, device=dev)
     eng.set_decode_path("device", a.fabric if size > 1 else "local")
-    prof = profile(activities=[ProfilerActivity.CUDA])
+    # the ranges are CPU events whose kernels the profiler links to them
+    prof = profile(activities=[ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * bool(a.ranges))
 
     def on_step(step, logits):  # decode steps 2..STEPS+1 only: no prefill, no first-step warm-up
         if step == 1:
@@ -57,11 +70,12 @@ def main() -> int:
         elif step == STEPS + 1:
             prof.stop()
 
-    with applied(eng, {"experts_pdl": a.pdl, "mlp_pdl": a.pdl, "steps_ahead": 0}):
+    with applied(eng, {"experts_pdl": a.pdl, "mlp_pdl": a.pdl, "steps_ahead": 0}), ExitStack() as undo:
+        names = ranged(a.ranges, undo)
         eng.generate(prompts, 4, capacity=a.capacity)
         eng.generate(prompts, STEPS + 2, on_step=on_step, capacity=a.capacity)
-    rows = sorted(((getattr(e, "self_device_time_total", 0), e.count, e.key) for e in prof.key_averages()),
-                  reverse=True)
+    rows = sorted(((getattr(e, "self_device_time_total", 0), e.count, e.key) for e in prof.key_averages()
+                   if e.device_type.name != "CPU" and e.key not in names), reverse=True)  # kernels, not the ranges
     total = sum(r[0] for r in rows)
     cap = f", cache capacity {a.capacity}" if a.capacity else ""
     lines = [f"rank {rank} of {size}, M={a.m}{cap}: device kernel time {total / STEPS / 1e3:.3f} ms per step "
@@ -70,12 +84,45 @@ def main() -> int:
              f"expert and MLP kernels' pdl {a.pdl}, no steps launched ahead)",
              f"{'us/step':>9} {'calls/step':>10}  kernel"]
     lines += [f"{t / STEPS:>9.1f} {c / STEPS:>10.1f}  {k[:110]}" for t, c, k in rows[:a.rows]]
+    if names:
+        lines += ["", f"{'us/step':>9} {'calls/step':>10} {'kernels/step':>12}  range"]
+        for e in prof.events():
+            if e.name in names and e.device_type.name == "CPU":
+                names[e.name][0] += 1
+                names[e.name][1] += _kernels(e)
+                names[e.name][2] += e.device_time_total
+        lines += [f"{t / STEPS:>9.1f} {n / STEPS:>10.1f} {k / STEPS:>12.1f}  {name}"
+                  for name, (n, k, t) in names.items()]
     out = comm.gather("\n".join(lines), root=0) if comm else ["\n".join(lines)]
     if rank == 0:
         print("\n\n".join(out))
     if size > 1:
         eng.fabric.close()
     return 0
+
+
+def ranged(specs: list[str], undo: ExitStack) -> dict[str, list]:
+    """Wrap MODULE:FN[,FN...] in profiler ranges named MODULE.FN until undo closes -> {name: [calls, kernels, us]}."""
+    names = {}
+    for spec in specs:
+        mod_name, _, fns = spec.partition(":")
+        mod = importlib.import_module(mod_name)
+        for fn_name in filter(None, fns.split(",")):
+            fn, name = getattr(mod, fn_name), f"{mod_name.rsplit('.', 1)[-1]}.{fn_name}"
+
+            @functools.wraps(fn)
+            def wrapper(*args, _fn=fn, _name=name, **kw):
+                with record_function(_name):
+                    return _fn(*args, **kw)
+            setattr(mod, fn_name, wrapper)
+            undo.callback(setattr, mod, fn_name, fn)
+            names[name] = [0, 0, 0.0]
+    return names
+
+
+def _kernels(event) -> int:
+    """Device kernels launched under a profiler event, its children's included."""
+    return len(event.kernels) + sum(_kernels(c) for c in event.cpu_children)
 
 
 if __name__ == "__main__":

@@ -1079,6 +1079,119 @@ torch::Tensor decode_softmax(const torch::Tensor& scores, const torch::Tensor& p
   return probs;
 }
 
+// Rows [M, n] bf16 whose elements are contiguous (rows may be a view's, stride(0) apart).
+void expect_rows(const torch::Tensor& t, const char* name, int64_t m, int64_t n, const c10::Device& dev) {
+  ROCKET_CHECK(t.is_cuda() && t.device() == dev, name << " must be on " << dev << ", got " << t.device());
+  ROCKET_CHECK(t.scalar_type() == torch::kBFloat16, name << " is " << t.scalar_type() << ", expected BFloat16");
+  ROCKET_CHECK(t.dim() == 2 && t.size(0) == m && t.size(1) == n && t.stride(1) == 1 && t.stride(0) >= n,
+               name << " must be [" << m << ", " << n << "] with contiguous rows, got " << t.sizes() << " strides "
+                    << t.strides());
+}
+
+// GLM-5.3-Flash's MLA decode step into its caches (mla.cu): the latent rows [M, kv_lora] at pos of cache rows index
+// (None: row r), and where key is given, the indexer's keys (LayerNorm'd) and gates, and the pools they complete.
+void mla_cache_step(const torch::Tensor& latent, const torch::Tensor& latent_cache, const torch::Tensor& pos,
+                    const std::optional<torch::Tensor>& index, const std::optional<torch::Tensor>& key,
+                    const std::optional<torch::Tensor>& gate, const std::optional<torch::Tensor>& ln_w,
+                    const std::optional<torch::Tensor>& ln_b, const std::optional<torch::Tensor>& ape,
+                    const std::optional<torch::Tensor>& key_cache, const std::optional<torch::Tensor>& gate_cache,
+                    const std::optional<torch::Tensor>& pool_cache, double eps) {
+  const c10::Device dev = latent.device();
+  expect(latent_cache, "latent_cache", torch::kBFloat16, 3, dev, 2);
+  expect(pos, "pos", torch::kLong, 1, dev, 8);
+  const int64_t m = pos.numel(), rows = latent_cache.size(0), cap = latent_cache.size(1), kv = latent_cache.size(2);
+  expect_rows(latent, "latent", m, kv, dev);
+  if (index) {
+    expect(*index, "index", torch::kLong, 1, dev, 8);
+    ROCKET_CHECK(index->numel() == m, "mla_cache_step: index " << index->sizes() << " for " << m << " rows");
+  }
+  rocket::MlaCacheStep a{};
+  a.latent = latent.data_ptr();
+  a.latent_stride = latent.stride(0);
+  a.latent_cache = latent_cache.data_ptr();
+  a.index = index ? index->data_ptr<int64_t>() : nullptr;
+  a.pos = pos.data_ptr<int64_t>();
+  a.cache_rows = rows;
+  a.rows = static_cast<int>(m);
+  a.kv_lora = static_cast<int>(kv);
+  a.cap = static_cast<int>(cap);
+  ROCKET_CHECK(m <= INT_MAX && cap <= INT_MAX, "mla_cache_step: " << m << " rows, capacity " << cap);
+  if (key) {
+    ROCKET_CHECK(gate && ln_w && ln_b && ape && key_cache && gate_cache && pool_cache,
+                 "mla_cache_step: a key needs gate, ln_w, ln_b, ape and the key, gate and pool caches");
+    const int64_t d = key->size(-1);
+    expect_rows(*key, "key", m, d, dev);
+    expect_rows(*gate, "gate", m, d, dev);
+    expect(*ln_w, "ln_w", torch::kBFloat16, 1, dev, 2);
+    expect(*ln_b, "ln_b", torch::kBFloat16, 1, dev, 2);
+    expect(*ape, "ape", torch::kFloat, 2, dev, 4);
+    expect(*key_cache, "key_cache", torch::kBFloat16, 3, dev, 2);
+    expect(*gate_cache, "gate_cache", torch::kBFloat16, 3, dev, 2);
+    expect(*pool_cache, "pool_cache", torch::kBFloat16, 3, dev, 2);
+    const int64_t kp = ape->size(0);
+    ROCKET_CHECK(ln_w->numel() == d && ln_b->numel() == d && ape->size(1) == d && kp > 0 &&
+                     key_cache->sizes() == gate_cache->sizes() && key_cache->size(0) == rows &&
+                     key_cache->size(1) == cap && key_cache->size(2) == d && pool_cache->size(0) == rows &&
+                     pool_cache->size(2) == d && pool_cache->size(1) > (cap - 1) / kp,
+                 "mla_cache_step: key [" << m << ", " << d << "], ln " << ln_w->sizes() << " " << ln_b->sizes()
+                                         << ", ape " << ape->sizes() << ", caches " << key_cache->sizes() << " "
+                                         << gate_cache->sizes() << " " << pool_cache->sizes() << " beside latents "
+                                         << latent_cache.sizes());
+    a.key = key->data_ptr();
+    a.key_stride = key->stride(0);
+    a.gate = gate->data_ptr();
+    a.gate_stride = gate->stride(0);
+    a.ln_w = ln_w->data_ptr();
+    a.ln_b = ln_b->data_ptr();
+    a.ape = ape->data_ptr<float>();
+    a.key_cache = key_cache->data_ptr();
+    a.gate_cache = gate_cache->data_ptr();
+    a.pool_cache = pool_cache->data_ptr();
+    a.dim = static_cast<int>(d);
+    a.pools = static_cast<int>(pool_cache->size(1));
+    a.kpool = static_cast<int>(kp);
+    a.eps = static_cast<float>(eps);
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  rocket::launch_mla_cache_step(a, c10::cuda::getCurrentCUDAStream().stream());
+}
+
+// fp32 scores [M, heads, span] -> bf16 probabilities over each stream's visible columns (mla.cu): valid [M, span],
+// or (valid None) positions below pos + 1 (tail) or below the complete pools' end.
+torch::Tensor mla_softmax(const torch::Tensor& scores, const std::optional<torch::Tensor>& valid,
+                          const std::optional<torch::Tensor>& pos, double scale, int64_t kpool, bool tail) {
+  const c10::Device dev = scores.device();
+  expect(scores, "scores", torch::kFloat, 3, dev, 4);
+  const int64_t m = scores.size(0), span = scores.size(2);
+  ROCKET_CHECK(m <= INT_MAX && scores.size(1) <= INT_MAX && span > 0 && span <= INT_MAX,
+               "mla_softmax: scores " << scores.sizes());
+  ROCKET_CHECK(valid.has_value() != pos.has_value(), "mla_softmax: give valid or pos, one of them");
+  if (valid) {
+    expect(*valid, "valid", torch::kBool, 2, dev, 1);
+    ROCKET_CHECK(valid->size(0) == m && valid->size(1) == span,
+                 "mla_softmax: valid " << valid->sizes() << " for scores " << scores.sizes());
+  } else {
+    expect(*pos, "pos", torch::kLong, 1, dev, 8);
+    ROCKET_CHECK(pos->numel() == m && kpool > 0, "mla_softmax: pos " << pos->sizes() << ", kpool " << kpool
+                                                                     << " for scores " << scores.sizes());
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  auto probs = torch::empty(scores.sizes(), scores.options().dtype(torch::kBFloat16));
+  rocket::MlaSoftmax a{};
+  a.scores = scores.data_ptr<float>();
+  a.valid = valid ? valid->data_ptr<bool>() : nullptr;
+  a.pos = pos ? pos->data_ptr<int64_t>() : nullptr;
+  a.probs = probs.data_ptr();
+  a.streams = static_cast<int>(m);
+  a.heads = static_cast<int>(scores.size(1));
+  a.span = static_cast<int>(span);
+  a.kpool = static_cast<int>(std::max<int64_t>(kpool, 1));
+  a.tail = tail;
+  a.scale = static_cast<float>(scale);
+  rocket::launch_mla_softmax(a, c10::cuda::getCurrentCUDAStream().stream());
+  return probs;
+}
+
 // GLM-4.x decode attention, batch-invariant (decode_attention.cu): q [rows, hq, d] bf16 over the caches
 // [streams, hkv, cap, d] bf16 at positions 0..pos[r] (at most span) of cache row index[r] (row r where index is None)
 // -> [rows, hq, d] bf16; the combine's scratch allocated here where the span takes two chunks or more.
@@ -1214,6 +1327,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("kc"),
         py::arg("vc"), py::arg("pos"), py::arg("table") = false);
   m.def("decode_softmax", &decode_softmax, "attention probabilities of one query per stream, keys past pos hidden");
+  m.def("mla_cache_step", &mla_cache_step, "GLM-5.3-Flash MLA decode step into the caches: latents, indexer keys "
+        "(LayerNorm) and gates, and the pools they complete, one launch", py::arg("latent"), py::arg("latent_cache"),
+        py::arg("pos"), py::arg("index") = py::none(), py::arg("key") = py::none(), py::arg("gate") = py::none(),
+        py::arg("ln_w") = py::none(), py::arg("ln_b") = py::none(), py::arg("ape") = py::none(),
+        py::arg("key_cache") = py::none(), py::arg("gate_cache") = py::none(), py::arg("pool_cache") = py::none(),
+        py::arg("eps") = 1e-6);
+  m.def("mla_softmax", &mla_softmax, "MLA decode attention probabilities over each stream's visible columns",
+        py::arg("scores"), py::arg("valid") = py::none(), py::arg("pos") = py::none(), py::arg("scale") = 1.0,
+        py::arg("kpool") = 1, py::arg("tail") = true);
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "
         "with by_canon and sum, also sum += the rows' checksum; then + each residual in order", py::arg("rows"),

@@ -316,6 +316,41 @@ void launch_decode_softmax(const void* scores, const int64_t* pos, int streams, 
 void launch_kv_append(void* kc, void* vc, const void* k, const void* v, const int64_t* pos, int streams, int hkv,
                       int cap, int d, cudaStream_t stream);
 
+// ---- GLM-5.3-Flash's MLA decode glue (mla.cu; the torch ops it replaces: rocket_mpi/model/glm5_next_mla.py) ----
+// One token per stream r: its latent row (and with an indexer, its key through the LayerNorm and its gate) into the
+// caches at pos[r] of cache row index[r] (r where index is null), and the key of the pool it completes.
+struct MlaCacheStep {
+  const void* latent;                // [rows, kv_lora] bf16, rows latent_stride elements apart
+  const void* key;                   // [rows, dim] bf16 before the LayerNorm (key_stride); null: no indexer
+  const void* gate;                  // [rows, dim] bf16 (gate_stride)
+  const void* ln_w;                  // [dim] bf16: the key's LayerNorm
+  const void* ln_b;                  // [dim] bf16
+  const float* ape;                  // [kpool, dim] fp32: the pool softmax's per-slot bias
+  void* latent_cache;                // [cache_rows, cap, kv_lora] bf16
+  void* key_cache;                   // [cache_rows, cap, dim] bf16
+  void* gate_cache;                  // [cache_rows, cap, dim] bf16
+  void* pool_cache;                  // [cache_rows, pools, dim] bf16
+  const int64_t* index;              // [rows] or null
+  const int64_t* pos;                // [rows]
+  int64_t latent_stride, key_stride, gate_stride, cache_rows;
+  int rows, kv_lora, dim, cap, pools, kpool;
+  float eps;
+};
+void launch_mla_cache_step(const MlaCacheStep& a, cudaStream_t stream);
+
+// probs [streams, heads, span] bf16 = softmax of scores x scale over each stream's visible columns (valid [streams,
+// span], or where valid is null the prefix that pos, kpool and tail give), 0 elsewhere, NaN where none is visible.
+struct MlaSoftmax {
+  const float* scores;               // [streams, heads, span] fp32
+  const bool* valid;                 // [streams, span] or null
+  const int64_t* pos;                // [streams]: read where valid is null
+  void* probs;                       // [streams, heads, span] bf16
+  int streams, heads, span, kpool;
+  bool tail;                         // the incomplete pool's positions up to pos are visible too
+  float scale;
+};
+void launch_mla_softmax(const MlaSoftmax& a, cudaStream_t stream);
+
 // ---- GLM-4.x decode attention, batch-invariant (decode_attention.cu; the reference: rocket_mpi/ops/attention.py) ----
 // Row r's query heads [hq, d] over its cache row's positions 0..pos[r] (at most span), split into chunks of
 // kDecodeAttentionChunk positions from position 0: every sum's order is set by the row's own length.

@@ -7,7 +7,10 @@ CPU tests (always run):
 GPU tests (skip, saying why, without a GPU or the extension):
   - hc_pre / hc_post within rounding of the torch ops and row invariant, the norm in hc_finish's launch;
   - KDA decode within rounding of the torch loop, three steps in a row; a prefill's tokens in one launch give
-    the bits of one launch per token.
+    the bits of one launch per token;
+  - the MLA decode glue (csrc/mla.cu): the cache writes and completed pools' keys against mla_decode's torch
+    writes and _pool_decode, the softmax against latent_attention's mask and softmax, each stream's bits alone as
+    in its batch.
 """
 import pytest
 import torch
@@ -209,3 +212,141 @@ def test_gpu_kda_prefill_in_one_launch(heads, dk, lb):
                            torch.tensor(streams, device="cuda"), heads, dk, lb, args.eps, [1, 11, 2, 36])
 
 
+
+
+def _mla_case(streams, kv_lora, d, kp, cap, seed):
+    from rocket_mpi.model.glm5_next_mla import Indexer, MlaArgs, MlaCache
+    gen = torch.Generator().manual_seed(seed)
+    args = MlaArgs(heads=4, qk_dim=16, v_dim=16, kv_lora=kv_lora, eps=1e-5, index_heads=2, index_dim=d,
+                   index_topk=2 * kp, kpool=kp, select_tail=True)
+    bf = torch.bfloat16
+    ix = Indexer(wq_b=None, wk=None, k_norm_w=(torch.rand(d, generator=gen) + 0.5).to(bf),
+                 k_norm_b=(torch.randn(d, generator=gen) * 0.1).to(bf), weights=None,
+                 ape=torch.randn(kp, d, generator=gen).to(bf).float(), gate=None)
+    cache = MlaCache(streams, cap, args, True)
+    for t in cache.tensors():  # earlier tokens' rows: the pools read them
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return gen, args, ix, cache
+
+
+@gpu
+@pytest.mark.parametrize("streams,kv_lora,d,kp", [(3, 32, 16, 4), (8, 512, 128, 16), (2, 96, 200, 5)])
+def test_gpu_mla_cache_step_matches_torch(streams, kv_lora, d, kp):
+    """ops.mla_cache_step against mla_decode's torch writes and _pool_decode on copies of one cache, at positions
+    that complete a pool and that do not, streams in another order than the rows: the latent and gate rows are the
+    same bits, the LayerNorm'd key and the pools' keys within a bf16 rounding, nothing else in the caches moves;
+    and each row alone writes the bits it writes in the launch."""
+    from dataclasses import replace
+    from rocket_mpi.model.glm5_next_mla import _pool_decode
+    import torch.nn.functional as F
+    gen, args, ix, cache = _mla_case(streams, kv_lora, d, kp, cap=8 * kp + 3, seed=streams * 7 + d)
+    m = streams - 1 if streams > 2 else streams
+    index = torch.randperm(streams, generator=gen)[:m]
+    pos = torch.tensor([(kp - 1 + i * kp) if i % 2 == 0 else (i * 3 + 1) % (4 * kp) for i in range(m)])
+    latent = torch.randn(m, kv_lora, generator=gen).bfloat16()
+    wide = torch.randn(m, 2 * d + 8, generator=gen).bfloat16()   # key and gate as views of one output, as linears'
+    key, gate = wide[:, :d], wide[:, d + 8:]
+    cu = lambda t: t.cuda()  # noqa: E731
+    ixc = replace(ix, k_norm_w=cu(ix.k_norm_w), k_norm_b=cu(ix.k_norm_b), ape=cu(ix.ape))
+    ref, got = _mla_cache_copy(cache), _mla_cache_copy(cache)
+    ic, pc, lc, kc, gc = cu(index), cu(pos), cu(latent), cu(wide)[:, :d], cu(wide)[:, d + 8:]
+    ref.latent[ic, pc] = lc
+    ref.index_k[ic, pc] = F.layer_norm(kc, (d,), ixc.k_norm_w, ixc.k_norm_b, 1e-6)
+    ref.index_gate[ic, pc] = gc
+    _pool_decode(ixc, ref, pc, args, ic)
+    ops.mla_cache_step(got, lc, pc, ic, kc, gc, ixc)
+    assert torch.equal(got.latent, ref.latent) and torch.equal(got.index_gate, ref.index_gate)
+    for name in ("index_k", "pool_k"):
+        g, r = getattr(got, name).float(), getattr(ref, name).float()
+        assert torch.allclose(g, r, rtol=2 ** -7, atol=2 ** -7), (name, float((g - r).abs().max()))
+    assert not torch.equal(got.pool_k, cu(cache.pool_k))  # some token completed a pool
+    for r in range(m):  # a row alone: the bits of the launch
+        one = _mla_cache_copy(cache)
+        ops.mla_cache_step(one, lc[r:r + 1], pc[r:r + 1], ic[r:r + 1], kc[r:r + 1], gc[r:r + 1], ixc)
+        s, p = int(index[r]), int(pos[r])
+        assert torch.equal(one.latent[s, p], got.latent[s, p]) and torch.equal(one.index_k[s, p], got.index_k[s, p])
+        assert torch.equal(one.pool_k[s], got.pool_k[s])
+    plain = _mla_cache_copy(cache)  # no indexer: the latent rows only
+    ops.mla_cache_step(plain, lc, pc, ic)
+    assert torch.equal(plain.latent, ref.latent) and torch.equal(plain.index_k, cu(cache.index_k))
+
+
+def _mla_cache_copy(cache):
+    import copy
+    out = copy.copy(cache)
+    for name in ("latent", "index_k", "index_gate", "pool_k"):
+        setattr(out, name, getattr(cache, name).cuda().clone())
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("m,heads,span,kp,tail", [(3, 4, 24, 4, True), (8, 64, 256, 16, True), (2, 8, 37, 4, False),
+                                                  (1, 64, 2064, 16, True)])
+def test_gpu_mla_softmax_matches_torch(m, heads, span, kp, tail):
+    """ops.mla_softmax against latent_attention's mask and softmax (fp32, then bf16): with a mask, and with the
+    visible prefix from pos as _chosen_all marks it (a stream with nothing visible NaN, as torch gives); within a
+    bf16 rounding, exactly 0 where hidden; a stream alone gets its bits in the batch."""
+    from rocket_mpi.model.glm5_next_mla import MlaArgs, _chosen_all
+    gen = torch.Generator().manual_seed(m * 131 + span)
+    scores = (torch.randn(m, heads, span, generator=gen) * 8).cuda()
+    scale = 0.0625
+    args = MlaArgs(heads=heads, qk_dim=16, v_dim=16, kv_lora=16, eps=1e-5, index_heads=1, index_dim=16,
+                   index_topk=span, kpool=kp, select_tail=tail)
+    pos = torch.randint(0, span, (m,), generator=gen)
+    pos[0] = 0 if not tail else span - 1                       # no complete pool yet without the tail: NaN
+    valid = torch.rand(m, span, generator=gen) < 0.7
+    for mask, kw in ((valid.cuda(), {"valid": valid.cuda()}),
+                     (_chosen_all(pos.cuda(), span, args), {"pos": pos.cuda(), "kpool": kp, "tail": tail})):
+        ref = (scores * scale).masked_fill(~mask[:, None, :], float("-inf")).softmax(dim=-1).to(torch.bfloat16)
+        got = ops.mla_softmax(scores, scale, **kw)
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert torch.equal(got.isnan(), ref.isnan())
+        g, r = got.float().nan_to_num(), ref.float().nan_to_num()
+        assert torch.allclose(g, r, rtol=2 ** -7, atol=1e-6), float((g - r).abs().max())
+        assert torch.all(g[~mask[:, None, :].expand_as(g)] == 0)
+        for s in range(m):
+            one = ops.mla_softmax(scores[s:s + 1], scale, **{k: (v[s:s + 1] if torch.is_tensor(v) else v)
+                                                            for k, v in kw.items()})
+            assert torch.equal(one.nan_to_num(), got[s:s + 1].nan_to_num())
+
+
+def _mla_decode_fused_against_torch(dev):
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.model.glm5_next_mla import MlaCache, mla_decode
+    from rocket_mpi.runtime.engine import Engine
+    eng = Engine("preset:glm5-tiny", reader=SyntheticReader("preset:glm5-tiny", dev), device=dev)
+    model, args = eng.model, eng.model.mla_args
+    full = next(i for i, L in enumerate(model.layers) if L.mla is not None and L.shares_next)
+    gen = torch.Generator().manual_seed(11)
+    m, cap = 3, 40
+    base = MlaCache(m, cap, args, True)
+    for t in base.tensors():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    h = torch.randn(m, model.cfg.hidden_size, generator=gen).bfloat16().to(dev)
+    # span 8: two pools, the top-k's 8 // 4: every pool taken (no scores, read in place); span 32: scored picks
+    for span, pos in ((8, [7, 3, 5]), (32, [31, 12, 19])):
+        out = {}
+        for fused in (False, True):
+            c = MlaCache(m, cap, args, True, device=dev)
+            for t, b in zip(c.tensors(), base.tensors()):
+                t.copy_(b)
+            p = torch.tensor(pos, device=dev)
+            y, sel = mla_decode(model.layers[full].mla, h, c, p, span, args, None, fused)
+            y2, _ = mla_decode(model.layers[full + 1].mla, h, c, p, span, args, sel, fused)  # the shared layer
+            out[fused] = (y, y2, c, sel)
+        assert (out[True][3][0] is None) == (span == 8)
+        for name, g, r in (("y", out[True][0], out[False][0]), ("shared y", out[True][1], out[False][1])):
+            g, r = g.float(), r.float()
+            assert torch.allclose(g, r, rtol=2e-2, atol=2e-2 * float(r.abs().max())), (span, name,
+                                                                                          float((g - r).abs().max()))
+        for t_got, t_ref in zip(out[True][2].tensors(), out[False][2].tensors()):
+            assert torch.allclose(t_got.float(), t_ref.float(), rtol=2e-2, atol=2e-2), span
+
+
+@gpu
+def test_gpu_mla_decode_fused_matches_torch():
+    """mla_decode with its glue fused (the fixed-shape step on a GPU: ops.mla_cache_step, ops.mla_softmax, and where
+    every pool is taken, the span read in place with no selection tensors) against its torch ops, glm5-tiny's full
+    indexed layer and the shared layer after it, every pool taken and scored picks: outputs and caches within the
+    roundings the kernels move."""
+    _mla_decode_fused_against_torch("cuda")

@@ -21,10 +21,12 @@ the previous (full) layer's selection instead of running its own indexer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from rocket_mpi import ops
 from rocket_mpi.model.layers import (dense_linears, distinct_writes, latent_attention, latent_input_linears,
                                      linear_rows, linears, matmul_fp32, norm_of, prefill_blocks, rms_norm)
 from rocket_mpi.ops.select import topk_first
@@ -200,39 +202,65 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     span // kpool <= index_topk // kpool the indexer's top-k takes every complete pool, so it is not scored (its
     keys and pools are still kept for later steps) and the step attends over the span in order under a mask.
     The linears take their packed copies where the model has them (pack_stack) and h has at most
-    ops.STACK_KERNEL_MAX_ROWS rows; fused: the RMSNorms in ops.rms_norm (the fixed-shape step on a GPU)."""
+    ops.STACK_KERNEL_MAX_ROWS rows; fused (the fixed-shape step on a GPU): the RMSNorms in ops.rms_norm, the
+    cache writes and the pools' keys in ops.mla_cache_step, the softmax in ops.mla_softmax, and where the top-k
+    takes every pool, the selection is (None, None): the span's first positions, each stream's up to its own, read
+    in place (no gather, no mask)."""
     m, dev = h.shape[0], h.device
     norm, P, ix = norm_of(fused), a.packed or {}, a.indexer
     qa, kv, *wk_h = linears(h, *latent_input_linears(a), P.get("h"))
     q_resid = norm(qa, a.q_a_norm, args.eps)                                          # [M, q_lora]
     q = linears(q_resid, [a.q_b], packs=P.get("q_b"))[0].view(m, args.heads, args.qk_dim)
     latent = norm(kv, a.kv_a_norm, args.eps)                                          # [M, kv_lora]
-    idx = torch.arange(m, device=dev) if streams is None else streams
-    with distinct_writes():
-        c.latent[idx, pos] = latent
+    idx = torch.arange(m, device=dev) if streams is None and not fused else streams
+    ig = iw_h = None
     if ix is not None:
-        ik = F.layer_norm(wk_h[0], (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
         ig, iw_h = linears(h, [ix.gate, ix.weights], packs=P.get("ix"))
+    if fused:
+        ops.mla_cache_step(c, latent, pos, streams, wk_h[0] if ix is not None else None, ig, ix)
+    else:
         with distinct_writes():
-            c.index_k[idx, pos] = ik
-            c.index_gate[idx, pos] = ig
-        _pool_decode(ix, c, pos, args, idx)
+            c.latent[idx, pos] = latent
+    if ix is not None:
+        if not fused:
+            ik = F.layer_norm(wk_h[0], (args.index_dim,), ix.k_norm_w, ix.k_norm_b, 1e-6)
+            with distinct_writes():
+                c.index_k[idx, pos] = ik
+                c.index_gate[idx, pos] = ig
+            _pool_decode(ix, c, pos, args, idx)
         pools = span // args.kpool                                    # pools that can be complete in span
         if pools <= args.index_topk // args.kpool:                    # the top-k takes them all: no scores needed
-            shared = (torch.arange(span, device=dev).expand(m, span), _chosen_all(pos, span, args))
+            shared = (None, None) if fused else (torch.arange(span, device=dev).expand(m, span),
+                                                 _chosen_all(pos, span, args))
         else:  # pools past a stream's position are never candidates: any span >= the longest stream + 1 will do
             iq = linears(q_resid, [ix.wq_b], packs=P.get("wq_b"))[0].view(m, args.index_heads, args.index_dim)
             iw = iw_h.float() * args.index_heads ** -0.5
-            keys = c.pool_k[:, :pools] if streams is None else c.pool_k[idx, :pools]
+            keys = c.pool_k[:m, :pools] if streams is None else c.pool_k[streams, :pools]
             chosen, taken = _pick(iq, iw, keys.transpose(-1, -2), pos, pools, args)
             shared = _pool_cols(chosen, taken, pos, args)
     cols, valid = shared
-    rows = c.latent[idx[:, None], cols]                                               # [M, n_cols, kv_lora]
+    probs = None
+    if cols is None:  # fused, every pool taken: positions 0..span - 1 in place, each stream's prefix visible
+        rows = c.latent[:m, :span] if streams is None else c.latent[streams, :span]   # [M, span, kv_lora]
+        probs = partial(_visible_probs, pos=pos, args=args)
+    else:
+        rows = c.latent[(torch.arange(m, device=dev) if idx is None else idx)[:, None], cols]  # [M, n_cols, kv_lora]
+        if fused:
+            probs = partial(_visible_probs, valid=valid)
     # q . (W_uk l) == (q W_uk) . l and sum_j p_j (W_uv l_j) == W_uv (sum_j p_j l_j): the selected latents are
     # the keys and values of one shared head, read once per stream; kv_b's halves are applied to 64 heads' q
     # and output instead of to every selected latent (2064 of them at index_topk 2048: ~69 GFLOP per stream
     # and MLA layer at the Flash width, against ~0.3 here).
-    return linears(_absorbed(a, q, rows, valid, args), [a.o], [a.o_bias], P.get("o"))[0], shared
+    return linears(_absorbed(a, q, rows, valid, args, probs), [a.o], [a.o_bias], P.get("o"))[0], shared
+
+
+def _visible_probs(scores: torch.Tensor, scale: float, valid: torch.Tensor | None = None,
+                   pos: torch.Tensor | None = None, args: MlaArgs | None = None) -> torch.Tensor:
+    """The fused step's softmax (ops.mla_softmax) over the columns valid marks, or over each stream's prefix that
+    _chosen_all would mark (its complete pools and, with select_tail, the rest up to pos)."""
+    if valid is not None:
+        return ops.mla_softmax(scores, scale, valid=valid)
+    return ops.mla_softmax(scores, scale, pos=pos, kpool=args.kpool, tail=args.select_tail)
 
 
 def mla_forward(a: MLA, h: torch.Tensor, c: MlaCache, starts: list[int], seqlens: list[int], args: MlaArgs,
@@ -306,13 +334,15 @@ def _prefill_attention(a: MLA, q: torch.Tensor, latents: torch.Tensor, sel: Pool
     return outs
 
 
-def _absorbed(a: MLA, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, args: MlaArgs) -> torch.Tensor:
+def _absorbed(a: MLA, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None, args: MlaArgs,
+              probs=None) -> torch.Tensor:
     """MLA attention in the absorbed form: queries q [R, heads, dq], each over its own latent rows [R, n, kv_lora]
-    (valid [R, n]; a decode step's streams, a prefill's rows past a short context). kv_b's key half folded into
-    q, its value half applied to the weighted latent sums. -> [R, heads * dv], o_proj's input."""
+    (valid [R, n]; a decode step's streams, a prefill's rows past a short context; probs: latent_attention's).
+    kv_b's key half folded into q, its value half applied to the weighted latent sums. -> [R, heads * dv], o_proj's
+    input."""
     r, nh = q.shape[:2]
     w = a.kv_b.view(nh, args.qk_dim + args.v_dim, -1)                                  # [heads, dq + dv, kv_lora]
     q_abs = torch.bmm(q.transpose(0, 1), w[:, :args.qk_dim]).transpose(0, 1)           # [R, heads, kv_lora]
-    o_lat = latent_attention(q_abs, rows, rows, valid, args.qk_dim ** -0.5)
+    o_lat = latent_attention(q_abs, rows, rows, valid, args.qk_dim ** -0.5, probs)
     o = torch.bmm(o_lat.view(r, nh, -1).transpose(0, 1), w[:, args.qk_dim:].transpose(1, 2))  # [heads, R, dv]
     return o.transpose(0, 1).reshape(r, -1)

@@ -94,16 +94,19 @@ def _matmul_rows_cols(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)[..., :m, :n]
 
 
-def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+                     scale: float, probs=None) -> torch.Tensor:
     """Attention of MLA's absorbed form (decode steps; prefill blocks and gathered prefill rows): every head of a
     stream attends over that stream's rows, one shared key / value head. q [M, heads, d], keys [M, n, d], values [M, n, dv], valid
     [M, n] bool (or [M, heads, n]: a mask per query row, a prefill's rows x heads) -> [M, heads, dv]. Two batched
     GEMMs that read each stream's rows once for all its heads, the scores kept in fp32 (bf16 products, fp32 sums;
     on the CPU from fp32 copies: the same products) for an fp32 softmax. SDPA is several times slower here: with
     the heads as one head's query rows it runs one block per stream, and with enable_gqa its math path repeats
-    the rows per head. A stream with no valid row gets NaN, as SDPA gives."""
+    the rows per head. A stream with no valid row gets NaN, as SDPA gives. probs(scores, scale) -> the bf16
+    probabilities, in place of the mask, softmax and cast (ops.mla_softmax: one launch; valid is then its business)."""
     s = matmul_fp32(q, keys.transpose(1, 2))
+    if probs is not None:
+        return torch.bmm(probs(s, scale), values)
     p = (s * scale).masked_fill(~(valid[:, None, :] if valid.dim() == 2 else valid), float("-inf")).softmax(dim=-1)
     return torch.bmm(p.to(values.dtype), values)
 

@@ -1,5 +1,6 @@
-"""GLM-5.3-Flash's decode-step kernels: hyper-connections (csrc/hc.cu) and the KDA token (csrc/kda.cu).
-Their torch references are the model's own code (model/glm5_next_hc.py, model/glm5_next_kda.py)."""
+"""GLM-5.3-Flash's decode-step kernels: hyper-connections (csrc/hc.cu), the KDA token (csrc/kda.cu) and the MLA
+layers' cache writes and softmax (csrc/mla.cu). Their torch references are the model's own code
+(model/glm5_next_hc.py, model/glm5_next_kda.py, model/glm5_next_mla.py)."""
 from __future__ import annotations
 
 import itertools
@@ -38,3 +39,24 @@ def kda_decode(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tens
     return _ext.require().kda_decode(mixed.contiguous(), conv_state, conv_w, f.contiguous(), b.contiguous(),
                                      gate.contiguous(), dt_bias, a_log, o_norm, state, index, heads, dk, dk ** -0.5,
                                      lower_bound, eps, offsets)
+
+def mla_cache_step(cache, latent: torch.Tensor, pos: torch.Tensor, index: torch.Tensor | None = None,
+                   key: torch.Tensor | None = None, gate: torch.Tensor | None = None, indexer=None) -> None:
+    """One MLA decode token per stream into its layer's MlaCache in one launch (csrc/mla.cu): latent [M, kv_lora]
+    at pos [M] of cache rows index (None: row r); with the layer's Indexer, key [M, d] through its LayerNorm and
+    gate [M, d] too, and the keys of the pools the tokens complete (glm5_next_mla's writes and _pool_decode)."""
+    ext = _ext.require()
+    if indexer is None:
+        ext.mla_cache_step(latent, cache.latent, pos, index)
+        return
+    ext.mla_cache_step(latent, cache.latent, pos, index, key, gate, indexer.k_norm_w, indexer.k_norm_b,
+                       indexer.ape, cache.index_k, cache.index_gate, cache.pool_k, 1e-6)
+
+def mla_softmax(scores: torch.Tensor, scale: float, valid: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+                kpool: int = 1, tail: bool = True) -> torch.Tensor:
+    """fp32 scores [M, heads, span] -> bf16 softmax(scores x scale) over each stream's visible columns, 0 elsewhere
+    (NaN where none is), in one launch (csrc/mla.cu): valid [M, span], or the prefix that pos [M] gives (positions
+    up to pos with tail, else the complete pools' positions, kpool each). layers.latent_attention's mask, softmax
+    and cast."""
+    return _ext.require().mla_softmax(scores.contiguous(), None if valid is None else valid.contiguous(), pos,
+                                      float(scale), int(kpool), bool(tail))

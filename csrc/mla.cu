@@ -1,0 +1,140 @@
+// GLM-5.3-Flash's MLA decode glue in two launches, in place of the torch ops of glm5_next_mla.mla_decode that the
+// fixed-shape step on a GPU ran one kernel each (about 35 per MLA layer, most of them on a few hundred bytes):
+//
+//   cache_step  block r (one per stream, 128 threads): the token's latent row into the latent cache at pos[r] of
+//               cache row index[r]; with an indexer, its key through the LayerNorm (fp32 mean, then the mean of
+//               squared deviations, as two passes; y = (x - mean) * rstd * w + b, one bf16 rounding) and its gate
+//               into their caches, and where the token completes a pool (pos + 1 a multiple of kpool), that pool's
+//               key: per channel, softmax over the pool's kpool slots of gate + ape in fp32, each weight rounded to
+//               bf16, each weight x key rounded to bf16, summed in slot order in fp32, one bf16 rounding (the
+//               torch ops' roundings; the sums' orders are this kernel's). A thread owns its channels from the
+//               write to the pool's read, so the pool sees the token's own key without a barrier.
+//   softmax     one warp per (stream, head) row of fp32 scores [rows, span]: bf16(softmax(s x scale)) over the row's
+//               visible columns, exactly 0 elsewhere; a row with none visible is NaN (as a softmax over -inf).
+//               Visible: valid[stream, j] where a mask is given, else j < n with n the stream's visible prefix
+//               (pos + 1 with the tail selected, else the complete pools' positions (pos + 1) / kpool x kpool).
+//
+// Every sum is in a fixed order set by the row's own length, so a stream's bits do not depend on the others.
+#include "common.cuh"
+
+namespace rocket {
+namespace {
+
+constexpr int kCacheThreads = 128;
+constexpr int kSoftmaxWarps = 8;
+
+__device__ __forceinline__ float bf(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+
+// Every thread gets the block's total, summed in one order (lanes in a butterfly, then the warps in order).
+__device__ __forceinline__ float cache_block_sum(float v, float* red) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kCacheThreads / 32; ++w) t += red[w];
+  __syncthreads();
+  return t;
+}
+
+__global__ void __launch_bounds__(kCacheThreads) mla_cache_step_kernel(const MlaCacheStep a) {
+  __shared__ float red[kCacheThreads / 32];
+  const int r = blockIdx.x, tid = threadIdx.x;
+  const int64_t s = a.index != nullptr ? a.index[r] : r, p = a.pos[r];
+  if (s < 0 || s >= a.cache_rows || p < 0 || p >= a.cap) return;  // no cache row there: nothing written
+  const auto* lat = static_cast<const __nv_bfloat16*>(a.latent) + int64_t(r) * a.latent_stride;
+  auto* lat_c = static_cast<__nv_bfloat16*>(a.latent_cache) + (s * a.cap + p) * a.kv_lora;
+  for (int i = tid; i < a.kv_lora; i += kCacheThreads) lat_c[i] = lat[i];
+  if (a.key == nullptr) return;
+  const int d = a.dim;
+  const auto* key = static_cast<const __nv_bfloat16*>(a.key) + int64_t(r) * a.key_stride;
+  const auto* gate = static_cast<const __nv_bfloat16*>(a.gate) + int64_t(r) * a.gate_stride;
+  const auto* w = static_cast<const __nv_bfloat16*>(a.ln_w);
+  const auto* b = static_cast<const __nv_bfloat16*>(a.ln_b);
+  auto* key_c = static_cast<__nv_bfloat16*>(a.key_cache) + s * a.cap * d;
+  auto* gate_c = static_cast<__nv_bfloat16*>(a.gate_cache) + s * a.cap * d;
+  float sum = 0.0f;
+  for (int c = tid; c < d; c += kCacheThreads) sum += bf(key, c);
+  const float mean = __fdiv_rn(cache_block_sum(sum, red), float(d));
+  float dev2 = 0.0f;
+  for (int c = tid; c < d; c += kCacheThreads) {
+    const float x = __fsub_rn(bf(key, c), mean);
+    dev2 = __fmaf_rn(x, x, dev2);
+  }
+  const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(cache_block_sum(dev2, red), float(d)), a.eps));
+  for (int c = tid; c < d; c += kCacheThreads) {
+    const float y = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(bf(key, c), mean), rstd), bf(w, c)), bf(b, c));
+    key_c[p * d + c] = __float2bfloat16_rn(y);
+    gate_c[p * d + c] = gate[c];
+  }
+  const int kp = a.kpool;
+  if ((p + 1) % kp != 0) return;
+  const int64_t j = p / kp, first = j * kp;
+  auto* pool = static_cast<__nv_bfloat16*>(a.pool_cache) + (s * a.pools + j) * d;
+  for (int c = tid; c < d; c += kCacheThreads) {  // this thread wrote channel c of row p above
+    float mx = -INFINITY;
+    for (int t = 0; t < kp; ++t) mx = fmaxf(mx, __fadd_rn(bf(gate_c, (first + t) * d + c), a.ape[t * d + c]));
+    float total = 0.0f;
+    for (int t = 0; t < kp; ++t)
+      total = __fadd_rn(total, expf(__fsub_rn(__fadd_rn(bf(gate_c, (first + t) * d + c), a.ape[t * d + c]), mx)));
+    float acc = 0.0f;
+    for (int t = 0; t < kp; ++t) {
+      const float e = expf(__fsub_rn(__fadd_rn(bf(gate_c, (first + t) * d + c), a.ape[t * d + c]), mx));
+      const float wt = dev::round_bf16(__fdiv_rn(e, total));
+      acc = __fadd_rn(acc, dev::round_bf16(__fmul_rn(wt, bf(key_c, (first + t) * d + c))));
+    }
+    pool[c] = __float2bfloat16_rn(acc);
+  }
+}
+
+__global__ void __launch_bounds__(kSoftmaxWarps * 32) mla_softmax_kernel(const MlaSoftmax a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kSoftmaxWarps + (threadIdx.x >> 5);
+  if (row >= int64_t(a.streams) * a.heads) return;
+  const int64_t stream = row / a.heads;
+  const float* s = a.scores + row * a.span;
+  __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.probs) + row * a.span;
+  const bool* valid = a.valid != nullptr ? a.valid + stream * a.span : nullptr;
+  int n = a.span;  // with a mask every column is looked at; else the visible prefix
+  if (valid == nullptr) {
+    const int64_t p1 = a.pos[stream] + 1, seen = a.tail ? p1 : p1 / a.kpool * a.kpool;
+    n = int(seen < 0 ? 0 : (seen > a.span ? a.span : seen));
+  }
+  auto visible = [&](int j) { return j < n && (valid == nullptr || valid[j]); };
+  float mx = -INFINITY;
+  for (int j = lane; j < n; j += 32)
+    if (visible(j)) mx = fmaxf(mx, __fmul_rn(s[j], a.scale));
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+  float sum = 0.0f;
+  for (int j = lane; j < n; j += 32)
+    if (visible(j)) sum = __fadd_rn(sum, expf(__fsub_rn(__fmul_rn(s[j], a.scale), mx)));
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, d));
+  const bool none = mx == -INFINITY;  // no visible column: NaN, as softmax over a row of -inf
+  for (int j = lane; j < a.span; j += 32) {
+    float v = 0.0f;
+    if (none) v = __int_as_float(0x7fc00000);
+    else if (visible(j)) v = __fdiv_rn(expf(__fsub_rn(__fmul_rn(s[j], a.scale), mx)), sum);
+    o[j] = __float2bfloat16_rn(v);
+  }
+}
+
+}  // namespace
+
+void launch_mla_cache_step(const MlaCacheStep& a, cudaStream_t stream) {
+  if (a.rows <= 0) return;
+  mla_cache_step_kernel<<<a.rows, kCacheThreads, 0, stream>>>(a);
+  ROCKET_LAUNCH_CHECK();
+}
+
+void launch_mla_softmax(const MlaSoftmax& a, cudaStream_t stream) {
+  const int64_t rows = int64_t(a.streams) * a.heads;
+  if (rows <= 0) return;
+  mla_softmax_kernel<<<unsigned((rows + kSoftmaxWarps - 1) / kSoftmaxWarps), kSoftmaxWarps * 32, 0, stream>>>(a);
+  ROCKET_LAUNCH_CHECK();
+}
+
+}  // namespace rocket

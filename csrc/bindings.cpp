@@ -1192,6 +1192,35 @@ torch::Tensor mla_softmax(const torch::Tensor& scores, const std::optional<torch
   return probs;
 }
 
+// Per stream the k best pools of its index scores [M, pools] fp32 (topk_first's order, candidates for pos) as
+// latent positions in ascending pool order, then the tail (mla.cu) -> (cols int64, valid bool) [M, (k + tail) * kpool].
+std::vector<torch::Tensor> mla_pick(const torch::Tensor& scores, const torch::Tensor& pos, int64_t k, int64_t kpool,
+                                    bool tail) {
+  const c10::Device dev = scores.device();
+  expect(scores, "scores", torch::kFloat, 2, dev, 4);
+  expect(pos, "pos", torch::kLong, 1, dev, 8);
+  const int64_t m = scores.size(0), pools = scores.size(1);
+  ROCKET_CHECK(pos.numel() == m && k > 0 && k <= pools && kpool > 0 && m <= INT_MAX && pools <= INT_MAX &&
+                   (k + 1) * kpool <= INT_MAX,
+               "mla_pick: scores " << scores.sizes() << ", pos " << pos.sizes() << ", k " << k << ", kpool " << kpool);
+  const c10::cuda::CUDAGuard guard(dev);
+  const int64_t n_cols = (k + (tail ? 1 : 0)) * kpool;
+  auto cols = torch::empty({m, n_cols}, scores.options().dtype(torch::kLong));
+  auto valid = torch::empty({m, n_cols}, scores.options().dtype(torch::kBool));
+  rocket::MlaPick a{};
+  a.scores = scores.data_ptr<float>();
+  a.pos = pos.data_ptr<int64_t>();
+  a.cols = cols.data_ptr<int64_t>();
+  a.valid = valid.data_ptr<bool>();
+  a.streams = static_cast<int>(m);
+  a.pools = static_cast<int>(pools);
+  a.k = static_cast<int>(k);
+  a.kpool = static_cast<int>(kpool);
+  a.tail = tail;
+  rocket::launch_mla_pick(a, c10::cuda::getCurrentCUDAStream().stream());
+  return {cols, valid};
+}
+
 // GLM-4.x decode attention, batch-invariant (decode_attention.cu): q [rows, hq, d] bf16 over the caches
 // [streams, hkv, cap, d] bf16 at positions 0..pos[r] (at most span) of cache row index[r] (row r where index is None)
 // -> [rows, hq, d] bf16; the combine's scratch allocated here where the span takes two chunks or more.
@@ -1336,6 +1365,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_softmax", &mla_softmax, "MLA decode attention probabilities over each stream's visible columns",
         py::arg("scores"), py::arg("valid") = py::none(), py::arg("pos") = py::none(), py::arg("scale") = 1.0,
         py::arg("kpool") = 1, py::arg("tail") = true);
+  m.def("mla_pick", &mla_pick, "MLA decode: each stream's k best pools of its index scores as latent positions "
+        "(cols, valid), ascending, then the tail", py::arg("scores"), py::arg("pos"), py::arg("k"), py::arg("kpool"),
+        py::arg("tail"));
   m.def("kv_append", &kv_append, "k/v of one token per stream into the caches at pos (decode step)");
   m.def("moe_scatter_add", &moe_scatter_add, "per token fp32 sum of coef * row in order, one bf16 rounding; "
         "with by_canon and sum, also sum += the rows' checksum; then + each residual in order", py::arg("rows"),

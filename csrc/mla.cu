@@ -14,6 +14,15 @@
 //               Visible: valid[stream, j] where a mask is given, else j < n with n the stream's visible prefix
 //               (pos + 1 with the tail selected, else the complete pools' positions (pos + 1) / kpool x kpool).
 //
+//   pick        block r (one per stream, 256 threads), where the indexer scores: of the stream's pool scores [P]
+//               (fp32, index_scores), the k largest in topk_first's order (the larger first, of equal ones the lower
+//               pool; NaN as +inf, -0 as +0; pools that are not candidates, complete with their last position <= pos,
+//               as the lowest finite fp32, so a stream with fewer than k candidates fills up with the lowest such
+//               pools), found by a radix select over the scores' order-preserving 32-bit keys (four 8-bit digits,
+//               a histogram each) and taken in ascending pool order; written as _pool_cols writes them: each
+//               pool's kpool positions (valid where it is a candidate), then with the tail, the incomplete pool's
+//               positions up to pos (valid) and pos again for the rest (not valid).
+//
 // Every sum is in a fixed order set by the row's own length, so a stream's bits do not depend on the others.
 #include "common.cuh"
 
@@ -122,7 +131,126 @@ __global__ void __launch_bounds__(kSoftmaxWarps * 32) mla_softmax_kernel(const M
   }
 }
 
+constexpr int kPickThreads = 256;
+
+// A pool's score as a key whose unsigned order is topk_first's order of values: NaN as +inf, -0 as +0, and a pool
+// that is not a candidate as the lowest finite fp32 (the torch path's masked_fill with finfo.min).
+__device__ __forceinline__ uint32_t pick_key(float v, bool candidate) {
+  if (!candidate) v = -3.4028234663852886e38f;
+  if (isnan(v)) v = INFINITY;
+  if (v == 0.0f) v = 0.0f;
+  const uint32_t b = __float_as_uint(v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Exclusive prefix sum of v over the block's threads in thread order; total: the block's sum (every thread).
+__device__ __forceinline__ int pick_scan(int v, int* warp_sums, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kPickThreads / 32; ++w) {
+    if (w < warp) before += warp_sums[w];
+    total += warp_sums[w];
+  }
+  __syncthreads();
+  return before + x - v;
+}
+
+__global__ void __launch_bounds__(kPickThreads) mla_pick_kernel(const MlaPick a) {
+  __shared__ int hist[256];
+  __shared__ int warp_sums[kPickThreads / 32];
+  __shared__ uint32_t s_digit;
+  __shared__ int s_above;
+  const int r = blockIdx.x, tid = threadIdx.x, P = a.pools, kp = a.kpool;
+  const float* sc = a.scores + int64_t(r) * P;
+  const int64_t pos = a.pos[r];
+  // thread tid owns pools [lo, hi): contiguous, so block scans keep pool order
+  const int per = (P + kPickThreads - 1) / kPickThreads, lo = min(P, tid * per), hi = min(P, lo + per);
+  auto key = [&](int j) { return pick_key(sc[j], int64_t(j + 1) * kp - 1 <= pos); };
+  uint32_t prefix = 0, mask = 0;
+  int remaining = a.k;  // how many of the keys matching prefix are still to take (>= 1)
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    hist[tid] = 0;  // kPickThreads == 256 bins
+    __syncthreads();
+    for (int j = lo; j < hi; ++j) {
+      const uint32_t u = key(j);
+      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (tid < 32) {  // the digit where the count from the top reaches remaining: lane l holds bins 255 - 8 l ...
+      int c[8], sum = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += (c[i] = hist[255 - 8 * tid - i]);
+      int incl = sum;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, d);
+        if (tid >= d) incl += y;
+      }
+      const int excl = incl - sum;
+      const unsigned hit = __ballot_sync(0xffffffffu, excl < remaining && incl >= remaining);
+      if (tid == __ffs(hit) - 1) {
+        int above = excl, i = 0;
+        while (above + c[i] < remaining) above += c[i++];
+        s_digit = uint32_t(255 - 8 * tid - i);
+        s_above = above;
+      }
+    }
+    __syncthreads();
+    prefix |= s_digit << shift;
+    mask |= 255u << shift;
+    remaining -= s_above;
+    __syncthreads();
+  }
+  // prefix is the k-th largest key; take every key above it and the first `remaining` equal to it, in pool order
+  int eq = 0;
+  for (int j = lo; j < hi; ++j) eq += key(j) == prefix;
+  int total;
+  const int eq_before = pick_scan(eq, warp_sums, total);
+  int take = 0;
+  for (int j = lo, e = eq_before; j < hi; ++j) {
+    const uint32_t u = key(j);
+    if (u > prefix || (u == prefix && e++ < remaining)) ++take;
+  }
+  int at = pick_scan(take, warp_sums, total);
+  const int n_cols = (a.k + (a.tail ? 1 : 0)) * kp;
+  int64_t* cols = a.cols + int64_t(r) * n_cols;
+  bool* valid = a.valid + int64_t(r) * n_cols;
+  for (int j = lo, e = eq_before; j < hi; ++j) {
+    const uint32_t u = key(j);
+    if (u > prefix || (u == prefix && e++ < remaining)) {
+      const bool taken = int64_t(j + 1) * kp - 1 <= pos;
+      for (int t = 0; t < kp; ++t) {
+        cols[at * kp + t] = int64_t(j) * kp + t;
+        valid[at * kp + t] = taken;
+      }
+      ++at;
+    }
+  }
+  if (a.tail)
+    for (int t = tid; t < kp; t += kPickThreads) {
+      const int64_t c = (pos + 1) / kp * kp + t;
+      cols[int64_t(a.k) * kp + t] = c < pos ? c : pos;
+      valid[int64_t(a.k) * kp + t] = c <= pos;
+    }
+}
+
 }  // namespace
+
+void launch_mla_pick(const MlaPick& a, cudaStream_t stream) {
+  if (a.streams <= 0) return;
+  mla_pick_kernel<<<a.streams, kPickThreads, 0, stream>>>(a);
+  ROCKET_LAUNCH_CHECK();
+}
 
 void launch_mla_cache_step(const MlaCacheStep& a, cudaStream_t stream) {
   if (a.rows <= 0) return;

@@ -351,6 +351,19 @@ struct MlaSoftmax {
 };
 void launch_mla_softmax(const MlaSoftmax& a, cudaStream_t stream);
 
+// Per stream: the k best of its pool scores [pools] (topk_first's order; pools that are not candidates for pos as the
+// lowest finite fp32) in ascending pool order as latent positions (kpool each, valid where a candidate), then with
+// tail the incomplete pool's positions up to pos: cols / valid [streams, (k + tail) * kpool].
+struct MlaPick {
+  const float* scores;               // [streams, pools] fp32
+  const int64_t* pos;                // [streams]
+  int64_t* cols;                     // [streams, n_cols]
+  bool* valid;                       // [streams, n_cols]
+  int streams, pools, k, kpool;
+  bool tail;
+};
+void launch_mla_pick(const MlaPick& a, cudaStream_t stream);
+
 // ---- GLM-4.x decode attention, batch-invariant (decode_attention.cu; the reference: rocket_mpi/ops/attention.py) ----
 // Row r's query heads [hq, d] over its cache row's positions 0..pos[r] (at most span), split into chunks of
 // kDecodeAttentionChunk positions from position 0: every sum's order is set by the row's own length.

@@ -350,3 +350,36 @@ def test_gpu_mla_decode_fused_matches_torch():
     indexed layer and the shared layer after it, every pool taken and scored picks: outputs and caches within the
     roundings the kernels move."""
     _mla_decode_fused_against_torch("cuda")
+
+
+@gpu
+@pytest.mark.parametrize("m,pools,k,kp,tail", [(4, 40, 8, 4, True), (8, 300, 128, 16, True), (3, 129, 128, 16, False),
+                                               (2, 5000, 128, 16, True), (5, 17, 2, 4, True)])
+def test_gpu_mla_pick_matches_torch(m, pools, k, kp, tail):
+    """ops.mla_pick against _pick's selection (topk_first over the scores, the pools that are not candidates masked)
+    and _pool_cols: the same pools, in ascending order, their positions and validity, and the tail; on scores with
+    many exact ties, zeros of both signs and NaN, for streams with fewer candidate pools than k; a stream alone
+    gets its batch's answer."""
+    from rocket_mpi.model.glm5_next_mla import MlaArgs, _pool_cols
+    from rocket_mpi.ops.select import topk_first
+    gen = torch.Generator().manual_seed(pools * 7 + k)
+    args = MlaArgs(heads=4, qk_dim=16, v_dim=16, kv_lora=16, eps=1e-5, index_heads=2, index_dim=16,
+                   index_topk=k * kp, kpool=kp, select_tail=tail)
+    scores = torch.randint(-3, 4, (m, pools), generator=gen).float() * 0.5       # many exact ties
+    scores[:, ::7] = -0.0
+    scores[0, 3] = float("nan")
+    scores[-1] = torch.randn(pools, generator=gen)
+    span = pools * kp
+    pos = torch.randint(0, span, (m,), generator=gen)
+    pos[0] = span - 1
+    if m > 2:
+        pos[1] = kp * (k // 2) + 1                                                 # fewer candidates than k
+    candidate = (torch.arange(pools) + 1) * kp - 1 <= pos[:, None]
+    chosen = topk_first(scores.masked_fill(~candidate, torch.finfo(torch.float32).min), k)[1]
+    chosen = chosen.sort(dim=1).values
+    ref_cols, ref_valid = _pool_cols(chosen, candidate.gather(1, chosen), pos, args)
+    cols, valid = ops.mla_pick(scores.cuda(), pos.cuda(), k, kp, tail)
+    assert torch.equal(cols.cpu(), ref_cols) and torch.equal(valid.cpu(), ref_valid)
+    for s in range(m):
+        one = ops.mla_pick(scores[s:s + 1].cuda(), pos[s:s + 1].cuda(), k, kp, tail)
+        assert torch.equal(one[0], cols[s:s + 1]) and torch.equal(one[1], valid[s:s + 1])

@@ -144,12 +144,18 @@ def _pick(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, pos: torch.Ten
     K = min(index_topk // kpool, pools) by index score, and which of them are candidates (complete pools whose
     last token <= p; a row with fewer candidates pads with others, not taken)."""
     kp, dev = a.kpool, q.device
-    scores = matmul_fp32(q, keys_t).mul_(a.index_dim ** -0.5).relu_()               # [R, ih, P]
-    index = torch.matmul(w.unsqueeze(1), scores).squeeze(1)                          # [R, P]
+    index = _index_scores(q, w, keys_t, a)                                           # [R, P]
     candidate = (torch.arange(pools, device=dev) + 1) * kp - 1 <= pos[:, None]       # pool's last token <= p
     index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
     chosen = topk_first(index, min(a.index_topk // kp, pools))[1]
     return chosen, candidate.gather(1, chosen)
+
+
+def _index_scores(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor, a: MlaArgs) -> torch.Tensor:
+    """The indexer's score of each pool for queries q [R, ih, d] with weights w [R, ih] fp32 against keys_t ([d, P] or
+    [R, d, P]) -> [R, P] fp32: sum_h w_h relu(q_h . k / sqrt(d))."""
+    scores = matmul_fp32(q, keys_t).mul_(a.index_dim ** -0.5).relu_()               # [R, ih, P]
+    return torch.matmul(w.unsqueeze(1), scores).squeeze(1)
 
 
 def _pool_cols(chosen: torch.Tensor, taken: torch.Tensor, pos: torch.Tensor,
@@ -203,9 +209,10 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
     keys and pools are still kept for later steps) and the step attends over the span in order under a mask.
     The linears take their packed copies where the model has them (pack_stack) and h has at most
     ops.STACK_KERNEL_MAX_ROWS rows; fused (the fixed-shape step on a GPU): the RMSNorms in ops.rms_norm, the
-    cache writes and the pools' keys in ops.mla_cache_step, the softmax in ops.mla_softmax, and where the top-k
-    takes every pool, the selection is (None, None): the span's first positions, each stream's up to its own, read
-    in place (no gather, no mask)."""
+    cache writes and the pools' keys in ops.mla_cache_step, the picks and their positions in ops.mla_pick (the
+    same pools, in ascending order), the softmax in ops.mla_softmax, and where the top-k takes every pool, the
+    selection is (None, None): the span's first positions, each stream's up to its own, read in place (no gather,
+    no mask)."""
     m, dev = h.shape[0], h.device
     norm, P, ix = norm_of(fused), a.packed or {}, a.indexer
     qa, kv, *wk_h = linears(h, *latent_input_linears(a), P.get("h"))
@@ -236,8 +243,12 @@ def mla_decode(a: MLA, h: torch.Tensor, c: MlaCache, pos: torch.Tensor, span: in
             iq = linears(q_resid, [ix.wq_b], packs=P.get("wq_b"))[0].view(m, args.index_heads, args.index_dim)
             iw = iw_h.float() * args.index_heads ** -0.5
             keys = c.pool_k[:m, :pools] if streams is None else c.pool_k[streams, :pools]
-            chosen, taken = _pick(iq, iw, keys.transpose(-1, -2), pos, pools, args)
-            shared = _pool_cols(chosen, taken, pos, args)
+            if fused:  # the picks and their positions in one launch (the chosen pools in ascending order)
+                shared = ops.mla_pick(_index_scores(iq, iw, keys.transpose(-1, -2), args), pos,
+                                      min(args.index_topk // args.kpool, pools), args.kpool, args.select_tail)
+            else:
+                chosen, taken = _pick(iq, iw, keys.transpose(-1, -2), pos, pools, args)
+                shared = _pool_cols(chosen, taken, pos, args)
     cols, valid = shared
     probs = None
     if cols is None:  # fused, every pool taken: positions 0..span - 1 in place, each stream's prefix visible

@@ -24,7 +24,7 @@ from rocket_mpi.ops import _ext
 from rocket_mpi.ops.attention import ATTN_CHUNK, decode_attention, decode_attention_ref  # noqa: F401
 from rocket_mpi.ops.experts import (MAX_GROUPS, launch_plan, nvfp4_experts, nvfp4_experts_planned,  # noqa: F401
                                     nvfp4_experts_ref, nvfp4_experts_stages)
-from rocket_mpi.ops.glm5 import hc_post, hc_pre, kda_decode, mla_cache_step, mla_softmax  # noqa: F401
+from rocket_mpi.ops.glm5 import hc_post, hc_pre, kda_decode, mla_cache_step, mla_pick, mla_softmax  # noqa: F401
 from rocket_mpi.ops.norm import (argmax_, decode_softmax, embed_rms_norm, kv_append, rms_norm,  # noqa: F401
                                  rms_norm_ref, rope_, rope_interleaved, rope_kv_)
 from rocket_mpi.ops.pack import (ExpertPacker, PackedExperts, dequant_packed, dequant_packed_cuda,  # noqa: F401

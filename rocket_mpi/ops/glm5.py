@@ -1,5 +1,5 @@
 """GLM-5.3-Flash's decode-step kernels: hyper-connections (csrc/hc.cu), the KDA token (csrc/kda.cu) and the MLA
-layers' cache writes and softmax (csrc/mla.cu). Their torch references are the model's own code
+layers' cache writes, pool picks and softmax (csrc/mla.cu). Their torch references are the model's own code
 (model/glm5_next_hc.py, model/glm5_next_kda.py, model/glm5_next_mla.py)."""
 from __future__ import annotations
 
@@ -60,3 +60,11 @@ def mla_softmax(scores: torch.Tensor, scale: float, valid: torch.Tensor | None =
     and cast."""
     return _ext.require().mla_softmax(scores.contiguous(), None if valid is None else valid.contiguous(), pos,
                                       float(scale), int(kpool), bool(tail))
+
+def mla_pick(scores: torch.Tensor, pos: torch.Tensor, k: int, kpool: int, tail: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index scores [M, pools] fp32 -> (cols int64, valid bool) [M, (k + tail) x kpool] in one launch (csrc/mla.cu):
+    glm5_next_mla._pick then _pool_cols (the same pools: topk_first's order of the scores, the pools that are not
+    candidates for pos as its masked ones), but the chosen pools in ascending order."""
+    cols, valid = _ext.require().mla_pick(scores.contiguous(), pos, int(k), int(kpool), bool(tail))
+    return cols, valid

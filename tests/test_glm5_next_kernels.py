@@ -3,7 +3,8 @@ glm5_next_hc and glm5_next_kda.
 
 CPU tests (always run):
   - hc_pre with the block's input norm;
-  - KDA's packed launches (b beside q/k/v and the gates where it tiles) give the unpacked layer's bits.
+  - KDA's packed launches (b beside q/k/v and the gates where it tiles) give the unpacked layer's bits;
+  - mla_decode's fused form wired as on a GPU, its kernels' contracts written in torch.
 GPU tests (skip, saying why, without a GPU or the extension):
   - hc_pre / hc_post within rounding of the torch ops and row invariant, the norm in hc_finish's launch;
   - KDA decode within rounding of the torch loop, three steps in a row; a prefill's tokens in one launch give
@@ -310,7 +311,7 @@ def test_gpu_mla_softmax_matches_torch(m, heads, span, kp, tail):
             assert torch.equal(one.nan_to_num(), got[s:s + 1].nan_to_num())
 
 
-def _mla_decode_fused_against_torch(dev):
+def _mla_decode_fused_against_torch(dev, exact=False):
     from rocket_mpi.checkpoint.synthetic import SyntheticReader
     from rocket_mpi.model.glm5_next_mla import MlaCache, mla_decode
     from rocket_mpi.runtime.engine import Engine
@@ -335,12 +336,53 @@ def _mla_decode_fused_against_torch(dev):
             y2, _ = mla_decode(model.layers[full + 1].mla, h, c, p, span, args, sel, fused)  # the shared layer
             out[fused] = (y, y2, c, sel)
         assert (out[True][3][0] is None) == (span == 8)
+        if exact:  # the kernels' contracts in torch: the same caches; in place of the gather, the same attention
+            assert all(torch.equal(g, r) for g, r in zip(out[True][2].tensors(), out[False][2].tensors()))
+            if span == 8:
+                assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
         for name, g, r in (("y", out[True][0], out[False][0]), ("shared y", out[True][1], out[False][1])):
             g, r = g.float(), r.float()
             assert torch.allclose(g, r, rtol=2e-2, atol=2e-2 * float(r.abs().max())), (span, name,
                                                                                           float((g - r).abs().max()))
         for t_got, t_ref in zip(out[True][2].tensors(), out[False][2].tensors()):
             assert torch.allclose(t_got.float(), t_ref.float(), rtol=2e-2, atol=2e-2), span
+
+
+def test_mla_decode_fused_wiring_cpu(monkeypatch):
+    """mla_decode's fused form on the CPU, its three kernels replaced by their contracts written in torch (the
+    writes and _pool_decode; _pick's pools in ascending order through _pool_cols; the masked softmax), against its
+    torch form: the same caches; with every pool taken (the span read in place, the visible prefix from pos) the
+    same outputs bit for bit; with scored picks (other gather order) within rounding."""
+    import types
+    import torch.nn.functional as F
+    from rocket_mpi.model import layers
+    from rocket_mpi.model.glm5_next_mla import _pool_cols, _pool_decode
+    from rocket_mpi.ops.select import topk_first
+
+    def cache_step(c, latent, pos, index=None, key=None, gate=None, ix=None):
+        idx = torch.arange(pos.numel()) if index is None else index
+        c.latent[idx, pos] = latent
+        if ix is not None:
+            c.index_k[idx, pos] = F.layer_norm(key, (key.shape[-1],), ix.k_norm_w, ix.k_norm_b, 1e-6)
+            c.index_gate[idx, pos] = gate
+            _pool_decode(ix, c, pos, types.SimpleNamespace(kpool=ix.ape.shape[0]), idx)
+
+    def pick(scores, pos, k, kpool, tail):
+        candidate = (torch.arange(scores.shape[1]) + 1) * kpool - 1 <= pos[:, None]
+        chosen = topk_first(scores.masked_fill(~candidate, torch.finfo(scores.dtype).min), k)[1].sort(dim=1).values
+        return _pool_cols(chosen, candidate.gather(1, chosen), pos, types.SimpleNamespace(kpool=kpool,
+                                                                                           select_tail=tail))
+
+    def softmax(scores, scale, valid=None, pos=None, kpool=1, tail=True):
+        if valid is None:
+            n = pos + 1 if tail else (pos + 1) // kpool * kpool
+            valid = torch.arange(scores.shape[-1])[None, :] < n[:, None]
+        return (scores * scale).masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1).to(torch.bfloat16)
+
+    for name, fn in (("mla_cache_step", cache_step), ("mla_pick", pick), ("mla_softmax", softmax),
+                     ("rms_norm", layers.rms_norm)):
+        monkeypatch.setattr(ops, name, fn)
+    _mla_decode_fused_against_torch("cpu", exact=True)
 
 
 @gpu

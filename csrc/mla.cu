@@ -1,5 +1,6 @@
-// GLM-5.3-Flash's MLA decode glue in two launches, in place of the torch ops of glm5_next_mla.mla_decode that the
-// fixed-shape step on a GPU ran one kernel each (about 35 per MLA layer, most of them on a few hundred bytes):
+// GLM-5.3-Flash's MLA decode glue in three kernels, in place of the torch ops of glm5_next_mla.mla_decode that the
+// fixed-shape step on a GPU ran one kernel each (about 40 per MLA layer, 60 where the indexer scores, most of them on
+// a few hundred bytes):
 //
 //   cache_step  block r (one per stream, 128 threads): the token's latent row into the latent cache at pos[r] of
 //               cache row index[r]; with an indexer, its key through the LayerNorm (fp32 mean, then the mean of

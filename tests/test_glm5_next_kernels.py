@@ -10,8 +10,8 @@ GPU tests (skip, saying why, without a GPU or the extension):
   - KDA decode within rounding of the torch loop, three steps in a row; a prefill's tokens in one launch give
     the bits of one launch per token;
   - the MLA decode glue (csrc/mla.cu): the cache writes and completed pools' keys against mla_decode's torch
-    writes and _pool_decode, the softmax against latent_attention's mask and softmax, each stream's bits alone as
-    in its batch.
+    writes and _pool_decode, the picks against _pick and _pool_cols, the softmax against latent_attention's mask
+    and softmax, each stream's bits alone as in its batch; mla_decode fused against its torch form.
 """
 import pytest
 import torch
@@ -213,8 +213,6 @@ def test_gpu_kda_prefill_in_one_launch(heads, dk, lb):
                            torch.tensor(streams, device="cuda"), heads, dk, lb, args.eps, [1, 11, 2, 36])
 
 
-
-
 def _mla_case(streams, kv_lora, d, kp, cap, seed):
     from rocket_mpi.model.glm5_next_mla import Indexer, MlaArgs, MlaCache
     gen = torch.Generator().manual_seed(seed)
@@ -245,8 +243,7 @@ def test_gpu_mla_cache_step_matches_torch(streams, kv_lora, d, kp):
     index = torch.randperm(streams, generator=gen)[:m]
     pos = torch.tensor([(kp - 1 + i * kp) if i % 2 == 0 else (i * 3 + 1) % (4 * kp) for i in range(m)])
     latent = torch.randn(m, kv_lora, generator=gen).bfloat16()
-    wide = torch.randn(m, 2 * d + 8, generator=gen).bfloat16()   # key and gate as views of one output, as linears'
-    key, gate = wide[:, :d], wide[:, d + 8:]
+    wide = torch.randn(m, 2 * d + 8, generator=gen).bfloat16()   # key and gate: views of one output, as linears'
     cu = lambda t: t.cuda()  # noqa: E731
     ixc = replace(ix, k_norm_w=cu(ix.k_norm_w), k_norm_b=cu(ix.k_norm_b), ape=cu(ix.ape))
     ref, got = _mla_cache_copy(cache), _mla_cache_copy(cache)

@@ -47,8 +47,10 @@ def test_stalled_peer_times_out_naming_it(tiny_ckpt, fabric, path):
 
 @pytest.mark.parametrize("fabric,path", [("shm", "host"), ("mpi", "host"), ("shm", "device")])
 def test_killed_peer_ends_the_job(tiny_ckpt, fabric, path):
+    """The launcher ends the job on the dead rank's exit; the others' fabric timeout is 15 s here (not decode_args'
+    3 s), so that a launcher slowed by a loaded machine still ends them before their own timeout adds a line."""
     t0 = time.monotonic()
-    r = rocket_mpi(2, *decode_args(tiny_ckpt, fabric, "--decode-path", path),
+    r = rocket_mpi(2, *decode_args(tiny_ckpt, fabric, "--decode-path", path, "--fabric-timeout", "15"),
                    env={"ROCKET_FAULT": "die:rank=1,step=1"}, timeout=90)
     assert r.returncode != 0
     assert "rank 1: ROCKET_FAULT injecting 'die' at step 1" in r.stderr

@@ -52,6 +52,7 @@ def main() -> int:
     ap.add_argument("--ranges", action="append", default=[], metavar="MODULE:FN[,FN...]",
                     help="functions timed as profiler ranges (repeatable)")
     a = ap.parse_args()
+    targets = resolve(a.ranges)
     comm = world()
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
     dev = pick_device("cuda", comm)
@@ -71,7 +72,7 @@ def main() -> int:
             prof.stop()
 
     with applied(eng, {"experts_pdl": a.pdl, "mlp_pdl": a.pdl, "steps_ahead": 0}), ExitStack() as undo:
-        names = ranged(a.ranges, undo)
+        names = ranged(targets, undo)
         eng.generate(prompts, 4, capacity=a.capacity)
         eng.generate(prompts, STEPS + 2, on_step=on_step, capacity=a.capacity)
     rows = sorted(((getattr(e, "self_device_time_total", 0), e.count, e.key) for e in prof.key_averages()
@@ -101,22 +102,36 @@ def main() -> int:
     return 0
 
 
-def ranged(specs: list[str], undo: ExitStack) -> dict[str, list]:
-    """Wrap MODULE:FN[,FN...] in profiler ranges named MODULE.FN until undo closes -> {name: [calls, kernels, us]}."""
-    names = {}
+def resolve(specs: list[str]) -> list[tuple]:
+    """--ranges' MODULE:FN[,FN...] -> (module, function name, range name) each; one line and exit 2 where a module or
+    function is not there (checked before the model loads)."""
+    out = []
     for spec in specs:
         mod_name, _, fns = spec.partition(":")
-        mod = importlib.import_module(mod_name)
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise SystemExit(f"profile_gpu_step: --ranges {spec}: no module {mod_name!r} ({e})") from None
         for fn_name in filter(None, fns.split(",")):
-            fn, name = getattr(mod, fn_name), f"{mod_name.rsplit('.', 1)[-1]}.{fn_name}"
+            if not callable(getattr(mod, fn_name, None)):
+                raise SystemExit(f"profile_gpu_step: --ranges {spec}: {mod_name} has no function {fn_name!r}")
+            out.append((mod, fn_name, f"{mod_name.rsplit('.', 1)[-1]}.{fn_name}"))
+    return out
 
-            @functools.wraps(fn)
-            def wrapper(*args, _fn=fn, _name=name, **kw):
-                with record_function(_name):
-                    return _fn(*args, **kw)
-            setattr(mod, fn_name, wrapper)
-            undo.callback(setattr, mod, fn_name, fn)
-            names[name] = [0, 0, 0.0]
+
+def ranged(targets: list[tuple], undo: ExitStack) -> dict[str, list]:
+    """Wrap each resolved function in a profiler range of its name until undo closes -> {name: [calls, kernels, us]}."""
+    names = {}
+    for mod, fn_name, name in targets:
+        fn = getattr(mod, fn_name)
+
+        @functools.wraps(fn)
+        def wrapper(*args, _fn=fn, _name=name, **kw):
+            with record_function(_name):
+                return _fn(*args, **kw)
+        setattr(mod, fn_name, wrapper)
+        undo.callback(setattr, mod, fn_name, fn)
+        names[name] = [0, 0, 0.0]
     return names
 
 

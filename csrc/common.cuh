@@ -243,20 +243,4 @@ __device__ __forceinline__ uint32_t bf16_bits(__nv_bfloat16 v) { return *reinter
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 }  // namespace dev
-
-// The dynamic shared memory attribute belongs to a function on each device: set once per (kernel, device).
-// carveout (percent of the SM's unified L1 / shared memory given to shared memory; -1 leaves it to the driver): for
-// kernels whose blocks per SM depend on getting most of it.
-template <typename Kernel>
-void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64], int carveout = -1) {
-  int dev = 0;
-  ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64 || !done[dev]) {
-    ROCKET_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    if (carveout >= 0)
-      ROCKET_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
-    if (dev < 64) done[dev] = true;
-  }
-}
-
 }  // namespace rocket

@@ -16,14 +16,6 @@
 // quarters in order; vector norms: a butterfly within each warp, then the warps in order). Deterministic, and a
 // stream's result depends on no other stream. Not bitwise torch's (its sums run in cuBLAS / reduction order): tests
 // compare within a tolerance (tests/test_device_plan.py).
-//
-// Where the state lives (StateCol): a prefill's segments keep a thread's R values in registers for all their tokens
-// (128 registers: one block per SM, and the recurrence runs at register speed). A decode step's (one token per
-// segment, offsets null) keep the head's state in the block's shared memory, copied in by cp.async while the token's
-// vectors are computed and out by every thread after the token, so a block needs ~40 registers and three blocks
-// share an SM: at 8 streams and more the launch is several waves of 64 KiB states, and one resident block per SM
-// left most of the copy bandwidth idle. The arithmetic is the same in both, operation for operation, so a prefill
-// still gives the bits of its tokens' decode launches.
 #include "common.cuh"
 
 namespace rocket {
@@ -32,23 +24,6 @@ namespace {
 constexpr int kKdaQuarters = 4;
 constexpr int kKdaMaxDk = 128;
 constexpr int kKdaMaxConv = 8;  // the short convolution's kernel size
-constexpr int kKdaMaxR = kKdaMaxDk / kKdaQuarters;
-constexpr int kKdaSharedBlocksPerSm = 3;  // decode launches: 3 x (64 KiB state + 5.6 KiB) of the H200's 227 KiB
-
-// The recurrent state of thread (c, y): column c, rows y R .. y R + R - 1; at(i, row) is row y R + i.
-template <bool kShared>
-struct StateCol;
-template <>
-struct StateCol<false> {  // in registers
-  float v[kKdaMaxR];
-  __device__ __forceinline__ float& at(int i, int) { return v[i]; }
-};
-template <>
-struct StateCol<true> {  // in the block's shared memory [dk, dk], at column c
-  float* col;
-  int dk;
-  __device__ __forceinline__ float& at(int, int row) { return col[row * dk]; }
-};
 
 __device__ __forceinline__ float kda_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -67,9 +42,7 @@ __device__ __forceinline__ float row_sum(float v, int dk, float* buf) {
   return s;
 }
 
-template <bool kShared>
-__global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, kShared ? kKdaSharedBlocksPerSm : 1)
-    kda_decode_kernel(const KdaDecode a) {
+__global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, 1) kda_decode_kernel(const KdaDecode a) {
   dev::launch_dependents();  // o's row prep (a programmatic dependent) may start: it waits for this grid
   // block (head, segment): the segment's tokens t0 .. t1 - 1 of one stream, in order (a decode step: one token each)
   const int h = blockIdx.x, seg = blockIdx.y, c = threadIdx.x, y = threadIdx.y;
@@ -81,22 +54,12 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, kShared ? kKdaShared
   const int64_t s_row = a.index[seg];
   const __nv_bfloat16* mixed_all = static_cast<const __nv_bfloat16*>(a.mixed);
   __nv_bfloat16* cst = static_cast<__nv_bfloat16*>(a.conv_state) + s_row * 3 * D * a.conv_k;
-  // the head's state [dk, dk]: into registers (column c, rows y R ..) or shared memory (16 B copies, every thread a
-  // share, in flight while the token's vectors are computed)
-  float* S = a.state + (s_row * nh + h) * int64_t(dk) * dk;
-  const int tid = y * dk + c, n_threads = dk * kKdaQuarters, n16 = dk * dk / 4;
-  StateCol<kShared> s;
-  if constexpr (kShared) {
-    extern __shared__ __align__(16) float s_state[];
-    for (int i = tid; i < n16; i += n_threads) dev::cp_async_16(s_state + 4 * i, S + 4 * i);
-    dev::cp_async_commit();
-    s.col = s_state + c;
-    s.dk = dk;
-  } else {
+  // the state column c, rows y R .. y R + R - 1, in registers for the whole segment
+  float* S = a.state + (s_row * nh + h) * int64_t(dk) * dk + c;
+  float s[kKdaMaxDk / kKdaQuarters];
 #pragma unroll
-    for (int i = 0; i < kKdaMaxR; ++i)
-      if (i < R) s.v[i] = S[int64_t(y * R + i) * dk + c];
-  }
+  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i)
+    if (i < R) s[i] = S[int64_t(y * R + i) * dk];
   const float rate = expf(a.a_log[h]);
   for (int64_t t = t0; t < t1; ++t) {
     __syncthreads();  // the previous token's readers of qs, ks, es, part and buf are done
@@ -135,17 +98,15 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, kShared ? kKdaShared
       ks[c] = k;
       es[c] = expf(g);
     }
-    if constexpr (kShared) dev::cp_async_wait<0>();  // this thread's share of the state has landed
     __syncthreads();
     // the state: S <- S * exp(g); kv = k^T S; S <- S + k (beta (v - kv)); o = q^T S
     float kv = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kKdaMaxR; ++i) {
+    for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
       if (i < R) {
         const int r = y * R + i;
-        float& si = s.at(i, r);
-        si = __fmul_rn(si, es[r]);
-        kv = __fadd_rn(kv, __fmul_rn(si, ks[r]));
+        s[i] = __fmul_rn(s[i], es[r]);
+        kv = __fadd_rn(kv, __fmul_rn(s[i], ks[r]));
       }
     }
     part[0][y][c] = kv;
@@ -154,12 +115,11 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, kShared ? kKdaShared
     const float delta = __fmul_rn(__fsub_rn(v, kv), beta);
     float o = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kKdaMaxR; ++i) {
+    for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
       if (i < R) {
         const int r = y * R + i;
-        float& si = s.at(i, r);
-        si = __fadd_rn(si, __fmul_rn(ks[r], delta));
-        o = __fadd_rn(o, __fmul_rn(si, qs[r]));
+        s[i] = __fadd_rn(s[i], __fmul_rn(ks[r], delta));
+        o = __fadd_rn(o, __fmul_rn(s[i], qs[r]));
       }
     }
     part[1][y][c] = o;
@@ -173,16 +133,10 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, kShared ? kKdaShared
     const float out = __fmul_rn(__fmul_rn(__fmul_rn(ob, rr), a.o_norm[c]), kda_sigmoid(gate));
     if (y == 0) static_cast<__nv_bfloat16*>(a.out)[t * D + int64_t(h) * dk + c] = __float2bfloat16_rn(out);
   }
-  if constexpr (!kShared) {
 #pragma unroll
-    for (int i = 0; i < kKdaMaxR; ++i)
-      if (i < R) S[int64_t(y * R + i) * dk + c] = s.v[i];
-  }
-  __syncthreads();  // every row has read the conv state (row 0 shifts it below) and updated its share of the state
-  if constexpr (kShared) {
-    const float4* from = reinterpret_cast<const float4*>(s.col - c);
-    for (int i = tid; i < n16; i += n_threads) reinterpret_cast<float4*>(S)[i] = from[i];
-  }
+  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i)
+    if (i < R) S[int64_t(y * R + i) * dk] = s[i];
+  __syncthreads();  // every row has read the conv state: row 0 shifts it by the segment's n inputs
   if (y == 0) {
     const int64_t n = t1 - t0;
 #pragma unroll
@@ -207,16 +161,7 @@ void launch_kda_decode(const KdaDecode& a, cudaStream_t stream) {
   ROCKET_CHECK(a.conv_k >= 1 && a.conv_k <= kKdaMaxConv, "kda_decode: conv kernel " << a.conv_k << " (1.."
                << kKdaMaxConv << ")");
   if (a.segments == 0) return;
-  const dim3 grid(a.heads, a.segments), block(a.dk, kKdaQuarters);
-  if (a.offsets != nullptr) {  // a prefill: the state in registers
-    kda_decode_kernel<false><<<grid, block, 0, stream>>>(a);
-  } else {  // a decode step: in shared memory, several blocks per SM
-    ROCKET_CHECK(reinterpret_cast<uintptr_t>(a.state) % 16 == 0, "kda_decode: the recurrent state must be 16-byte "
-                 "aligned");
-    static bool done[64] = {};
-    set_smem_attr(kda_decode_kernel<true>, kKdaMaxDk * kKdaMaxDk * 4, done, 100);
-    kda_decode_kernel<true><<<grid, block, a.dk * a.dk * 4, stream>>>(a);
-  }
+  kda_decode_kernel<<<dim3(a.heads, a.segments), dim3(a.dk, kKdaQuarters), 0, stream>>>(a);
   ROCKET_LAUNCH_CHECK();
 }
 

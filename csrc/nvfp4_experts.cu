@@ -992,6 +992,17 @@ void launch_prep(int64_t n, bool pdl, cudaStream_t stream, const uint32_t* x, in
                 n_ready);
 }
 
+// The dynamic shared memory attribute belongs to a function on each device: set once per (kernel, device).
+template <typename Kernel>
+void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
+  int dev = 0;
+  ROCKET_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 64 || !done[dev]) {
+    ROCKET_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    if (dev < 64) done[dev] = true;
+  }
+}
+
 // pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up; a dense GEMM:
 // its prep launch), so its blocks can start while that kernel's last wave runs (the wait is in mainloop).
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false,

@@ -11,10 +11,10 @@
 // segment, so a prefill of n tokens gives the bits of n decode launches of one token each (a GPU test checks it).
 //
 // Block (head, segment): dk x 4 threads, thread (c, y) owns state column c (a dv index) and rows y R .. y R + R - 1
-// (R = dk / 4). Each row of 4 threads computes the head's per-k vectors (q, k, decay) redundantly, in the same order,
-// so the four agree without a broadcast; sums over dk run in a fixed order (a thread's rows ascending, then the four
-// quarters in order; vector norms: a butterfly within each warp, then the warps in order). Deterministic, and a
-// stream's result depends on no other stream. Not bitwise torch's (its sums run in cuBLAS / reduction order): tests
+// (R = dk / 4). The head's per-k vectors are computed once, a row of threads each (q, k, v and the decay), and shared
+// through shared memory; sums over dk run in a fixed order (a thread's rows ascending, then the four quarters in order;
+// vector norms: a butterfly within each warp, then the warps in order). Deterministic, and a stream's result depends
+// on no other stream. Not bitwise torch's (its sums run in cuBLAS / reduction order): tests
 // compare within a tolerance (tests/test_device_plan.py).
 #include "common.cuh"
 
@@ -24,6 +24,7 @@ namespace {
 constexpr int kKdaQuarters = 4;
 constexpr int kKdaMaxDk = 128;
 constexpr int kKdaMaxConv = 8;  // the short convolution's kernel size
+constexpr int kKdaMaxR = kKdaMaxDk / kKdaQuarters;  // state rows per thread
 
 __device__ __forceinline__ float kda_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -48,7 +49,10 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, 1) kda_decode_kernel
   const int h = blockIdx.x, seg = blockIdx.y, c = threadIdx.x, y = threadIdx.y;
   const int dk = a.dk, nh = a.heads, D = nh * dk, R = dk / kKdaQuarters;
   const int64_t t0 = a.offsets ? a.offsets[seg] : seg, t1 = a.offsets ? a.offsets[seg + 1] : seg + 1;
-  __shared__ float qs[kKdaMaxDk], ks[kKdaMaxDk], es[kKdaMaxDk];
+  __shared__ __align__(16) float qs[kKdaMaxDk];  // read 4 at a time
+  __shared__ __align__(16) float ks[kKdaMaxDk];
+  __shared__ __align__(16) float es[kKdaMaxDk];
+  __shared__ float vs[kKdaMaxDk];
   __shared__ float part[2][kKdaQuarters][kKdaMaxDk];
   __shared__ float buf[kKdaQuarters * (kKdaMaxDk / 32)];
   const int64_t s_row = a.index[seg];
@@ -56,70 +60,76 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, 1) kda_decode_kernel
   __nv_bfloat16* cst = static_cast<__nv_bfloat16*>(a.conv_state) + s_row * 3 * D * a.conv_k;
   // the state column c, rows y R .. y R + R - 1, in registers for the whole segment
   float* S = a.state + (s_row * nh + h) * int64_t(dk) * dk + c;
-  float s[kKdaMaxDk / kKdaQuarters];
+  float s[kKdaMaxR];
 #pragma unroll
-  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i)
+  for (int i = 0; i < kKdaMaxR; ++i)
     if (i < R) s[i] = S[int64_t(y * R + i) * dk];
   const float rate = expf(a.a_log[h]);
   for (int64_t t = t0; t < t1; ++t) {
-    __syncthreads();  // the previous token's readers of qs, ks, es, part and buf are done
-    // the head's vectors at index c (every row of threads, redundantly): the causal depthwise conv of q | k | v over
-    // the last K inputs (conv state, then this segment's earlier tokens) and this one, SiLU, rounded to bf16 as the
-    // torch step rounds them
-    float qkv[3];
-#pragma unroll
-    for (int p = 0; p < 3; ++p) {
-      const int64_t ch = p * D + h * dk + c;
+    __syncthreads();  // the previous token's readers of qs, ks, vs, es, part and buf are done
+    const int64_t col = t * D + int64_t(h) * dk + c;
+    // Each row of threads computes one of the head's vectors at index c, so each is computed once: rows 0, 1, 2 the
+    // causal depthwise conv of q, k, v over the last K inputs (conv state, then this segment's earlier tokens) and this
+    // one, SiLU, rounded to bf16 as the torch step rounds them; row 3 the forget gate. (Row 0's output gate is read
+    // now, used at the end.)
+    float val = 0.0f, gate = 0.0f;
+    if (y < 3) {
+      const int64_t ch = int64_t(y) * D + h * dk + c;
+      const float* conv_w = a.conv_w + ch * a.conv_k;
       float acc = 0.0f;
       for (int j = 0; j < a.conv_k; ++j) {  // input t - (K - 1) + j: from the state while before the segment
         const int64_t rel = t - t0 - (a.conv_k - 1) + j;
         const __nv_bfloat16 x = rel < 0 ? cst[ch * a.conv_k + a.conv_k + rel] : mixed_all[(t0 + rel) * 3 * D + ch];
-        acc = __fmaf_rn(a.conv_w[ch * a.conv_k + j], __bfloat162float(x), acc);
+        acc = __fmaf_rn(conv_w[j], __bfloat162float(x), acc);
       }
-      qkv[p] = __bfloat162float(__float2bfloat16_rn(__fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)))));  // SiLU
-    }
-    float q = qkv[0], k = qkv[1];
-    const float v = qkv[2];
-    // _l2norm: x / sqrt(sum(x * x) + 1e-6); q then * dk^-1/2
-    const float qn = sqrtf(__fadd_rn(row_sum(__fmul_rn(q, q), dk, buf), 1e-6f));
-    const float kn = sqrtf(__fadd_rn(row_sum(__fmul_rn(k, k), dk, buf), 1e-6f));
-    q = __fmul_rn(__fdiv_rn(q, qn), a.q_scale);
-    k = __fdiv_rn(k, kn);
-    // forget gate: f = linear + dt_bias; g = lb * sigmoid(exp(A_log) f), or -exp(A_log) * softplus(f)
-    const float f = __fadd_rn(__bfloat162float(static_cast<const __nv_bfloat16*>(a.f)[t * D + int64_t(h) * dk + c]),
-                              a.dt_bias[h * dk + c]);
-    float g;
-    if (a.has_lower_bound) g = __fmul_rn(a.lower_bound, kda_sigmoid(__fmul_rn(rate, f)));
-    else g = __fmul_rn(-rate, f > 20.0f ? f : logf(__fadd_rn(1.0f, expf(f))));
-    const float beta = __bfloat162float(__float2bfloat16_rn(kda_sigmoid(__bfloat162float(
-        static_cast<const __nv_bfloat16*>(a.b)[t * nh + h]))));
-    if (y == 0) {
-      qs[c] = q;
-      ks[c] = k;
+      val = __bfloat162float(__float2bfloat16_rn(__fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)))));  // SiLU
+      if (y == 0) gate = __bfloat162float(static_cast<const __nv_bfloat16*>(a.gate)[col]);
+    } else {
+      // forget gate: f = linear + dt_bias; g = lb * sigmoid(exp(A_log) f), or -exp(A_log) * softplus(f)
+      const float f = __fadd_rn(__bfloat162float(static_cast<const __nv_bfloat16*>(a.f)[col]), a.dt_bias[h * dk + c]);
+      const float g = a.has_lower_bound ? __fmul_rn(a.lower_bound, kda_sigmoid(__fmul_rn(rate, f)))
+                                        : __fmul_rn(-rate, f > 20.0f ? f : logf(__fadd_rn(1.0f, expf(f))));
       es[c] = expf(g);
     }
+    const float beta = __bfloat162float(__float2bfloat16_rn(kda_sigmoid(__bfloat162float(
+        static_cast<const __nv_bfloat16*>(a.b)[t * nh + h]))));
+    // _l2norm of q (row 0) and k (row 1): x / sqrt(sum(x * x) + 1e-6), each row summing its own; q then * dk^-1/2
+    const float nrm = sqrtf(__fadd_rn(row_sum(__fmul_rn(val, val), dk, buf), 1e-6f));
+    if (y == 0) qs[c] = __fmul_rn(__fdiv_rn(val, nrm), a.q_scale);
+    else if (y == 1) ks[c] = __fdiv_rn(val, nrm);
+    else if (y == 2) vs[c] = val;
     __syncthreads();
-    // the state: S <- S * exp(g); kv = k^T S; S <- S + k (beta (v - kv)); o = q^T S
+    // the state: S <- S * exp(g); kv = k^T S; S <- S + k (beta (v - kv)); o = q^T S (the vectors' rows 4 at a time)
     float kv = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
+    for (int i = 0; i < kKdaMaxR; i += 4) {
       if (i < R) {
-        const int r = y * R + i;
-        s[i] = __fmul_rn(s[i], es[r]);
-        kv = __fadd_rn(kv, __fmul_rn(s[i], ks[r]));
+        const float4 e4 = *reinterpret_cast<const float4*>(&es[y * R + i]);
+        const float4 k4 = *reinterpret_cast<const float4*>(&ks[y * R + i]);
+        const float e[4] = {e4.x, e4.y, e4.z, e4.w}, kk[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          s[i + j] = __fmul_rn(s[i + j], e[j]);
+          kv = __fadd_rn(kv, __fmul_rn(s[i + j], kk[j]));
+        }
       }
     }
     part[0][y][c] = kv;
     __syncthreads();
     kv = __fadd_rn(__fadd_rn(__fadd_rn(part[0][0][c], part[0][1][c]), part[0][2][c]), part[0][3][c]);
-    const float delta = __fmul_rn(__fsub_rn(v, kv), beta);
+    const float delta = __fmul_rn(__fsub_rn(vs[c], kv), beta);
     float o = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i) {
+    for (int i = 0; i < kKdaMaxR; i += 4) {
       if (i < R) {
-        const int r = y * R + i;
-        s[i] = __fadd_rn(s[i], __fmul_rn(ks[r], delta));
-        o = __fadd_rn(o, __fmul_rn(s[i], qs[r]));
+        const float4 k4 = *reinterpret_cast<const float4*>(&ks[y * R + i]);
+        const float4 q4 = *reinterpret_cast<const float4*>(&qs[y * R + i]);
+        const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          s[i + j] = __fadd_rn(s[i + j], __fmul_rn(kk[j], delta));
+          o = __fadd_rn(o, __fmul_rn(s[i + j], qq[j]));
+        }
       }
     }
     part[1][y][c] = o;
@@ -128,25 +138,22 @@ __global__ void __launch_bounds__(kKdaMaxDk * kKdaQuarters, 1) kda_decode_kernel
     // out.to(bf16).float(); out * rsqrt(mean(out^2) + eps) * o_norm * sigmoid(gate), rounded to bf16 for o_proj
     const float ob = __bfloat162float(__float2bfloat16_rn(o));
     const float ms = __fdiv_rn(row_sum(__fmul_rn(ob, ob), dk, buf), float(dk));
-    const float rr = __frsqrt_rn(__fadd_rn(ms, a.eps));
-    const float gate = __bfloat162float(static_cast<const __nv_bfloat16*>(a.gate)[t * D + int64_t(h) * dk + c]);
-    const float out = __fmul_rn(__fmul_rn(__fmul_rn(ob, rr), a.o_norm[c]), kda_sigmoid(gate));
-    if (y == 0) static_cast<__nv_bfloat16*>(a.out)[t * D + int64_t(h) * dk + c] = __float2bfloat16_rn(out);
+    if (y == 0) {
+      const float rr = __frsqrt_rn(__fadd_rn(ms, a.eps));
+      const float out = __fmul_rn(__fmul_rn(__fmul_rn(ob, rr), a.o_norm[c]), kda_sigmoid(gate));
+      static_cast<__nv_bfloat16*>(a.out)[col] = __float2bfloat16_rn(out);
+    }
   }
 #pragma unroll
-  for (int i = 0; i < kKdaMaxDk / kKdaQuarters; ++i)
+  for (int i = 0; i < kKdaMaxR; ++i)
     if (i < R) S[int64_t(y * R + i) * dk] = s[i];
-  __syncthreads();  // every row has read the conv state: row 0 shifts it by the segment's n inputs
-  if (y == 0) {
-    const int64_t n = t1 - t0;
-#pragma unroll
-    for (int p = 0; p < 3; ++p) {
-      const int64_t ch = p * D + h * dk + c;
-      __nv_bfloat16* w = cst + ch * a.conv_k;
-      for (int j = 0; j < a.conv_k; ++j) {  // input n - K + j: the old state's entry n + j (read before written)
-        const int64_t rel = n - a.conv_k + j;
-        w[j] = rel < 0 ? w[n + j] : mixed_all[(t0 + rel) * 3 * D + ch];
-      }
+  __syncthreads();  // every row has read the conv state: rows 0-2 shift theirs by the segment's n inputs
+  if (y < 3) {
+    const int64_t n = t1 - t0, ch = int64_t(y) * D + h * dk + c;
+    __nv_bfloat16* w = cst + ch * a.conv_k;
+    for (int j = 0; j < a.conv_k; ++j) {  // input n - K + j: the old state's entry n + j (read before written)
+      const int64_t rel = n - a.conv_k + j;
+      w[j] = rel < 0 ? w[n + j] : mixed_all[(t0 + rel) * 3 * D + ch];
     }
   }
 }

@@ -242,5 +242,37 @@ __device__ __forceinline__ uint32_t bf16_bits(__nv_bfloat16 v) { return *reinter
 // float -> bf16 -> float: round to nearest even, as torch's .to(torch.bfloat16).
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// Exclusive prefix sum of one value per thread over a block of kThreads threads (a multiple of 32, at most 1024), in
+// thread order; `total` gets the block's sum, in every thread. warp_sums: kThreads / 32 values of shared memory, free
+// for the caller again when this returns. For integers (exact sums: the order of the additions does not matter).
+template <int kThreads, typename T>
+__device__ __forceinline__ T block_exclusive_scan(T v, T* warp_sums, T& total) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps, at most 32");
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  T incl = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += y;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    T w = lane < kWarps ? warp_sums[lane] : T(0);
+#pragma unroll
+    for (int d = 1; d < kWarps; d <<= 1) {
+      const T y = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += y;
+    }
+    if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  total = warp_sums[kWarps - 1];
+  const T before = warp == 0 ? T(0) : warp_sums[warp - 1];
+  __syncthreads();
+  return before + incl - v;
+}
+
 }  // namespace dev
 }  // namespace rocket

@@ -144,28 +144,6 @@ __device__ __forceinline__ uint32_t pick_key(float v, bool candidate) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Exclusive prefix sum of v over the block's threads in thread order; total: the block's sum (every thread).
-__device__ __forceinline__ int pick_scan(int v, int* warp_sums, int& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, d);
-    if (lane >= d) x += y;
-  }
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  int before = 0;
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < kPickThreads / 32; ++w) {
-    if (w < warp) before += warp_sums[w];
-    total += warp_sums[w];
-  }
-  __syncthreads();
-  return before + x - v;
-}
-
 __global__ void __launch_bounds__(kPickThreads) mla_pick_kernel(const MlaPick a) {
   __shared__ int hist[256];
   __shared__ int warp_sums[kPickThreads / 32];
@@ -216,13 +194,13 @@ __global__ void __launch_bounds__(kPickThreads) mla_pick_kernel(const MlaPick a)
   int eq = 0;
   for (int j = lo; j < hi; ++j) eq += key(j) == prefix;
   int total;
-  const int eq_before = pick_scan(eq, warp_sums, total);
+  const int eq_before = dev::block_exclusive_scan<kPickThreads>(eq, warp_sums, total);
   int take = 0;
   for (int j = lo, e = eq_before; j < hi; ++j) {
     const uint32_t u = key(j);
     if (u > prefix || (u == prefix && e++ < remaining)) ++take;
   }
-  int at = pick_scan(take, warp_sums, total);
+  int at = dev::block_exclusive_scan<kPickThreads>(take, warp_sums, total);
   const int n_cols = (a.k + (a.tail ? 1 : 0)) * kp;
   int64_t* cols = a.cols + int64_t(r) * n_cols;
   bool* valid = a.valid + int64_t(r) * n_cols;

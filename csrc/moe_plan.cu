@@ -19,33 +19,6 @@
 namespace rocket {
 namespace {
 
-// Exclusive prefix sum of one value per thread over the block (kPlanThreads threads); `total` gets the sum.
-__device__ __forceinline__ uint64_t block_exclusive_scan(uint64_t v, uint64_t* warp_sums, uint64_t& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint64_t incl = v;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const uint64_t y = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += y;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    uint64_t w = lane < kPlanThreads / 32 ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const uint64_t y = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += y;
-    }
-    warp_sums[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  total = warp_sums[kPlanThreads / 32 - 1];
-  const uint64_t before = warp == 0 ? 0 : warp_sums[warp - 1];
-  __syncthreads();  // warp_sums may be reused by the caller
-  return before + incl - v;
-}
-
 // Counts packed in one 64-bit scan: rows (bits 0..20), tiles (21..41), weight passes (42..62).
 constexpr int kTilesShift = 21, kGroupsShift = 42;
 constexpr uint64_t kField = (uint64_t(1) << 21) - 1;
@@ -81,7 +54,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
   __shared__ int expk[kPlanMaxRows];     // expert of flat (token, slot) i
   __shared__ int rank_rows[kPlanMaxRanks];
   __shared__ int off[kPlanMaxRanks + 1];
-  __shared__ uint64_t warp_sums[32];
+  __shared__ uint64_t warp_sums[kPlanThreads / 32];
   __shared__ int mine;
   __shared__ long long s_seq;
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -145,7 +118,7 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const PlanLaunch
     }
   }
   uint64_t total;
-  const uint64_t ex = block_exclusive_scan(v, warp_sums, total);
+  const uint64_t ex = dev::block_exclusive_scan<kPlanThreads>(v, warp_sums, total);
   if (cp >= 0) {
     start[cp] = static_cast<int>(ex & kField);
     const int t0 = static_cast<int>((ex >> kTilesShift) & kField), g0 = static_cast<int>(ex >> kGroupsShift);

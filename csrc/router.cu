@@ -274,6 +274,7 @@ void launch_moe_route(const float* partial, int slices, const float* bias, int t
   else if (npl <= 2) ROCKET_ROUTE(2);
   else if (npl <= 4) ROCKET_ROUTE(4);
   else if (npl <= 8) ROCKET_ROUTE(8);
+  else if (npl <= 12) ROCKET_ROUTE(12);  // GLM-5.3-Flash's 288 experts
   else if (npl <= 16) ROCKET_ROUTE(16);
   else ROCKET_ROUTE(32);
 #undef ROCKET_ROUTE

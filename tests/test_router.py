@@ -48,7 +48,8 @@ def test_gpu_router_logits(tokens, hidden, e):
 @gpu
 @pytest.mark.parametrize("tokens,e,k,n_group,topk_group,norm", [(1, 16, 4, 1, 1, True), (9, 128, 8, 1, 1, True),
                                                                (33, 256, 8, 8, 4, True), (7, 64, 6, 4, 1, False),
-                                                               (5, 1024, 32, 32, 5, True)])
+                                                               (5, 1024, 32, 32, 5, True), (3, 288, 8, 1, 1, True),
+                                                               (4, 320, 8, 4, 2, True)])
 def test_gpu_moe_route_matches_router(tokens, e, k, n_group, topk_group, norm):
     from rocket_mpi.ops.route import route_logits
     C = ops._ext.require()

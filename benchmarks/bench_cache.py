@@ -2,6 +2,7 @@
 
     python -m rocket_mpi decode --checkpoint preset:default:skew=1.5 --streams 8 --tokens 200 --telemetry trace.npz
     python benchmarks/bench_cache.py --trace trace.npz --capacity 0.25,0.5 [--interval 8] [--margins 0.5,1] [--first 48]
+                                     [--start other_trace.npz]
 
 Each MoE layer is one cache of `capacity` x (experts the rank owns) slots. A step's requests are the experts with rows
 (each is read once however many rows it has); the hit rate counts those reads. The policies:
@@ -9,7 +10,8 @@ Each MoE layer is one cache of `capacity` x (experts the rank owns) slots. A ste
             layer at each upkeep, every --interval steps (the graphed engine's: 8) and after steps 1, 2, 4, ... below
             it (moe.cache.warm_upkeep), starting from the lowest ids (a swap copies the expert in: bytes a demand cache
             would not move); --margins adds it at other promotion margins and swap limits (ours@H or ours@H/P),
-            --cold-upkeeps without the early upkeeps
+            --cold-upkeeps without the early upkeeps, --start TRACE2 started from another recorded trace as
+            --expert-cache-from starts the engine ("ours from start")
     LRU     demand caching: a miss is brought in, the least recently read expert goes
     Belady  demand caching with bypass and the future known: a miss is brought in only if it is read again before
             the cached expert read last, which goes (the most hits any demand cache can have)
@@ -28,6 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from rocket_mpi.moe.cache import Policy, first_resident, warm_upkeep  # noqa: E402
+from rocket_mpi.runtime.telemetry import firing_shares  # noqa: E402
 
 
 def requests(rows: np.ndarray, owned: list[int]) -> list[set[int]]:
@@ -37,11 +40,14 @@ def requests(rows: np.ndarray, owned: list[int]) -> list[set[int]]:
 
 
 def replay_ours(reqs: list[set[int]], owned: list[int], cap: int, interval: int = 1, warm: bool = False,
-                **policy) -> tuple[int, int, int]:
+                start: np.ndarray | None = None, **policy) -> tuple[int, int, int]:
     """(hits, reads, copies) of the engine's policy, its upkeep every `interval` steps (the graphed engine's: 8) with
-    the steps' firing counts; warm: also after steps 1, 2, 4, ... below the interval (moe.cache.warm_upkeep); policy:
-    Policy's keyword arguments (hysteresis, promotions)."""
-    pol = Policy(owned, cap, first_resident(owned, cap), **policy)
+    the steps' firing counts; warm: also after steps 1, 2, 4, ... below the interval (moe.cache.warm_upkeep); start:
+    the layer's firing shares in another trace (--expert-cache-from: the most fired resident, the scores seeded);
+    policy: Policy's keyword arguments (hysteresis, promotions)."""
+    pol = Policy(owned, cap, first_resident(owned, cap, start), **policy)
+    if start is not None:
+        pol.seed(start)
     hits = reads = copies = 0
     n = max(owned) + 1
     active = np.zeros(n)
@@ -122,6 +128,8 @@ def main() -> int:
     ap.add_argument("--first", type=int, default=0, help="also the first N steps alone (a cold start)")
     ap.add_argument("--cold-upkeeps", action="store_true", help="ours also without the upkeeps after steps 1, 2, "
                     "4, ... below the interval (the engine's since the cache is cold at first)")
+    ap.add_argument("--start", metavar="TRACE2", help="ours also started from this other trace of the same model "
+                    "(decode --expert-cache-from)")
     a = ap.parse_args()
     z = np.load(a.trace)
     rows, layers = z["rows"], z["layers"]
@@ -140,6 +148,14 @@ def main() -> int:
         h, _, n = m.partition("/")
         pols.append((f"ours@{m}", replay_ours,
                      {"warm": True, "hysteresis": float(h), **({"promotions": int(n)} if n else {})}))
+    if a.start:
+        z2 = np.load(a.start)
+        if list(z2["layers"]) != list(layers) or z2["rows"].shape[2] != rows.shape[2]:
+            raise SystemExit(f"--start {a.start}: {z2['rows'].shape[2]} experts in MoE layers {list(z2['layers'])}, "
+                             f"the trace has {rows.shape[2]} in {list(layers)}")
+        shares = firing_shares(z2["rows"], list(range(len(layers))))
+        print(f"ours from start: resident and scores from {a.start} ({z2['rows'].shape[0]} steps)")
+        pols.append(("ours from start", replay_ours, {"warm": True, "start": shares}))
     pols += [("LRU", replay_lru, {}), ("Belady", replay_belady, {})]
     windows = [("all steps", steps)] + ([(f"first {a.first} steps", a.first)] if 0 < a.first < steps else [])
     for title, n_steps in windows:
@@ -157,6 +173,8 @@ def main() -> int:
                 cap = int(frac * len(owned))
                 reqs = requests(rows[:n_steps, i], owned)
                 for name, fn, kw in pols:
+                    if "start" in kw:
+                        kw = dict(kw, start=kw["start"][i])
                     h, r, c = fn(reqs, owned, cap, a.interval, **kw) if fn is replay_ours else fn(reqs, owned, cap)
                     tot[name][0] += h
                     tot[name][1] += r

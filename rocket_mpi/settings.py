@@ -119,6 +119,7 @@ class RunSettings:
     chat: str | None = None          # a JSON file of conversations, rendered with the checkpoint's chat template
     expert_cache: str = "auto"       # GiB of routed experts in device memory per rank, or auto (moe/cache.py)
     host_memory: str = "auto"        # GiB of host memory for a GPU rank's far experts, or auto (moe/cache.py)
+    expert_cache_from: str | None = None  # a routing trace (decode --telemetry) the expert cache starts from
     telemetry: str | None = None     # where rank 0 writes the routing trace and the expert cache's accounting
     rebalance_every: int = 0         # decode steps between live rebalancings (moe/rebalance.py), 0: never
     replicas: int | None = None      # extra expert copies per MoE layer rebalancing may place (None: the placement's)

@@ -259,3 +259,19 @@ def test_overflow_to_inf_in_the_activations_stops_the_decode(capsys, ckpt):
     edit_tensors(ckpt, f)
     assert_one_line(*decode(capsys, ckpt), "decode step 0", "stream(s) 0, 1", "NaN or Inf",
                     "entering MoE layer 1")
+
+
+def test_expert_cache_from_a_bad_trace(capsys, ckpt, tmp_path):
+    """--expert-cache-from: a trace of another model, a file that is not a trace, a missing file: one line each,
+    naming the flag and the file."""
+    trace = str(tmp_path / "trace.npz")
+    code, err = decode(capsys, ckpt, "--telemetry", trace)
+    assert code == 0, err
+    code, err = run_cli(capsys, "decode", "--checkpoint", "preset:dsa-tiny", "--streams", "1", "--tokens", "2",
+                        "--quiet", "--expert-cache-from", trace)
+    assert_one_line(code, err, "--expert-cache-from", trace, "was recorded from another model")
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip")
+    assert_one_line(*decode(capsys, ckpt, "--expert-cache-from", str(junk)), str(junk), "not a telemetry file")
+    assert_one_line(*decode(capsys, ckpt, "--expert-cache-from", str(tmp_path / "none.npz")), "none.npz",
+                    "file not found")

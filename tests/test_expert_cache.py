@@ -98,6 +98,52 @@ def test_accounting_adds_up(skewed_ckpt):
     assert st["far_bytes_per_step"] * st["steps"] == pytest.approx(st["miss_reads"] * bpe)
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_cache_started_from_a_trace(skewed_ckpt, path):
+    """--expert-cache-from: each layer starts with the trace's most fired experts resident and the policy's scores
+    at their rates; on the prompts the trace was recorded on, the run misses less than a cold start from the lowest
+    ids, and the tokens stay the all-resident run's."""
+    from rocket_mpi.runtime.telemetry import firing_shares
+    rec = Engine(skewed_ckpt, telemetry=True)   # every expert resident: records the routing only
+    rec.set_decode_path("host", "local")
+    prompts = [[(7 * s + 3 * i) % rec.cfg.vocab_size for i in range(3 + s)] for s in range(4)]
+    ref = rec.generate(prompts, TOKENS)
+    layers = list(rec.cfg.moe_layers)
+    shares = firing_shares(rec.expert_cache.trace_array(), layers)
+    assert all(shares[la].shape == (rec.cfg.n_routed_experts,) and shares[la].max() <= 1.0 for la in layers)
+    budget = 2 * len(layers) * per_expert(skewed_ckpt) / GIB + 1e-9
+    runs = {}
+    for name, start in (("cold", None), ("warm", shares)):
+        eng = Engine(skewed_ckpt, expert_cache=budget, cache_from=start)
+        eng.set_decode_path(path, "local")
+        for la in layers:
+            want = first_resident(eng.experts[la].owned, 2, None if start is None else start[la])
+            assert eng.experts[la].resident() == want, (name, la)
+            if start is not None:
+                pol = eng.expert_cache.policies[la]
+                assert np.allclose(pol.scores, start[la][pol.ids] / (1 - pol.decay))
+        runs[name] = eng.generate(prompts, TOKENS)
+        assert runs[name].tokens == ref.tokens, name
+    cold, warm = runs["cold"].expert_cache, runs["warm"].expert_cache
+    assert warm["hit_rows"] + warm["miss_rows"] == cold["hit_rows"] + cold["miss_rows"]
+    assert warm["miss_rows"] < cold["miss_rows"], (cold, warm)
+
+
+def test_expert_cache_from_on_the_command_line(skewed_ckpt, tmp_path):
+    """decode --telemetry, then decode --expert-cache-from that file: it says so and the report's JSON keeps it.
+    (A bad trace: tests/test_bad_input.py.)"""
+    trace = str(tmp_path / "trace.npz")
+    r = rocket("decode", "--checkpoint", skewed_ckpt, "--streams", "2", "--tokens", "6", "--telemetry", trace)
+    assert r.returncode == 0, r.stderr
+    out = str(tmp_path / "run.json")
+    r = rocket("decode", "--checkpoint", skewed_ckpt, "--streams", "2", "--tokens", "6", "--expert-cache", "0.00005",
+               "--expert-cache-from", trace, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert f"expert cache: started from {trace}" in r.stderr, r.stderr
+    doc = json.loads(open(out).read())
+    assert doc["load"][0]["expert_cache_from"] == trace, doc["load"]
+
+
 def test_skew_makes_hot_experts(tmp_path):
     """--skew: a few experts take most of the rows; skew 0 draws the biases as before (same bits)."""
     flat = specs.make_tensor(0, "model.layers.1.mlp.gate.e_score_correction_bias", (64,), "bias")
@@ -179,14 +225,24 @@ def test_bad_flag_is_one_line(tiny_ckpt):
     assert r.returncode == 2 and "--expert-cache" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("ranks,fabric,path", [(2, "shm", "host"), (3, "mpi", "device")])
-def test_static_fire_with_a_cache(ranks, fabric, path, skewed_ckpt, tmp_path):
-    """The reference and the split each with a cache of a few experts per layer: PASS, and the split's JSON carries
-    each rank's accounting."""
+@pytest.mark.parametrize("ranks,fabric,path,start", [(2, "shm", "host", False), (3, "mpi", "device", True)])
+def test_static_fire_with_a_cache(ranks, fabric, path, start, skewed_ckpt, tmp_path):
+    """The reference and the split each with a cache of a few experts per layer (3 ranks: started from a recorded
+    trace, passed on to both sides): PASS, and the split's JSON carries each rank's accounting."""
+    extra = []
+    if start:
+        trace = str(tmp_path / "trace.npz")
+        r = rocket("decode", "--checkpoint", skewed_ckpt, "--streams", "4", "--tokens", "6", "--telemetry", trace)
+        assert r.returncode == 0, r.stderr
+        extra = ["--expert-cache-from", trace]
     r = rocket("static-fire", "--checkpoint", skewed_ckpt, "--ranks", str(ranks), "--sweep", "1,4", "--tokens", "6",
                "--fabric", fabric, "--fabric-timeout", "20", "--decode-path", path, "--expert-cache", "0.00005",
-               "--workdir", str(tmp_path))
+               "--workdir", str(tmp_path), *extra)
     assert r.returncode == 0, r.stdout + r.stderr
+    if start:  # both sides started from it
+        for side in ("reference", "split"):
+            doc = json.loads((tmp_path / f"{side}.json").read_text())
+            assert all(ld["expert_cache_from"] == trace for ld in doc["load"]), (side, doc["load"])
     assert "STATIC FIRE PASS: 0/4 streams mismatched" in r.stdout, r.stdout
     assert r.stdout.count("expert cache: rank resident GiB") == 2, r.stdout  # the split's report, M=1 and M=4
     doc = json.loads((tmp_path / "split.json").read_text())

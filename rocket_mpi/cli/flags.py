@@ -102,6 +102,10 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="GPU ranks: GiB of host memory for the routed experts outside device memory; where they need "
                         "more, each layer keeps as many as fit and reads the others from the checkpoint files when a "
                         "step needs them (on the host decode path). auto: the host's available memory (its share)"),
+    p.add_argument("--expert-cache-from", metavar="TRACE",
+                   help="start the expert cache from a routing trace recorded with decode --telemetry (of this "
+                        "model): each layer keeps the experts that fired in most of its steps resident from the first "
+                        "step, and the cache's scores start at their rates, instead of the lowest ids and no history")
     add_fabric_flags(p)
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "device", "host"),
                    help="GPU decode steps: graph = row plan on the device, the step one CUDA graph; device = the "
@@ -152,7 +156,8 @@ def serve_run_settings(args) -> RunSettings:
     return RunSettings(checkpoint=args.checkpoint, streams=(), tokens=1, placement=args.placement, device=args.device,
                        threads=args.threads, startup_timeout=args.startup_timeout, decode_path=args.decode_path,
                        prefill_chunk=args.prefill_chunk, fabric=fabric_settings(args), log_level=args.log_level,
-                       progress=True, expert_cache=args.expert_cache, host_memory=args.host_memory)
+                       progress=True, expert_cache=args.expert_cache, host_memory=args.host_memory,
+                       expert_cache_from=args.expert_cache_from)
 
 
 def serve_settings(args) -> ServeSettings:
@@ -168,7 +173,7 @@ def run_settings(args, streams: list[int]) -> RunSettings:
                        progress=not getattr(args, "quiet", False), temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                        ignore_eos=args.ignore_eos, chat=args.chat, expert_cache=args.expert_cache,
-                       host_memory=args.host_memory,
+                       host_memory=args.host_memory, expert_cache_from=args.expert_cache_from,
                        telemetry=getattr(args, "telemetry", None), rebalance_every=args.rebalance_every,
                        replicas=args.replicas)
 

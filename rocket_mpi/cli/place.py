@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import zipfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,9 +24,8 @@ from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
 from rocket_mpi.errors import RocketError
 from rocket_mpi.moe.balance import ROW_SHARE, balance, contiguous_owners, owner_lists, step_stats, trace_loads
 from rocket_mpi.moe.placement import Placement
-from rocket_mpi.runtime.decode import TELEMETRY_FORMAT, TELEMETRY_VERSION, config_digest
+from rocket_mpi.runtime.telemetry import describe, read_telemetry, require_model
 
-FIELDS = ("rows", "layers", "placement", "model", "expert_bytes", "expert_s", "rows_owned", "streams")
 
 
 def add_parser(sub, formatter) -> None:
@@ -52,50 +50,11 @@ def add_parser(sub, formatter) -> None:
                                  "expert)")
 
 
-def read_telemetry(path: str) -> dict:
-    """The .npz's fields, or one line saying why it is not a telemetry file this version can plan from."""
-    if not os.path.isfile(path):
-        raise RocketError(f"--telemetry {path}: file not found")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            fields = {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise RocketError(f"--telemetry {path}: not a telemetry file (decode --telemetry writes one): {e}") from None
-    if str(fields.get("format", "")) != TELEMETRY_FORMAT:
-        raise RocketError(f"--telemetry {path}: not a telemetry file (decode --telemetry writes one; fields "
-                          f"{', '.join(sorted(fields)) or 'none'})")
-    if int(fields.get("version", 0)) != TELEMETRY_VERSION or any(k not in fields for k in FIELDS):
-        raise RocketError(f"--telemetry {path}: telemetry version {int(fields.get('version', 0))}, this rocket_mpi "
-                          f"reads version {TELEMETRY_VERSION}: record it again with decode --telemetry")
-    t = dict(fields)
-    t["model"] = json.loads(str(fields["model"]))
-    t["placement"] = json.loads(str(fields["placement"]))
-    rows = t["rows"]
-    n_exp, layers = t["model"]["n_experts"], list(t["model"]["moe_layers"])
-    if rows.ndim != 3 or rows.shape[1:] != (len(layers), n_exp) or list(t["layers"]) != layers:
-        raise RocketError(f"--telemetry {path}: rows {tuple(rows.shape)} do not match its model's {len(layers)} MoE "
-                          f"layers x {n_exp} experts")
-    if not rows.shape[0]:
-        raise RocketError(f"--telemetry {path}: no decode steps recorded (decode at least 2 tokens)")
-    return t
-
-
-def describe(m: dict) -> str:
-    lay = m["moe_layers"]
-    span = f"{lay[0]}..{lay[-1]}" if lay else "none"
-    return f"{m['model_type']} config {m['config']} ({m['n_experts']} experts, MoE layers {span})"
-
-
 def check_model(t: dict, path: str, checkpoint: str):
     """The checkpoint's config, or one line when the trace was recorded from another model."""
     reader = SyntheticReader(checkpoint) if is_synthetic(checkpoint) else CheckpointReader(checkpoint)
-    cfg = reader.config
-    here = {"model_type": cfg.model_type, "config": config_digest(cfg), "n_experts": cfg.n_routed_experts,
-            "moe_layers": list(cfg.moe_layers)}
-    if any(here[k] != t["model"][k] for k in here):
-        raise RocketError(f"--telemetry {path} was recorded from another model: {describe(t['model'])}; "
-                          f"--checkpoint {checkpoint} is {describe(here)}")
-    return cfg
+    require_model(t, path, reader.config, f"--checkpoint {checkpoint}")
+    return reader.config
 
 
 def fit_row_cost(t: dict) -> tuple[float, str] | None:

@@ -22,6 +22,8 @@ def _decode_args(args, sweep, out):
          "--log-level", args.log_level, "--expert-cache", args.expert_cache, "--host-memory", args.host_memory]
     if args.prompts:
         a += ["--prompts", args.prompts]
+    if args.expert_cache_from:
+        a += ["--expert-cache-from", args.expert_cache_from]
     return a + sampling_args(args)
 
 

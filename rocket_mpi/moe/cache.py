@@ -83,6 +83,12 @@ class Policy:
     def resident(self) -> set[int]:
         return set(self.ids[self.mask].tolist())
 
+    def seed(self, share: np.ndarray) -> None:
+        """Scores as if the experts had fired in `share` [E] of the steps for a long while (the decayed count's steady
+        state): a recorded trace's rates (--expert-cache-from), so the first upkeeps weigh the first steps' firings
+        against them rather than against nothing."""
+        self.scores = np.asarray(share, dtype=np.float64)[self.ids] / (1.0 - self.decay)
+
     def carry(self, old: "Policy") -> None:
         """Take the scores of the experts `old` also owns."""
         _, i, j = np.intersect1d(self.ids, old.ids, assume_unique=True, return_indices=True)
@@ -111,7 +117,8 @@ class Policy:
 
 
 def first_resident(owned: list[int], capacity: int, prior: np.ndarray | None = None) -> list[int]:
-    """The experts a layer starts with in device memory: the highest prior (router bias) first, else lowest ids."""
+    """The experts a layer starts with in device memory: the highest prior first (a recorded trace's share of steps
+    in which each expert fired, --expert-cache-from), ties and no prior to the lowest ids."""
     order = sorted(owned, key=(lambda e: (-float(prior[e]), e)) if prior is not None else None)
     return sorted(order[:capacity])
 
@@ -229,6 +236,12 @@ class ExpertCache:
                 st.moved_bytes += 2 * len(swaps) * store.read_bytes_per_expert
                 for fn in self.on_swap.values():
                     fn(layer)
+
+    def start_from(self, shares: dict) -> None:
+        """Each layer's policy scores from a recorded trace's firing shares (Policy.seed); the residency is the load's
+        (first_resident with the same shares)."""
+        for layer in self.layers:
+            self.policies[layer].seed(shares[layer])
 
     def rebuild(self, layer: int) -> None:
         """The layer's experts changed (live rebalancing, ExpertStore.rehome): a policy over the new ones, the scores

@@ -93,7 +93,7 @@ class ExpertStore:
         self.packed = None           # ops.PackedExperts when the CUDA kernel runs them
         self.read_bytes_per_expert = 0
         if owned and gate_up:
-            e = owned[0]
+            e = next(iter(gate_up))  # any expert held here (a bounded cache's need not include the lowest id)
             self.read_bytes_per_expert = (gate_up[e].numel() + down[e].numel()) * gate_up[e].element_size()
 
     @classmethod

@@ -8,7 +8,6 @@ import socket
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from rocket_mpi import __version__, ops
@@ -27,6 +26,8 @@ from rocket_mpi.runtime.progress import Timeline, log, setup_logging
 from rocket_mpi.runtime.chat import read_chat_prompts, stop_ids
 from rocket_mpi.runtime.prompts import default_prompts, load_tokenizer, read_prompts
 from rocket_mpi.runtime.sampling import Sampling, Stop, cut_at_stop
+from rocket_mpi.runtime.telemetry import (cache_start, config_digest, model_identity, shares_digest, step_telemetry,
+                                          write_telemetry)
 from rocket_mpi.settings import RunSettings, Settings
 
 
@@ -96,10 +97,13 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
             else:
                 p = default_prompts(m, cfg.vocab_size)
             runs.append(p)
-        return reader, placement, runs, text, stop_rule(args, cfg)
+        start = (cache_start(args.expert_cache_from, cfg, f"--checkpoint {args.checkpoint}")
+                 if args.expert_cache_from else None)
+        return reader, placement, runs, text, stop_rule(args, cfg), start
 
     # no collective may run inside a _collective step: a rank that failed earlier would never join it
-    reader, placement, runs, text, (stop, detok) = _collective(comm, args.startup_timeout, "set-up", setup)
+    reader, placement, runs, text, (stop, detok), cache_from = _collective(comm, args.startup_timeout, "set-up",
+                                                                           setup)
     log.info(f"{reader.config.model_type}: {reader.config.num_hidden_layers} layers, {reader.config.n_routed_experts} "
              f"routed experts" + (f"; streams {sweep}, {args.tokens} tokens each" if sweep else ""))
     with watchdog(comm, args.startup_timeout, "choosing the fabric"):
@@ -113,6 +117,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
              "prefill chunk": args.prefill_chunk, "sampling": (args.temperature, args.top_p, args.top_k, args.seed),
              "stop": (args.stop, args.ignore_eos), "rebalance": (args.rebalance_every, args.replicas),
              "prompts": hashlib.sha256(json.dumps(runs).encode()).hexdigest()[:16],
+             "expert cache from": shares_digest(cache_from),
              "settings": settings.bits(), **(facts_extra or {})}
     log.info(f"fabric {fabric_name}" + (f" (--fabric auto: {fabric_why})" if fab.name == "auto" else "") + "; loading "
              "this rank's share of the checkpoint")
@@ -134,7 +139,7 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
                                             progress=args.progress and rank == 0,
                                             expert_cache=parse_budget(args.expert_cache), share=share,
                                             host_memory=parse_budget(args.host_memory),
-                                            telemetry=bool(args.telemetry),
+                                            telemetry=bool(args.telemetry), cache_from=cache_from,
                                             rebalance_every=args.rebalance_every, replicas=args.replicas))
     finally:
         if content is not None:
@@ -145,6 +150,10 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
                  f"digested on this rank in {content.seconds:.1f} s")
     log.info(f"loaded in {engine.load_seconds:.1f} s: {engine.owned_experts()} expert slots, "
              f"{engine.resident_bytes() / 2**30:.2f} GiB resident; expert cache: {engine.cache_plan.reason}")
+    if cache_from is not None:
+        log.info(f"expert cache: started from {args.expert_cache_from}" if engine.expert_cache is not None else
+                 f"--expert-cache-from {args.expert_cache_from}: every expert of this rank is resident, nothing to "
+                 f"start")
     timeline.mark("load")
     for p in runs:
         _collective(comm, args.startup_timeout, "prompt checks", lambda p=p: engine.check_prompts(p, args.tokens))
@@ -183,7 +192,8 @@ def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     copy_bw, h2d_bw = measure_copy_bandwidth(device), measure_h2d_bandwidth(device)
     timeline.mark("bandwidth probes")
     load = {"rank": rank, "load_s": engine.load_seconds, "copy_gbps": copy_bw, "h2d_gbps": h2d_bw,
-            "expert_cache_plan": engine.cache_plan.as_dict(), "resident_gib": engine.resident_bytes() / 2**30,
+            "expert_cache_plan": engine.cache_plan.as_dict(), "expert_cache_from": args.expert_cache_from,
+            "resident_gib": engine.resident_bytes() / 2**30,
             "peak_rss_gib": engine.peak_rss_bytes() / 2**30, "experts": engine.owned_experts(),
             "stack_bytes": engine.stack_read_bytes(),
             "expert_read_bytes": max((s.read_bytes_per_expert for s in engine.experts.values()), default=0)}
@@ -265,53 +275,6 @@ def split_ceiling(per_rank: list[dict], stack_bytes: list[int]) -> dict:
     busiest = max(s["weight_bytes_per_step"] for s in per_rank)
     return {"one_rank_bytes_per_step": one, "busiest_rank_bytes_per_step": busiest,
             "split_ceiling": one / busiest if busiest else 0.0}
-
-
-TELEMETRY_FORMAT = "rocket_mpi telemetry"
-TELEMETRY_VERSION = 2
-
-
-def config_digest(cfg) -> str:
-    """A hash of the model's config: the handshake's, and the telemetry's model identity."""
-    return hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def model_identity(cfg, checkpoint: str) -> dict:
-    """What a telemetry file was recorded from: `place` refuses to plan another model from it."""
-    return {"model_type": cfg.model_type, "config": config_digest(cfg), "n_experts": cfg.n_routed_experts,
-            "top_k": cfg.num_experts_per_tok, "moe_layers": list(cfg.moe_layers), "checkpoint": checkpoint}
-
-
-def step_telemetry(result) -> np.ndarray:
-    """A rank's decode steps of one run as [steps, 5]: step seconds, seconds in its experts and in the exchange (NaN
-    where not timed: the fixed-shape step), rows it computed, CPU seconds in its experts (CPU ranks)."""
-    return np.array([(s.seconds, s.expert_seconds, s.wait_seconds, s.rows_owned, s.expert_cpu_seconds)
-                     for s in result.steps[1:]], dtype=np.float64).reshape(-1, 5)
-
-
-def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement, steps: list[np.ndarray], model: dict,
-                    expert_bytes: int, path_taken: str, device: str) -> None:
-    """--telemetry: the last run of the sweep as one .npz (fields in docs/DESIGN.md, Telemetry): its routing (rows per
-    decode step, MoE layer and expert: the same on every rank, rank 0's), the placement it ran with, per rank and step
-    the step, expert and exchange times and rows, each rank's expert-cache accounting, and the model's identity."""
-    layers = list(cfg.moe_layers)
-    n_moe, n_exp = len(layers), cfg.n_routed_experts
-    trace = np.zeros((0, n_moe, n_exp), dtype=np.int32) if trace is None else trace
-    n = min([trace.shape[0]] + [s.shape[0] for s in steps])   # a run that ended early: the steps both have
-    per_step = np.stack([s[:n] for s in steps], axis=1) if steps else np.zeros((n, 0, 5))  # [steps, ranks, 5]
-    raw = placement.to_json()
-    placed = {str(la): raw.get(str(la), raw.get("default")) for la in layers}   # every MoE layer spelt out
-    owners = np.array([[o if isinstance(o, int) else min(o) for o in placed[str(la)]] for la in layers],
-                      dtype=np.int64).reshape(n_moe, n_exp)
-    np.savez_compressed(path, format=np.array(TELEMETRY_FORMAT), version=np.array(TELEMETRY_VERSION),
-                        rows=trace[:n], layers=np.array(layers, dtype=np.int64), owners=owners,
-                        placement=np.array(json.dumps(placed)), ranks=np.array(len(steps)),
-                        step_s=per_step[:, :, 0], expert_s=per_step[:, :, 1], wait_s=per_step[:, :, 2],
-                        rows_owned=per_step[:, :, 3].astype(np.int64), expert_cpu_s=per_step[:, :, 4],
-                        expert_bytes=np.array(expert_bytes),
-                        streams=np.array(per_rank[0]["M"] if per_rank else 0), path=np.array(path_taken),
-                        device=np.array(device), model=np.array(json.dumps(model)),
-                        per_rank=np.array(json.dumps(per_rank)))
 
 
 def measure_h2d_bandwidth(device) -> float | None:

@@ -165,14 +165,17 @@ class Engine:
     def __init__(self, ckpt_dir: str, rank: int = 0, size: int = 1, placement: Placement | None = None,
                  reader: CheckpointReader | None = None, device: str = "cpu", settings: Settings | None = None,
                  progress: bool = False, expert_cache: float | None = None, share: int = 1, telemetry: bool = False,
-                 rebalance_every: int = 0, replicas: int | None = None, host_memory: float | None = None):
+                 rebalance_every: int = 0, replicas: int | None = None, host_memory: float | None = None,
+                 cache_from: dict | None = None):
         """expert_cache: GiB of routed-expert weights this rank keeps in device memory (moe/cache.py), None: auto
         (all where they fit, else what fits); share: ranks sharing this rank's device (auto splits its memory);
         telemetry: record the routing of every decode step (ExpertCache.trace); rebalance_every: recompute the
         placement from the decayed firing counts every this many decode steps (moe/rebalance.py; 0: never), with up
         to `replicas` extra copies per MoE layer (None: as many as the placement has); host_memory: GiB of host memory
         for a GPU rank's far experts (None: its share of what is available; where they need more, the others stay in
-        the checkpoint files, moe/cache.py plan_capacity)."""
+        the checkpoint files, moe/cache.py plan_capacity); cache_from: per MoE layer, the share of a recorded trace's
+        steps in which each expert fired (runtime/telemetry.py cache_start): a bounded cache starts with each layer's
+        most fired experts resident and its scores at those rates."""
         t0 = time.perf_counter()
         self.settings = settings or Settings.from_env()  # the command line passes the one it read
         self.reader = reader or CheckpointReader(ckpt_dir)
@@ -213,7 +216,8 @@ class Engine:
                 room = max(len(owned), slots)
                 self.experts[layer] = ExpertStore.load(self.reader, layer, owned, prefix(self.reader, layer),
                                                        self.device, None if keep >= room else
-                                                       first_resident(owned, keep), room, min(keep, room),
+                                                       first_resident(owned, keep, (cache_from or {}).get(layer)),
+                                                       room, min(keep, room),
                                                        self.cache_plan.far_slots)
                 loading.update()
             loading.close()
@@ -233,6 +237,8 @@ class Engine:
                                                                  for s in self.experts.values())):
             self.expert_cache = ExpertCache(self.experts, list(self.cfg.moe_layers), self.cfg.n_routed_experts,
                                             trace=[] if telemetry else None)
+            if cache_from:
+                self.expert_cache.start_from(cache_from)
         self.rebalancer: Rebalancer | None = None
         if rebalance_every and self.expert_cache is not None:  # the cache's counters feed the decayed counts
             bpe = expert_bytes(self.cfg.hidden_size, self.cfg.moe_intermediate_size, nvfp4, ops.on_gpu(self.device))

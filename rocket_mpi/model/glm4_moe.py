@@ -16,10 +16,9 @@ from rocket_mpi import ops
 from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.model.cache import KVCache
-from rocket_mpi.model.layers import (Rope, head_logits, held, load_embed_head, load_ffn, load_linear, load_swiglu,
-                                     move_stack, norm_of, pack_head, pack_mlps, prefill_blocks, release_stored,
-                                     stack_kernel_enabled, stack_linears, stack_mlp, stack_rows, stored_nbytes,
-                                     unique_nbytes)
+from rocket_mpi.model.layers import (Rope, StackModel, head_logits, held, load_embed_head, load_ffn, load_linear,
+                                     load_swiglu, norm_of, pack_head, pack_mlps, prefill_blocks, release_stored,
+                                     stack_linears, stack_mlp, stack_rows, stored_nbytes, unique_nbytes)
 
 DT = torch.bfloat16
 SPAN_QUANTUM = 64  # a host-path decode step attends over a multiple of this many cache positions
@@ -50,7 +49,7 @@ class Layer:
     stored: dict = field(default_factory=dict)             # NVFP4 parts of mlp / shared (layers: held as stored)
 
 
-class Glm4MoeModel:
+class Glm4MoeModel(StackModel):
     # --decode-path auto takes the graphed step: its capture is checked on the H200 (GPU tests, static fires)
     GRAPH_CHECKED = True
 
@@ -104,14 +103,6 @@ class Glm4MoeModel:
         cfg = self.cfg
         return KVCache(cfg.num_hidden_layers, streams, cfg.num_key_value_heads, capacity, cfg.head_dim, DT,
                        self.embed.device)
-
-    def to(self, device) -> "Glm4MoeModel":
-        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
-        the extension, the stack's linears also get a copy in the expert kernel's BF16 tiles (pack_stack)."""
-        move_stack(self, device)
-        if stack_kernel_enabled(device):
-            self.pack_stack()
-        return self
 
     def pack_stack(self) -> None:
         """Every layer's q/k/v (one fused launch), o and SwiGLU MLPs, and lm_head, also in the kernel's tiles

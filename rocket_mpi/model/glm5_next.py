@@ -28,9 +28,8 @@ from rocket_mpi.model.glm5_next_hc import HcArgs, HyperConnection, hc_post, hc_p
 from rocket_mpi.model.glm5_next_kda import KDA, KdaArgs, kda_forward, pack_kda
 from rocket_mpi.model.glm5_next_mla import MLA, Indexer, MlaArgs, MlaCache, mla_decode, mla_forward
 from rocket_mpi.model.glm_moe_dsa import NO_TIMER
-from rocket_mpi.model.layers import (head_logits, load_linear, load_swiglu, mlp_forward, move_stack, norm_of,
-                                     pack_head, pack_linears, pack_mla, pack_mlps, rms_norm, stack_kernel_enabled,
-                                     stored_nbytes, unique_nbytes)
+from rocket_mpi.model.layers import (StackModel, head_logits, load_linear, load_swiglu, mlp_forward, norm_of, pack_head,
+                                     pack_linears, pack_mla, pack_mlps, rms_norm, stored_nbytes, unique_nbytes)
 
 DT = torch.bfloat16
 
@@ -86,7 +85,7 @@ def _prefix(reader: CheckpointReader) -> str:
                           f"'model.embed_tokens.weight': not a GLM-5.3-Flash checkpoint")
 
 
-class Glm5NextModel:
+class Glm5NextModel(StackModel):
     # forward_static's capture checked on a GPU (graph == eager step, static fire on the graphed step, host
     # and graph paths decode the same tokens): --decode-path auto takes the graph
     GRAPH_CHECKED = True
@@ -216,14 +215,6 @@ class Glm5NextModel:
     def new_cache(self, streams: int, capacity: int, device=None) -> Glm5NextCache:
         """On the weights' device unless told otherwise."""
         return Glm5NextCache(self, streams, capacity, device)
-
-    def to(self, device) -> "Glm5NextModel":
-        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
-        the extension, the stack's linears also get a copy in the expert kernel's BF16 tiles (pack_stack)."""
-        move_stack(self, device)
-        if stack_kernel_enabled(device):
-            self.pack_stack()
-        return self
 
     def pack_stack(self) -> None:
         """The stack's linears also in the kernel's tiles (as glm4_moe.pack_stack), which steps of at most

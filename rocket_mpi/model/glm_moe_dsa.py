@@ -31,10 +31,10 @@ from rocket_mpi.checkpoint.reader import CheckpointReader  # noqa: F401 (type)
 from rocket_mpi.config import ModelConfig
 from rocket_mpi.errors import ConfigError
 from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, another Attention
-from rocket_mpi.model.layers import (Rope, distinct_writes, head_logits, latent_attention, latent_input_linears,
-                                     linear_rows, linears, load_embed_head, load_ffn, load_linear, load_swiglu,
-                                     matmul_fp32, mlp_forward, move_stack, norm_of, pack_head, pack_mla, pack_mlps,
-                                     prefill_blocks, rms_norm, stack_kernel_enabled, stored_nbytes, unique_nbytes)
+from rocket_mpi.model.layers import (Rope, StackModel, distinct_writes, head_logits, latent_attention,
+                                     latent_input_linears, linear_rows, linears, load_embed_head, load_ffn, load_linear,
+                                     load_swiglu, matmul_fp32, mlp_forward, norm_of, pack_head, pack_mla, pack_mlps,
+                                     prefill_blocks, rms_norm, stored_nbytes, unique_nbytes)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -133,7 +133,7 @@ def rope_interleaved_ops(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-class GlmMoeDsaModel:
+class GlmMoeDsaModel(StackModel):
     # forward_static's capture checked on a GPU (graph == eager step, static fire on the graphed step, host
     # and graph paths decode the same tokens): --decode-path auto takes the graph
     GRAPH_CHECKED = True
@@ -218,14 +218,6 @@ class GlmMoeDsaModel:
         return LatentCache([L.attn.indexer is not None for L in self.layers], streams, capacity,
                            self.latent + self.rope_dim, self.index_dim, DT,
                            self.embed.device if device is None else device)
-
-    def to(self, device) -> "GlmMoeDsaModel":
-        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
-        the extension, the stack's linears also get a copy in the expert kernel's BF16 tiles (pack_stack)."""
-        move_stack(self, device)
-        if stack_kernel_enabled(device):
-            self.pack_stack()
-        return self
 
     def pack_stack(self) -> None:
         """Every layer's q_a | kv_a | indexer wk (one launch over the normed input), q_b, the indexer's wq_b, o and

@@ -552,3 +552,16 @@ def move_stack(model, device) -> None:
     rope = getattr(model, "rope", None)
     if rope is not None:
         rope.inv_freq = rope.inv_freq.to(device)
+
+
+class StackModel:
+    """What the three families' models share: `to`. A subclass has embed, norm, lm_head, layers and stored (and
+    rope where it has one), and a pack_stack() that copies its linears into the expert kernel's tiles."""
+
+    def to(self, device):
+        """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
+        the extension, the stack's linears also get a copy in the expert kernel's BF16 tiles (pack_stack)."""
+        move_stack(self, device)
+        if stack_kernel_enabled(device):
+            self.pack_stack()
+        return self

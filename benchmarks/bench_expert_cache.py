@@ -1,7 +1,7 @@
 """The expert cache on one GPU: decode steps with part of the experts in host memory, against the step's floor.
 
     python benchmarks/bench_expert_cache.py preset:air8:nvfp4:skew=1.5 --budgets all,0.5,0.25,0 --sweep 1,8 \
-        [--hysteresis 0.5,2]
+        [--hysteresis 0.5,2] [--start trace.npz]
 
 Per budget (all: every expert resident; a fraction: that share of the experts' bytes; auto: as decode's default;
 GIB: a size) one engine loads the model (the replicated stack resident, the experts split between device slots and
@@ -11,6 +11,9 @@ step, the hit rate of the expert reads, the far bytes and promotion copies per s
 (both bandwidths measured in the same process), with the step as a multiple of it. Tokens are compared with the
 first budget's (the cache never changes the bits). "all-steps ms" is the mean over every decode step (the upkeep's
 promotion copies land in one step of each interval, which the median of the timed steps leaves out).
+
+--start TRACE: each engine's cache starts from that routing trace (decode --telemetry of the same preset), as
+decode --expert-cache-from does; without it, from the lowest ids (a cold start).
 
 --hysteresis H,...: the policy's promotion margin (moe/cache.py HYSTERESIS), one run per value on the same engine,
 in turn (the residency one run leaves is where the next starts; the runs alternate, so each value starts warm).
@@ -28,6 +31,7 @@ from rocket_mpi.moe.cache import GIB, expert_bytes
 from rocket_mpi.runtime.decode import measure_copy_bandwidth, measure_h2d_bandwidth, pick_device
 from rocket_mpi.runtime.engine import Engine
 from rocket_mpi.runtime.prompts import default_prompts
+from rocket_mpi.runtime.telemetry import cache_start
 
 
 def budget_gib(spec: str, owned_bytes: int) -> float | None:
@@ -47,12 +51,14 @@ def main() -> int:
     ap.add_argument("--sweep", default="1,8")
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--hysteresis", default="", help="policy margins to compare, e.g. 0.5,2 (default: the engine's)")
+    ap.add_argument("--start", metavar="TRACE", help="start each cache from this trace (decode --expert-cache-from)")
     a = ap.parse_args()
     dev = pick_device("cuda", None)
     hbm, h2d = measure_copy_bandwidth(dev), measure_h2d_bandwidth(dev)
     print(f"{a.checkpoint}: copy {hbm:.0f} GB/s (read + write), pinned host-to-device {h2d:.1f} GB/s", flush=True)
     ref_tokens: dict[int, list] = {}
     cfg = SyntheticReader(a.checkpoint, "cpu").config
+    start = cache_start(a.start, cfg, f"preset {a.checkpoint}") if a.start else None
     nvfp4 = ":nvfp4" in a.checkpoint
     owned_bytes = (len(cfg.moe_layers) * cfg.n_routed_experts *
                    expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, nvfp4, packed=True))
@@ -61,10 +67,10 @@ def main() -> int:
     for spec in a.budgets.split(","):
         t0 = time.perf_counter()
         eng = Engine(a.checkpoint, reader=SyntheticReader(a.checkpoint, str(dev)), device=str(dev),
-                     expert_cache=budget_gib(spec, owned_bytes))
+                     expert_cache=budget_gib(spec, owned_bytes), cache_from=start)
         path = eng.set_decode_path("graph", "local")
-        print(f"\nbudget {spec}: {eng.cache_plan.reason}; loaded in {time.perf_counter() - t0:.0f} s, {path} path",
-              flush=True)
+        print(f"\nbudget {spec}: {eng.cache_plan.reason}; loaded in {time.perf_counter() - t0:.0f} s, {path} path"
+              + (f"; the cache started from {a.start}" if start else ""), flush=True)
         print(header)
         hysts = [float(h) for h in a.hysteresis.split(",")] if a.hysteresis else [None]
         for m, h in ((int(x), h) for x in a.sweep.split(",") for h in hysts):

@@ -195,6 +195,17 @@ def test_policy_near_belady_on_a_skewed_trace(skewed_ckpt):
             assert r == r2
             ours, bel, reads = ours + h, bel + b, reads + r
         assert ours <= bel and ours >= 0.9 * bel, (frac, ours, bel, reads)
+    # started from the trace's first half, the second half's first 8 steps hit more than from a cold start
+    from rocket_mpi.runtime.telemetry import firing_shares
+    half = trace.shape[0] // 2
+    shares = firing_shares(trace[:half], list(range(trace.shape[1])))
+    cap = len(owned) // 4
+    cold = warm = 0
+    for i in range(trace.shape[1]):
+        reqs = bc.requests(trace[half:half + 8, i], owned)
+        cold += bc.replay_ours(reqs, owned, cap, 8, warm=True)[0]
+        warm += bc.replay_ours(reqs, owned, cap, 8, warm=True, start=shares[i])[0]
+    assert warm > cold, (warm, cold)
 
 
 def test_plan_capacity_and_its_errors():

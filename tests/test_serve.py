@@ -123,10 +123,15 @@ def test_the_fixed_shape_step_serves_the_decode_commands_tokens(ckpt_name, reque
     """--decode-path device (the graphed step's plan and exchange without the CUDA graph, which CPUs run): every slot
     decodes in each step, the idle ones at their next free position with their recurrent state (GLM-5.3-Flash's
     KDA) put back; the tokens are the decode command's on the same path. tiny is served with an expert cache of a few
-    experts (its upkeep runs between the steps; residency never changes the bits)."""
+    experts, started from a recorded trace (its upkeep runs between the steps; residency never changes the bits)."""
     ckpt = request.getfixturevalue(ckpt_name)
     want = _decode_cli(ckpt, tmp_path, prompts=PROMPTS, extra=("--ignore-eos", "--decode-path", "device"))
-    cache = ("--expert-cache", "0.00005") if ckpt_name == "tiny_ckpt" else ()
+    cache = ()
+    if ckpt_name == "tiny_ckpt":
+        trace = str(tmp_path / "trace.npz")
+        r = rocket("decode", "--checkpoint", ckpt, "--streams", "2", "--tokens", "6", "--telemetry", trace, "--quiet")
+        assert r.returncode == 0, r.stderr
+        cache = ("--expert-cache", "0.00005", "--expert-cache-from", trace)
     srv = Server(ckpt, extra=("--decode-path", "device", *cache))
     try:
         # a request that ends on a stop id while the step after it is already launched (the server launches a greedy

@@ -14,8 +14,8 @@
 // (R = dk / 4). The head's per-k vectors are computed once, a row of threads each (q, k, v and the decay), and shared
 // through shared memory; sums over dk run in a fixed order (a thread's rows ascending, then the four quarters in order;
 // vector norms: a butterfly within each warp, then the warps in order). Deterministic, and a stream's result depends
-// on no other stream. Not bitwise torch's (its sums run in cuBLAS / reduction order): tests
-// compare within a tolerance (tests/test_device_plan.py).
+// on no other stream. Not bitwise torch's (its sums run in cuBLAS / reduction order): tests compare within a tolerance
+// (tests/test_glm5_next_kernels.py).
 #include "common.cuh"
 
 namespace rocket {

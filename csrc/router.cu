@@ -13,7 +13,7 @@
 // many there are): each (t, e) has one fixed sum order (lane j of the expert's warp adds quads 4 (j + 32 i)
 // of the slice in ascending i, then a fixed butterfly; then slices in order), set by H alone; moe_route
 // gives each token its own warp. They are not bitwise torch's (cuBLAS picks its own sum order), only close:
-// tests/test_device_plan.py checks logits within 2^-20, and from the same logits the same experts and
+// tests/test_router.py checks logits within 2^-20, and from the same logits the same experts and
 // weights within 2^-18 of route().
 //
 // Ties in the top-k go to the lower expert id; a NaN logit is never chosen while a number is left.

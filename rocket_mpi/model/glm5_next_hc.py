@@ -38,7 +38,7 @@ class HcArgs:
 def hc_pre(hc: HyperConnection, streams: torch.Tensor, a: HcArgs, fuse: bool = False,
            norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, H] BF16 -> (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] BF16). fuse: the same in
-    csrc/hc.cu's kernels (sums in their own order: within rounding of this, tests/test_device_plan.py). norm =
+    csrc/hc.cu's kernels (sums in their own order: within rounding of this, tests/test_glm5_next_kernels.py). norm =
     (weight, eps): the block's input RMSNorm of collapsed in place of it; with fuse in the kernels' launch (the bits
     of ops.rms_norm after them), else layers.rms_norm."""
     if fuse:  # in torch hc_pre is ~140 kernels per call (the Sinkhorn loop), in csrc/hc.cu two

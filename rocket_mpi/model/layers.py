@@ -395,7 +395,7 @@ class Rope:
         """cos_sin of positions 0..n-1 as one [2, n, rotary_dim] tensor, made once per (n, device) and kept (a
         captured step reads it by address for as long as it lives): the fixed-shape GPU step gathers its rows (one
         kernel, `table[:, pos]`) instead of the six of cos_sin. The same elementwise ops on the same device, so the
-        same bits per position (tests/test_device_plan.py checks it on the GPU; on a CPU the vectorised and scalar
+        same bits per position (tests/test_step_kernels.py checks it on the GPU; on a CPU the vectorised and scalar
         paths of cos may differ in the last bit, so the CPU step keeps cos_sin)."""
         key = (n, str(device))
         if key not in self._tables:

@@ -41,7 +41,7 @@ from rocket_mpi.ops.rows import Owners, plan_rows
 META_HEAD = 6
 META_TILES, META_GROUPS, META_ROWS, META_SET, META_SEQ, META_EXPERTS = range(META_HEAD)
 
-# Limits of the device plan and router kernels (csrc/rocket.h; tests/test_device_plan.py checks they match)
+# Limits of the device plan and router kernels (csrc/rocket.h; tests/test_plan.py checks they match)
 PLAN_MAX_EXPERTS = 1024   # kPlanMaxExperts, kRouteMaxExperts
 PLAN_MAX_PAIRS = 1024     # kPlanMaxPairs: (expert, owner) pairs of one layer, replicas included
 PLAN_MAX_ROWS = 2048      # kPlanMaxRows: streams x top-k of one step

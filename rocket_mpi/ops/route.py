@@ -38,7 +38,7 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """route_ref on CUDA in two kernels (router.cu): the same experts and weights up to the
-    fp32 sum order of the logits (tests/test_device_plan.py). CPU tensors take route itself."""
+    fp32 sum order of the logits (tests/test_router.py). CPU tensors take route itself."""
     if not x.is_cuda:
         return route_ref(x, weight, bias, cfg)
     C = _ext.require()

@@ -374,19 +374,32 @@ def test_host_memory_short_reads_experts_from_the_checkpoint(tmp_path):
 
 @gpu
 def test_graphed_step_with_a_cache_matches(tmp_path):
-    """The captured step with half the experts far and swaps between steps: the all-resident tokens."""
+    """The captured step with half the experts far and swaps between steps: the all-resident tokens; and started
+    from the all-resident run's trace (--expert-cache-from): the same tokens, each layer's most fired experts in its
+    device slots at load, fewer misses than the cold start."""
+    from rocket_mpi.runtime.telemetry import firing_shares
     d = str(tmp_path / "sk")
     make_checkpoint("tiny", d, seed=5, skew=1.5, nvfp4_experts=True)
     out = {}
-    for budget in (None, 0.0, 4e-5):
-        eng = Engine(d, device="cuda", expert_cache=budget)
+    shares = None
+    for budget, start in ((None, False), (0.0, False), (4e-5, False), (4e-5, True)):
+        eng = Engine(d, device="cuda", expert_cache=budget, telemetry=budget is None,
+                     cache_from=shares if start else None)
         eng.set_decode_path("graph", "local")
+        if start:
+            for la in eng.cfg.moe_layers:
+                st = eng.experts[la]
+                assert st.resident() == first_resident(st.owned, st.capacity, shares[la]), la
         res = eng.generate([[(3 * s + i) % eng.cfg.vocab_size for i in range(5)] for s in range(4)], 24)
-        out[budget] = res
+        out[budget, start] = res
         assert res.path == "graph" and not res.note, res.note
-    assert out[0.0].tokens == out[None].tokens
-    assert out[4e-5].tokens == out[None].tokens
-    assert out[4e-5].expert_cache["swaps"] > 0 and out[4e-5].expert_cache["hit_rows"] > 0
+        if budget is None:
+            shares = firing_shares(eng.expert_cache.trace_array(), list(eng.cfg.moe_layers))
+    for key in ((0.0, False), (4e-5, False), (4e-5, True)):
+        assert out[key].tokens == out[None, False].tokens, key
+    cold, warm = out[4e-5, False].expert_cache, out[4e-5, True].expert_cache
+    assert cold["swaps"] > 0 and cold["hit_rows"] > 0
+    assert warm["miss_rows"] < cold["miss_rows"], (cold, warm)
 
 
 def test_plan_command():

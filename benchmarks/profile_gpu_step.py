@@ -6,6 +6,7 @@ under torch.profiler, kernels summed per step.
     python benchmarks/profile_gpu_step.py preset:glm5-flash-4l:nvfp4 1 --capacity 4096   # a long run's cache
     python benchmarks/profile_gpu_step.py preset:glm5-flash-4l:nvfp4 1 \
         --ranges rocket_mpi.model.glm5_next_mla:mla_decode,_pool_decode,_absorbed    # device time per function
+    python benchmarks/profile_gpu_step.py preset:glm5-flash-4l:nvfp4-all 1 --sequence   # one step, kernel by kernel
 
 --ranges MODULE:FN[,FN...] (repeatable) wraps those module-level functions in profiler ranges for the profiled steps
 and prints each one's calls, kernels and device time per step: the kernels of the torch ops it runs, those of the
@@ -24,6 +25,10 @@ steps' window: one step at a time here.
 import argparse
 import functools
 import importlib
+import json
+import os
+import re
+import tempfile
 from contextlib import ExitStack
 
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -51,6 +56,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=30, help="kernels listed (default 30)")
     ap.add_argument("--ranges", action="append", default=[], metavar="MODULE:FN[,FN...]",
                     help="functions timed as profiler ranges (repeatable)")
+    ap.add_argument("--sequence", action="store_true",
+                    help="also list one step's kernels in launch order: device time, grid, block, name")
     a = ap.parse_args()
     targets = resolve(a.ranges)
     comm = world()
@@ -85,6 +92,8 @@ def main() -> int:
              f"expert and MLP kernels' pdl {a.pdl}, no steps launched ahead)",
              f"{'us/step':>9} {'calls/step':>10}  kernel"]
     lines += [f"{t / STEPS:>9.1f} {c / STEPS:>10.1f}  {k[:110]}" for t, c, k in rows[:a.rows]]
+    if a.sequence:
+        lines += ["", *sequence(prof)]
     if names:
         lines += ["", f"{'us/step':>9} {'calls/step':>10} {'kernels/step':>12}  range"]
         for e in prof.events():
@@ -100,6 +109,34 @@ def main() -> int:
     if size > 1:
         eng.fabric.close()
     return 0
+
+
+def sequence(prof) -> list[str]:
+    """The profiled steps' last one, kernel by kernel in launch order (from the profiler's trace: grid and block)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    step = kernels[len(kernels) - len(kernels) // STEPS:]
+    out = [f"one step, {len(step)} kernels in launch order; us, gap to the previous kernel's end, grid, block",
+           f"{'#':>4} {'us':>7} {'gap':>6} {'grid':>14} {'block':>12}  kernel"]
+    end = None
+    for i, e in enumerate(step):
+        args = e.get("args", {})
+        gap = "" if end is None else f"{e['ts'] - end:.1f}"
+        end = e["ts"] + e["dur"]
+        grid = "x".join(map(str, args.get("grid", [])))
+        block = "x".join(map(str, args.get("block", [])))
+        out.append(f"{i:>4} {e['dur']:>7.1f} {gap:>6} {grid:>14} {block:>12}  {_short(e['name'])}")
+    return out
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its namespace and argument list (template arguments kept, cut to 100 characters)."""
+    name = re.sub(r"\(.*\)$", "", name.replace("(anonymous namespace)::", ""))
+    return name.removeprefix("void ").removeprefix("rocket::")[:100]
 
 
 def resolve(specs: list[str]) -> list[tuple]:

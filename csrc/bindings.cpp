@@ -233,7 +233,7 @@ torch::Tensor nvfp4_experts(const torch::Tensor& x, const std::optional<torch::T
                               inter, swiglu_limit, pdl, far, wide)[0];
 }
 
-torch::Tensor dequant_packed(const torch::Tensor& q, const torch::Tensor& s) {
+torch::Tensor dequant_packed(const torch::Tensor& q, const torch::Tensor& s, bool direct) {
   const c10::Device dev = q.device();
   expect(q, "q", torch::kByte, 4, dev);
   expect(s, "s", torch::kByte, 4, dev);
@@ -244,7 +244,7 @@ torch::Tensor dequant_packed(const torch::Tensor& q, const torch::Tensor& s) {
   auto out = torch::empty({q.size(0) * rocket::kTileN, q.size(1) * rocket::kTileK},
                           q.options().dtype(torch::kBFloat16));
   rocket::launch_nvfp4_dequant_packed(q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), static_cast<int>(out.size(0)),
-                                      static_cast<int>(out.size(1)), out.data_ptr(),
+                                      static_cast<int>(out.size(1)), direct, out.data_ptr(),
                                       c10::cuda::getCurrentCUDAStream().stream());
   return out;
 }
@@ -418,7 +418,7 @@ torch::Tensor swiglu_dense(const torch::Tensor& x, const torch::Tensor& q_gu, co
 }
 
 // A SwiGLU MLP of the replicated stack held as stored (NVFP4 tiles of one expert, stack.py pack_mlp): as swiglu_dense,
-// the rows through a prep launch (K in the logical order), down's weight_scale_2 (s2_dn [1]) in its epilogue.
+// gate/up's K in direct_k_order (pack.py pack_codes_direct), down's weight_scale_2 (s2_dn [1]) in its epilogue.
 torch::Tensor swiglu_dense_nvfp4(const torch::Tensor& x, const torch::Tensor& q_gu, const torch::Tensor& s_gu,
                                  const torch::Tensor& s2_gu, const torch::Tensor& q_dn, const torch::Tensor& s_dn,
                                  const torch::Tensor& s2_dn, int64_t hidden, int64_t inter,
@@ -432,7 +432,7 @@ torch::Tensor swiglu_dense_nvfp4(const torch::Tensor& x, const torch::Tensor& q_
   expect(s2_dn, "s2_dn", torch::kFloat, 1, dev, 4);
   ROCKET_CHECK(s2_dn.numel() == 1, "s2_dn " << s2_dn.sizes() << ": one expert's down weight_scale_2");
   return dense_mlp(x, q_gu, s_gu, s2_gu, q_dn, s_dn, hidden, inter, residuals, swiglu_limit, pdl, split,
-                   /*direct_k=*/false, s2_dn.data_ptr<float>());
+                   /*direct_k=*/true, s2_dn.data_ptr<float>());
 }
 
 // What nvfp4_linear and bf16_linear check alike: x [rows, k] bf16, the bias, the residuals (one output part only)
@@ -1303,7 +1303,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "part: then + each residual in order; split: K slices (0 by shape, 1, 2, 4, 8)", py::arg("x"), py::arg("w"),
         py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("ends"),
         py::arg("residuals") = std::vector<torch::Tensor>{}, py::arg("split") = 0);
-  m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them");
+  m.def("dequant_packed", &dequant_packed, "packed NVFP4 tiles -> bf16 [N, K] as the kernel decodes them (direct: K "
+        "in direct_k_order, written back in the input's order)", py::arg("q"), py::arg("s"), py::arg("direct") = false);
   m.def("swiglu_dense_nvfp4", &swiglu_dense_nvfp4, "a SwiGLU MLP (one NVFP4 expert, down's weight_scale_2 s2_dn "
         "applied) over dense rows, then + each residual in order; limit, pdl and split as swiglu_dense's", py::arg("x"),
         py::arg("q_gu"), py::arg("s_gu"), py::arg("s2_gu"), py::arg("q_dn"), py::arg("s_dn"), py::arg("s2_dn"),

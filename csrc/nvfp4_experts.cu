@@ -18,9 +18,11 @@
 // rows in order (no plan), an optional bias, outputs split into up to 3 tensors (a fused q/k/v), and K split over
 // 4 or 8 of the block's warps (run_group, dense_split), since one matrix alone has too few feature groups to fill
 // the GPU. NVFP4 stack weights held as stored take the NVFP4 tiles the same way (launch_nvfp4_linear, the dense
-// rows of launch_nvfp4_experts): K split as the BF16 tiles', so their rows come through L1 (an instance of its own,
+// rows of launch_nvfp4_experts): K split as the BF16 tiles', so their rows come through L1 (instances of their own,
 // kSplitK: the expert launches' ring instances stay as they were), each output part's weight_scale_2 in the down
-// epilogue (GemmParams seg_mul, s2_out).
+// epilogue (GemmParams seg_mul, s2_out). Their linears and an MLP's gate/up have K in direct_k_order as the BF16
+// tiles' (kSplitK 2, kDirectW: each lane applies its one block scale in all 4 k-steps), so up to 16 rows are read
+// from x itself, no prep launch; the GEMM is then the programmatic dependent of the kernel that wrote x.
 //
 // Batch invariance (DESIGN: "a row's expert output is bit-identical whatever other rows share the
 // launch"). One warp owns 2 tiles of 16 output features of one expert for up to 32 rows of that
@@ -94,18 +96,20 @@ template <bool kWide>
 __host__ __device__ constexpr int rows_stage() { return (kWide ? 4 : 2) * kRowsGroup * kRowsTileBytes; }
 template <bool kWide>
 __host__ __device__ constexpr int rows_ring_bytes() { return kRowsRing * rows_stage<kWide>() + 2 * kRowsRing * 8; }
-template <int S, bool kBf16, int W, bool kWide = false>
-__host__ __device__ constexpr int block_smem() {
-  return W * warp_smem<S, kBf16>() + (kBf16 ? 0 : rows_ring_bytes<kWide>());
+template <int S, bool kBf16, int W, bool kWide = false, int kSplitK = 0>
+__host__ __device__ constexpr int block_smem() {  // NVFP4 dense instances (kSplitK): rows through L1, no rows ring
+  return W * warp_smem<S, kBf16>() + (kBf16 || kSplitK ? 0 : rows_ring_bytes<kWide>());
 }
 // The blocks per SM that the launch bounds ask for fit the H200's shared memory (228 KiB per SM, 1 KiB of it
 // reserved per block). (GB10, sm_121, has about 100 KiB per SM: one block of either instance there; not measured.)
 static_assert(kBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "NVFP4 blocks per SM");
 static_assert(kBf16BlocksPerSm * (block_smem<kBf16Ring, true, kBf16Warps>() + 1024) <= 228 * 1024, "BF16 blocks per SM");
 // NVFP4 tiles with K split (dense launches of the stack held as stored; rows through L1): 2 blocks per SM, so the
-// launch bounds leave the L1 rows' prefetch its registers (128), as the BF16 instances'. (Not measured yet.)
-constexpr int kSplitBlocksPerSm = 2;
-static_assert(kSplitBlocksPerSm * (block_smem<kRing, false, kWarps>() + 1024) <= 228 * 1024, "split NVFP4 blocks");
+// launch bounds leave the L1 rows' prefetch its registers (128), as the BF16 instances'. 3 blocks per SM (80
+// registers), or 6- to 12-stage rings, were not faster on the H200 (docs/PERFORMANCE.md, tried and not kept).
+constexpr int kSplitRing = 4, kSplitLookahead = 3, kSplitBlocksPerSm = 2;
+static_assert(kSplitBlocksPerSm * (block_smem<kSplitRing, false, kWarps, false, 1>() + 1024) <= 228 * 1024,
+              "split NVFP4 blocks");
 constexpr int kWideBlocksPerSm = 2;
 static_assert(kWideBlocksPerSm * (block_smem<kRing, false, kWarps, true>() + 1024) <= 228 * 1024, "wide NVFP4 blocks");
 
@@ -279,6 +283,15 @@ __device__ __forceinline__ void read_slot(const char* s_codes, const char* s_sca
   }
 }
 
+// Weights packed with K in direct_k_order (kDirectW: NVFP4 dense launches, pack.py pack_codes_direct): lane t's 16
+// inputs of a k-tile are one 16-input block, so its scale is that block's (t) in all 4 k-steps: bf16x2 (scale row g,
+// scale row g+8) * 2^118 of block t, as decode_scales<t>.
+__device__ __forceinline__ uint32_t decode_scales_lane(uint2 sv, int t) {
+  uint32_t v = t < 2 ? sv.x : sv.y;
+  if (t & 1) v = __funnelshift_r(v, v, 8);
+  return dev::lop3<0xEA>(v, kScaleMask, kScaleHigh);
+}
+
 // n k-tiles issued: move the weight pointers on.
 template <bool kBf16>
 __device__ __forceinline__ void advance_weights(const uint8_t* (&qp)[kFT], const uint8_t* (&sp)[kFT], int n) {
@@ -312,7 +325,8 @@ __device__ __forceinline__ void rows_issue(const RowsRing& rr, const uint4* cons
 // k-tile at a time (fewer live registers, less spilling under the 80-register bound).
 // kL1Rows (NVFP4 tiles with K split: dense launches of the stack held as stored): the rows through L1 as the BF16
 // instances read them, since the block's warps walk different k-tiles and so cannot share the rows ring.
-template <int RT, int S, int L, bool kBf16, bool kWaitPass = false, bool kL1Rows = false, bool kWide = false>
+template <int RT, int S, int L, bool kBf16, bool kWaitPass = false, bool kL1Rows = false, bool kWide = false,
+          bool kDirectW = false>
 __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile0, int fg, char* smem_warp, int lane,
                                          float (&acc)[kFT][RT][4], int kt0, int nk, const RowsRing& rr) {
   // k-tiles kt0 .. kt0 + nk - 1 (all of K, or one warp's slice of a split launch)
@@ -375,7 +389,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
   // the rows' uint4 of one k-tile: pp_stride apart, the next k-tile kt_stride on (x_frag: 32, 64; x itself: 1, 8)
   int pp_stride = 32, kt_stride = 64;
   bool direct = false;
-  if constexpr (kBf16 && kPrefetch) direct = x_rows != nullptr;
+  if constexpr ((kBf16 || kDirectW) && kPrefetch) direct = x_rows != nullptr;
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
     const int tile_row = (tile0 + rt) * kRowTile;
@@ -414,6 +428,11 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
       uint4 qv[kFT];
       uint2 sv[kFT];
       read_slot(s_codes, s_scales, st, qv, sv);
+      [[maybe_unused]] uint32_t sc_lane[kFT];  // kDirectW: the lane's one block scale per tile for all 4 k-steps
+      if constexpr (kDirectW) {
+#pragma unroll
+        for (int i = 0; i < kFT; ++i) sc_lane[i] = decode_scales_lane(sv[i], lane & 3);
+      }
 #pragma unroll
       for (int pp = 0; pp < 2; ++pp) {
         uint4 bh[RT];
@@ -423,7 +442,8 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
 #pragma unroll
           for (int i = 0; i < kFT; ++i) {
             uint32_t a[4];
-            decode_step(qv[i], sv[i], jj, a);
+            if constexpr (kDirectW) decode_a(word(qv[i], jj), sc_lane[i], a);
+            else decode_step(qv[i], sv[i], jj, a);
 #pragma unroll
             for (int rt = 0; rt < RT; ++rt)
               dev::mma_bf16_16816(acc[i][rt], a, (jj & 1) ? bh[rt].z : bh[rt].x, (jj & 1) ? bh[rt].w : bh[rt].y);
@@ -776,7 +796,7 @@ __device__ __forceinline__ void epilogue_down(const GemmParams& p, int tile0, in
 // then the group's first warp adds the others' partial sums in slice order (fp32) and runs the epilogue. The split
 // depends on the launch's shape alone (launch_bf16_linear), so a row's bits still do not depend on the other rows.
 // A warp whose group is past the last (`active` false) still meets the block's barriers and stores nothing.
-template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide, bool kWg>
+template <int RT, bool kSwiglu, int S, int L, bool kBf16, int W, int kSplit, bool kWide, bool kWg>
 __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, int fg, char* smem, int warp,
                                           int lane, const RowsRing& rr, bool active = true) {
   float acc[kFT][RT][4];
@@ -795,8 +815,8 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   } else {
     const int P = p.split_k, slice = warp % P;
     const int kt0 = slice * p.nk / P, kt1 = (slice + 1) * p.nk / P;
-    mainloop<RT, S, L, kBf16, false, !kBf16>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0, active ? kt1 - kt0 : 0,
-                                            rr);
+    mainloop<RT, S, L, kBf16, false, !kBf16, false, kSplit == 2>(p, grp.x, grp.y, fg, smem_warp, lane, acc, kt0,
+                                                                  active ? kt1 - kt0 : 0, rr);
     constexpr int kVals = kFT * RT * 4;
     static_assert(W * kVals * 32 * 4 <= W * warp_smem<S, kBf16>(), "partials fit in the rings' shared memory");
     dev::cp_async_wait<0>();
@@ -832,7 +852,7 @@ __device__ __forceinline__ void run_group(const GemmParams& p, const int4& grp, 
   }
 }
 
-template <bool kSwiglu, int S, int L, bool kBf16, int W, bool kSplit, bool kWide = false, bool kWg = false>
+template <bool kSwiglu, int S, int L, bool kBf16, int W, int kSplit, bool kWide = false, bool kWg = false>
 __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, int fg, char* smem, int warp, int lane,
                                          const RowsRing& rr, bool active = true) {
   switch (grp.z) {
@@ -850,7 +870,7 @@ __device__ __forceinline__ void run_pass(const GemmParams& p, const int4& grp, i
 // what it computes. (A persistent grid dealing units out evenly was slower on the H200.)
 // kSplitK: the NVFP4 instance of dense launches with K split (the stack held as stored), its rows through L1.
 // kWg: the wide instance's shape with the warpgroup-mma main loop (mainloop_wg).
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false,
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, int kSplitK = 0, bool kWide = false,
           bool kWg = false>
 __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParams p) {
   static_assert(!kWg || (kWide && !kBf16 && !kSplitK && W % 4 == 0), "kWg: NVFP4 expert launches, whole warpgroups");
@@ -893,11 +913,11 @@ __global__ void __launch_bounds__(W * 32, B) experts_gemm_kernel(const GemmParam
   }
   if constexpr (kBf16 || kSplitK) {  // dense launches (the NVFP4 ring instances stay as they were)
     if (p.split_k) {
-      run_pass<kSwiglu, S, L, kBf16, W, true>(p, grp, fg, smem, warp, lane, rr, fg < p.n_fgroups);
+      run_pass<kSwiglu, S, L, kBf16, W, (kBf16 ? 1 : kSplitK)>(p, grp, fg, smem, warp, lane, rr, fg < p.n_fgroups);
       return;
     }
   }
-  run_pass<kSwiglu, S, L, kBf16, W, false, kWide, kWg>(p, grp, fg, smem, warp, lane, rr);
+  if constexpr (!kSplitK) run_pass<kSwiglu, S, L, kBf16, W, 0, kWide, kWg>(p, grp, fg, smem, warp, lane, rr);
 }
 
 // One thread per (tile, k-pair, lane): the uint4 that lane will load in the gate/up kernel. wg (the warpgroup-mma
@@ -939,9 +959,11 @@ __global__ void prep_rows_kernel(const uint32_t* __restrict__ x, int64_t x_rows,
   frag[idx] = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
-// One thread per (tile, k-tile, lane): the same decode as the mainloop, written out as W [n, k].
+// One thread per (tile, k-tile, lane): the same decode as the mainloop, written out as W [n, k]. direct: the tiles'
+// K is in direct_k_order (pack_codes_direct: the lane's block scale t, and its k-step j's inputs 16 t + 4 j + 0..3),
+// written back in the input's column order.
 __global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s, int n_tiles,
-                                      int nk, int k_pad, __nv_bfloat16* __restrict__ out) {
+                                      int nk, int k_pad, int direct, __nv_bfloat16* __restrict__ out) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(n_tiles) * nk * 32) return;
   const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
@@ -951,15 +973,19 @@ __global__ void dequant_packed_kernel(const uint8_t* __restrict__ q, const uint8
   const uint2 sv = *reinterpret_cast<const uint2*>(s + tk * kTileScaleBytes + g * 8);
   uint32_t* o = reinterpret_cast<uint32_t*>(out);
   const int64_t ld = k_pad / 2;  // words per row
+  const uint32_t sc_lane = decode_scales_lane(sv, t);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     uint32_t a[4];
-    decode_step(qv, sv, j, a);
-    const int64_t r0 = int64_t(tile) * kTileN + g, kw = (int64_t(kt) * kTileK + 16 * j + 2 * t) / 2;
+    if (direct) decode_a(word(qv, j), sc_lane, a);
+    else decode_step(qv, sv, j, a);
+    const int64_t r0 = int64_t(tile) * kTileN + g;
+    const int64_t kw = (int64_t(kt) * kTileK + (direct ? 16 * t + 4 * j : 16 * j + 2 * t)) / 2;
+    const int hi = direct ? 1 : 4;  // words on to the k-step's second input pair (k 2t + 8, 2t + 9 of the mma)
     o[r0 * ld + kw] = a[0];
     o[(r0 + 8) * ld + kw] = a[1];
-    o[r0 * ld + kw + 4] = a[2];
-    o[(r0 + 8) * ld + kw + 4] = a[3];
+    o[r0 * ld + kw + hi] = a[2];
+    o[(r0 + 8) * ld + kw + hi] = a[3];
   }
 }
 
@@ -1005,11 +1031,11 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
 
 // pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up; a dense GEMM:
 // its prep launch), so its blocks can start while that kernel's last wave runs (the wait is in mainloop).
-template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, bool kSplitK = false, bool kWide = false,
+template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, int kSplitK = 0, bool kWide = false,
           bool kWg = false>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
   static bool done[64] = {};
-  constexpr int bytes = block_smem<S, kBf16, W, kWide>();
+  constexpr int bytes = block_smem<S, kBf16, W, kWide, kSplitK>();
   auto kernel = experts_gemm_kernel<kSwiglu, S, L, B, kBf16, W, kSplitK, kWide, kWg>;
   set_smem_attr(kernel, bytes, done);
   const int per_block = p.split_k ? W / p.split_k : W;  // feature groups per block
@@ -1020,12 +1046,16 @@ void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {
                 stream, p);
 }
 
-// inst: the NVFP4 expert launches' instance (kWideOff, kWideOn, kWideWg; instance_for); BF16 tiles and dense NVFP4
-// rows have one each.
+// inst: the NVFP4 expert launches' instance (kWideOff, kWideOn, kWideWg; instance_for); BF16 tiles have one, dense
+// NVFP4 rows two: weights with K in direct_k_order (direct_w: linears, an MLP's gate/up) or in the logical order (an
+// MLP's down, whose rows gate/up writes).
 template <bool kSwiglu>
-void launch_gemm(const GemmParams& p, bool bf16, bool pdl, int inst, cudaStream_t stream) {
+void launch_gemm(const GemmParams& p, bool bf16, bool pdl, int inst, cudaStream_t stream, bool direct_w = false) {
   if (bf16) launch_gemm_cfg<kSwiglu, kBf16Ring, kBf16RingLookahead, kBf16BlocksPerSm, true, kBf16Warps>(p, pdl, stream);
-  else if (p.split_k) launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kSplitBlocksPerSm, false, kWarps, true>(p, pdl, stream);
+  else if (p.split_k && direct_w)
+    launch_gemm_cfg<kSwiglu, kSplitRing, kSplitLookahead, kSplitBlocksPerSm, false, kWarps, 2>(p, pdl, stream);
+  else if (p.split_k)
+    launch_gemm_cfg<kSwiglu, kSplitRing, kSplitLookahead, kSplitBlocksPerSm, false, kWarps, 1>(p, pdl, stream);
   else if (inst == kWideWg)
     launch_gemm_cfg<kSwiglu, kRing, kRingLookahead, kWideBlocksPerSm, false, kWarps, false, true, true>(p, pdl, stream);
   else if (inst == kWideOn)
@@ -1150,8 +1180,7 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
   const bool ready = pdl == kPdlPerPass && !dense && !a.bf16 && a.ready != nullptr;
   ROCKET_CHECK(!ready || a.n_groups <= a.n_tiles, "groups " << a.n_groups << " > tiles " << a.n_tiles);
 
-  ROCKET_CHECK(!a.direct_k || (dense && a.bf16 && a.row_index == nullptr),
-               "direct_k_order: dense rows of x, BF16 tiles only");
+  ROCKET_CHECK(!a.direct_k || (dense && a.row_index == nullptr), "direct_k_order: dense rows of x only");
   const bool direct = a.direct_k && rows_direct(a.x, a.dense_rows, a.hidden);
   if (!direct) {  // rows -> fragments
     const int pairs = a.hidden_pad / 32;
@@ -1186,7 +1215,8 @@ void launch_nvfp4_experts(const ExpertsLaunch& a, cudaStream_t stream) {
     p.h_pairs = a.inter_pad / 32;
     p.ready = ready ? a.ready : nullptr;
     pass_params(p, a);
-    launch_gemm<true>(p, a.bf16 != 0, dense && !direct, inst, stream);  // dense rows: prep's dependent
+    // dense rows: prep's dependent (NVFP4 reading x itself: the dependent of the kernel that wrote x)
+    launch_gemm<true>(p, a.bf16 != 0, dense && (!direct || !a.bf16), inst, stream, dense && a.direct_k);
   }
   {  // down: N = hidden_pad, K = inter_pad
     GemmParams p{};
@@ -1233,13 +1263,13 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
                  << " ends at feature " << a.seg_end[s] << ": parts end at multiples of " << kFT * kTileN);
   if (a.rows == 0) return;
   const int n_tiles = int((a.rows + kRowTile - 1) / kRowTile);
-  // BF16: the weights are in direct_k_order (stack.py pack_linear); NVFP4 tiles in the logical order
-  const bool direct = !nvfp4 && rows_direct(a.x, a.rows, a.k);
+  // BF16 and NVFP4 tiles alike: the weights are in direct_k_order (stack.py pack_linear)
+  const bool direct = rows_direct(a.x, a.rows, a.k);
   if (!direct) {  // rows -> fragments
     const int pairs = a.k_pad / 32;
     const int64_t n = int64_t(n_tiles) * pairs * 32;
     launch_prep(n, true, stream, static_cast<const uint32_t*>(a.x), a.rows, a.k / 2, nullptr, nullptr, int(a.rows),
-                n_tiles, a.k, pairs, nvfp4 ? 0 : 1, false, a.x_frag, nullptr, 0);
+                n_tiles, a.k, pairs, 1, false, a.x_frag, nullptr, 0);
   }
   GemmParams p{};
   p.q = static_cast<const uint8_t*>(a.w);
@@ -1268,7 +1298,8 @@ void launch_linear(const LinearLaunch& a, bool nvfp4, cudaStream_t stream) {
   }
   p.n_res = a.n_res;
   for (int r = 0; r < a.n_res; ++r) p.res[r] = static_cast<const __nv_bfloat16*>(a.res[r]);
-  launch_gemm<false>(p, !nvfp4, !direct, kWideOff, stream);  // after a prep launch: its programmatic dependent
+  // after a prep launch: its programmatic dependent; NVFP4 reading x itself: the dependent of the kernel that wrote x
+  launch_gemm<false>(p, !nvfp4, !direct || nvfp4, kWideOff, stream, nvfp4);
 }
 
 }  // namespace
@@ -1285,7 +1316,7 @@ void launch_nvfp4_linear(const LinearLaunch& a, cudaStream_t stream) {
   launch_linear(a, true, stream);
 }
 
-void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,
+void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, bool direct, void* out,
                                  cudaStream_t stream) {
   ROCKET_CHECK(n_pad % kTileN == 0 && k_pad % kTileK == 0, "padded shape [" << n_pad << ", " << k_pad << "]");
   const int n_tiles = n_pad / kTileN, nk = k_pad / kTileK;
@@ -1293,7 +1324,7 @@ void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, 
   if (n == 0) return;
   const int threads = 256;
   dequant_packed_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(
-      q, s, n_tiles, nk, k_pad, static_cast<__nv_bfloat16*>(out));
+      q, s, n_tiles, nk, k_pad, int(direct), static_cast<__nv_bfloat16*>(out));
   ROCKET_LAUNCH_CHECK();
 }
 

@@ -129,7 +129,7 @@ struct ExpertsLaunch {
   // bf16 tensors (fp32 sum, one rounding): out = res[1] + (res[0] + y), the replicated stack's x + (moe + shared)
   const void* res[kMaxResiduals];
   int n_res;
-  int direct_k;                // dense rows: gate/up's K in direct_k_order (pack.py pack_bf16_direct), so up to 16
+  int direct_k;                // dense rows: gate/up's K in direct_k_order (pack.py pack_bf16_direct, pack_codes_direct), so up to 16
                                // rows are read from x itself, more through a prep launch in that order
   // Launch tuning (nvfp4_experts.cu). pdl never changes a row's bits, only when down's weight copies and rows start;
   // split sets the order of each output's fp32 sums (a row's bits still depend on no other row).
@@ -172,8 +172,10 @@ struct LinearLaunch {
 void launch_bf16_linear(const LinearLaunch& a, cudaStream_t stream);
 void launch_nvfp4_linear(const LinearLaunch& a, cudaStream_t stream);
 
-// Packed tiles -> W [n_pad, k_pad] bf16 as the kernel sees it (E2M1 x scale x 2^-8). A test hook.
-void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, void* out,
+// Packed tiles -> W [n_pad, k_pad] bf16 as the kernel sees it (E2M1 x scale x 2^-8); direct: tiles with K in
+// direct_k_order (the dense NVFP4 launches', pack.py pack_codes_direct), W in the input's column order. The prefill's
+// weights of the stack held as stored, and a test hook.
+void launch_nvfp4_dequant_packed(const uint8_t* q, const uint8_t* s, int n_pad, int k_pad, bool direct, void* out,
                                  cudaStream_t stream);
 
 // out[t] = bf16(sum_j coef[t,j] * rows[by_token[t,j]]), fp32 in j order from 0.0f, one rounding. With

@@ -6,7 +6,7 @@ CPU tests (always run):
   - the NVFP4 and BF16 expert layouts (the BF16 tile layout is the mma A-fragment layout, element by element),
     and the launch plan.
 GPU tests (skip, with the reason, without a GPU or the extension):
-  - the kernel's decode is bit-equal to the emulation.
+  - the kernel's decode is bit-equal to the emulation, also of tiles with K in direct_k_order (the dense launches').
 """
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def test_pack_round_trip_and_dequant_exact():
         dq = pack.dequant_packed(pq, ps)
         assert torch.equal(dq[:n, :k], nvfp4.dequantize(q, s, 1.0))       # exact, no weight_scale_2
         assert not dq[n:].any() and not dq[:, k:].any()                    # padding decodes to 0
+        # the dense launches' tiles (K in direct_k_order): the same codes and scale bytes back, the same weights
+        dq_, ds_ = pack.pack_codes_direct(codes, sb)
+        assert dq_.shape == pq.shape and torch.equal(ds_, ps)  # the scale bytes stay in their 16-blocks
+        assert all(torch.equal(u, v) for u, v in zip(pack.unpack_codes_direct(dq_, ds_), (codes, sb)))
+        assert torch.equal(pack.dequant_packed(dq_, ds_, direct=True), dq)
 
 
 def test_kernel_decode_exact_for_every_code_and_scale():
@@ -157,6 +162,10 @@ def test_gpu_decode_bitwise_equals_emulation():
         bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
         assert bad.numel() == 0, f"decode differs at {bad.shape[0]} of {n * k} weights; first (row, k) " \
                                  f"{bad[0].tolist()}: kernel {got[tuple(bad[0])]} want {want[tuple(bad[0])]}"
+        # K in direct_k_order (the dense launches' tiles): each lane's one block scale, written back in input order
+        dq_, ds_ = pack.pack_codes_direct(codes, sb)
+        got = ops.dequant_packed_cuda(dq_.cuda(), ds_.cuda(), direct=True).cpu()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "direct_k_order decode differs"
 
 
 if __name__ == "__main__":

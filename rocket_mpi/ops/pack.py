@@ -249,9 +249,26 @@ def dequant_codes(codes: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
     return (vals * scale_from_bytes(sb).unsqueeze(-1)).view(n, k)
 
 
-def dequant_packed(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
-    """Packed tiles -> fp32 [N_pad, K_pad] = E2M1 * scale, exact."""
-    return dequant_codes(*unpack_codes(q, sc))
+def dequant_packed(q: torch.Tensor, sc: torch.Tensor, direct: bool = False) -> torch.Tensor:
+    """Packed tiles -> fp32 [N_pad, K_pad] = E2M1 * scale, exact; direct: tiles of pack_codes_direct, W in the input's
+    column order."""
+    return dequant_codes(*(unpack_codes_direct if direct else unpack_codes)(q, sc))
+
+
+def pack_codes_direct(codes: torch.Tensor, sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_codes with K in direct_k_order (the dense NVFP4 launches: the stack's linears held as stored, the gate/up
+    of its MLPs), so the kernel reads up to 16 rows of x itself, each lane 32 contiguous bytes per k-tile. The scale
+    bytes stay in the input's 16-blocks: lane t's 16 inputs of a k-tile are its block t, whose scale the kernel
+    applies in all 4 k-steps (csrc decode_scales_lane)."""
+    return pack_codes(codes[..., direct_k_order(codes.shape[-1]).to(codes.device)], sb)
+
+
+def unpack_codes_direct(q: torch.Tensor, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_codes_direct: -> (codes uint8 [N, K] in the input's column order, scale bytes [N, K/16])."""
+    cp, sb = unpack_codes(q, sc)
+    codes = torch.empty_like(cp)
+    codes[:, direct_k_order(cp.shape[1]).to(cp.device)] = cp
+    return codes, sb
 
 
 def emulate_decode(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
@@ -704,7 +721,8 @@ def pack_experts_bf16(experts: Mapping[int, Sequence[torch.Tensor]], hidden: int
     return _pack_all(experts, hidden, inter, True, device)
 
 
-def dequant_packed_cuda(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The kernel's own decode of one packed matrix -> bf16 [N_pad, K_pad] (E2M1 * scale * 2^-8).
-    A test hook: equal bit for bit to pack.emulate_decode."""
-    return _ext.require().dequant_packed(q.contiguous(), s.contiguous())
+def dequant_packed_cuda(q: torch.Tensor, s: torch.Tensor, direct: bool = False) -> torch.Tensor:
+    """The kernel's own decode of one packed matrix -> bf16 [N_pad, K_pad] (E2M1 * scale * 2^-8); direct: tiles of
+    pack_codes_direct, W in the input's column order. Equal bit for bit to pack.emulate_decode (of the unpermuted
+    tiles) and the prefill's weights of the stack held as stored."""
+    return _ext.require().dequant_packed(q.contiguous(), s.contiguous(), direct)

@@ -34,8 +34,11 @@ as stored: pack_linear and pack_mlp take their parts (weight, weight_scale, weig
 tuple) instead of a BF16 weight and pack the codes and block scales into the kernel's NVFP4 tiles (pack.py), 3.6x
 fewer bytes than BF16 tiles, and the decode step reads those (weight-only W4A16: the rows stay BF16). The kernel
 decodes each code to the exact bf16 E2M1 x scale x 2^-8 and applies 2^8 x weight_scale_2 (one per output part,
-a fused q/k/v has three) to the fp32 sum in the epilogue; its rows come through a prep launch and L1, K split as
-the BF16 tiles' (`split`), so a row's bits depend on no other row either. Larger steps and
+a fused q/k/v has three) to the fp32 sum in the epilogue; K split as the BF16 tiles' (`split`), so a row's bits depend
+on no other row either. Their K is in direct_k_order too (pack.pack_codes_direct: the codes permuted within each
+64-input k-tile, the block scales as stored, lane t's 16 inputs being one 16-input block whose scale it applies in all
+4 k-steps), so up to 16 rows are read from x itself through L1 as the BF16 tiles' are, no prep launch (an MLP's gate/up
+likewise; its down reads h in the fragments gate/up writes). Larger steps and
 prefill dequantise on the fly (unpack_linear / unpack_mlp: a transient BF16 copy per call, the weights
 checkpoint.reader.Linear.dense gives, bit for bit) and take F.linear. On the CPU the references are F.linear /
 swiglu_mlp on those same dequantised weights, so they are what the BF16-dequantising loader computes, bit for bit.
@@ -49,8 +52,8 @@ import torch.nn.functional as F
 
 from rocket_mpi.ops import _ext
 from rocket_mpi.ops.pack import (TILE_K, TILE_N, PackedExperts, _parts, deinterleave_gate_up, dequant_packed,
-                                 pack_bf16_direct, pack_codes, pack_experts, pack_experts_bf16, padded_codes, round_up,
-                                 unpack_bf16, unpack_bf16_direct)
+                                 pack_bf16_direct, pack_codes_direct, pack_experts, pack_experts_bf16, padded_codes,
+                                 round_up, unpack_bf16, unpack_bf16_direct, unpack_codes)
 
 ROW_CLASS = 4  # the CPU GEMMs round a row the same way in every launch of at least this many rows
 
@@ -135,7 +138,7 @@ def _pack_one(ws: list, bs: list[torch.Tensor | None], device) -> PackedLinear:
         return PackedLinear(pack_bf16_direct(w, n_pad, k_pad), n, k, bias, ends)
     q = torch.cat([p[0].to(dev) for p in parts], 0)
     sc = torch.cat([p[1].to(dev) for p in parts], 0)
-    w, s = pack_codes(*padded_codes(q, sc, n_pad, k_pad))
+    w, s = pack_codes_direct(*padded_codes(q, sc, n_pad, k_pad))
     return PackedLinear(w, n, k, bias, ends, s, tuple(p[2] for p in parts))
 
 
@@ -165,9 +168,9 @@ def unpack_linear(p: PackedLinear) -> list[torch.Tensor]:
     for s2, s, e in zip(p.w_scale, (0,) + p.ends[:-1], p.ends):
         q, sc = p.w[s // TILE_N:-(-e // TILE_N)], p.s[s // TILE_N:-(-e // TILE_N)]  # parts start on 32 features
         if q.is_cuda:  # the kernel's decode, bf16 E2M1 x scale x 2^-8 (exact), then x 2^8 (exact) x s2 in fp32
-            w = (_ext.require().dequant_packed(q.contiguous(), sc.contiguous()).float() * (256.0 * s2))
+            w = (_ext.require().dequant_packed(q.contiguous(), sc.contiguous(), True).float() * (256.0 * s2))
         else:
-            w = dequant_packed(q, sc) * s2
+            w = dequant_packed(q, sc, direct=True) * s2
         out.append(w[:e - s, :p.k].to(torch.bfloat16).contiguous())
     return out
 
@@ -229,7 +232,10 @@ def pack_mlp(gate_up, down, device=None) -> PackedExperts:
         if weight_shape(gate) != (i, h) or weight_shape(up) != (i, h):
             raise ValueError(f"pack_mlp: gate {weight_shape(gate)}, up {weight_shape(up)}, down {(h, i)}")
         dev = device if device is not None else _parts(down)[0].device
-        return pack_experts({0: (gate, up, down)}, h, i, device=dev)
+        p = pack_experts({0: (gate, up, down)}, h, i, device=dev)
+        # gate/up reads the rows itself (K in direct_k_order, as the linears'); down reads h in gate/up's fragments
+        p.q_gu[0], p.s_gu[0] = pack_codes_direct(*unpack_codes(p.q_gu[0], p.s_gu[0]))
+        return p
     i2, h = gate_up.shape
     i = i2 // 2
     if down.shape != (h, i):
@@ -240,13 +246,13 @@ def pack_mlp(gate_up, down, device=None) -> PackedExperts:
     return p
 
 
-def _dequant_tiles(q: torch.Tensor, sc: torch.Tensor, s2_lo, s2_hi) -> torch.Tensor:
+def _dequant_tiles(q: torch.Tensor, sc: torch.Tensor, s2_lo, s2_hi, direct: bool = False) -> torch.Tensor:
     """NVFP4 tiles -> bf16 [N_pad, K_pad], rows 0..7 of each tile times s2_lo, rows 8..15 times s2_hi (fp32 scalars
-    or device tensors: a stack MLP's gate and up share its tiles), as unpack_linear."""
+    or device tensors: a stack MLP's gate and up share its tiles), as unpack_linear; direct: K in direct_k_order."""
     if q.is_cuda:
-        w, mul = _ext.require().dequant_packed(q.contiguous(), sc.contiguous()).float(), 256.0
+        w, mul = _ext.require().dequant_packed(q.contiguous(), sc.contiguous(), direct).float(), 256.0
     else:
-        w, mul = dequant_packed(q, sc), 1.0
+        w, mul = dequant_packed(q, sc, direct), 1.0
     w = w.view(-1, 2, 8, w.shape[-1])
     return torch.stack((w[:, 0] * (s2_lo * mul), w[:, 1] * (s2_hi * mul)), 1).view(-1, w.shape[-1]).to(torch.bfloat16)
 
@@ -258,7 +264,7 @@ def unpack_mlp(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
         gu, down = unpack_bf16_direct(p.q_gu[0]), unpack_bf16(p.q_dn[0])
     else:
         s2g, s2u, s2d = p.s2_gu[0, 0], p.s2_gu[0, 1], p.s2_dn[0]  # device scalars: no host read
-        gu, down = _dequant_tiles(p.q_gu[0], p.s_gu[0], s2g, s2u), _dequant_tiles(p.q_dn[0], p.s_dn[0], s2d, s2d)
+        gu, down = _dequant_tiles(p.q_gu[0], p.s_gu[0], s2g, s2u, True), _dequant_tiles(p.q_dn[0], p.s_dn[0], s2d, s2d)
     gate, up = deinterleave_gate_up(gu)
     return torch.cat((gate[:p.inter, :p.hidden], up[:p.inter, :p.hidden]), 0), down[:p.hidden, :p.inter].contiguous()
 

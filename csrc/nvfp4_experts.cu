@@ -108,6 +108,7 @@ static_assert(kBf16BlocksPerSm * (block_smem<kBf16Ring, true, kBf16Warps>() + 10
 // launch bounds leave the L1 rows' prefetch its registers (128), as the BF16 instances'. 3 blocks per SM (80
 // registers), or 6- to 12-stage rings, were not faster on the H200 (docs/PERFORMANCE.md, tried and not kept).
 constexpr int kSplitRing = 4, kSplitLookahead = 3, kSplitBlocksPerSm = 2;
+constexpr int kL1RowsAhead = 3;  // k-tiles of rows loaded ahead in their launches of one row tile (mainloop)
 static_assert(kSplitBlocksPerSm * (block_smem<kSplitRing, false, kWarps, false, 1>() + 1024) <= 228 * 1024,
               "split NVFP4 blocks");
 constexpr int kWideBlocksPerSm = 2;
@@ -525,16 +526,29 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     // ring slots and pointer offsets are constants and the prefetched rows change registers without copies
     // (209 -> 146 instructions per k-tile at one row tile, with the decode below). The last S + L - 1
     // k-tiles or fewer run one by one; the same mma sequence either way.
-    uint4 bn[RT][2];
-    load_b<RT>(bn, fr, 0, pp_stride);
+    // NVFP4 dense launches of one row tile (kL1Rows, up to 8 rows): the rows kL1RowsAhead k-tiles ahead, since a
+    // k-tile's decode and mmas take less time than the rows' trip from L2.
+    constexpr int kAhead = (kL1Rows && RT == 1) ? kL1RowsAhead : 1;
+    uint4 bn[kAhead][RT][2];
+#pragma unroll
+    for (int a = 0; a < kAhead; ++a)
+      if (a < nk) load_b<RT>(bn[a], fr, a * kt_stride, pp_stride);
+    // `next`: k-tile u + kAhead (past where fr points) exists
     auto step = [&](int u, int st, int st_next, bool more, bool next) {
       uint4 b[RT][2];
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
-        b[rt][0] = bn[rt][0];
-        b[rt][1] = bn[rt][1];
+        b[rt][0] = bn[0][rt][0];
+        b[rt][1] = bn[0][rt][1];
       }
-      if (next) load_b<RT>(bn, fr, (u + 1) * kt_stride, pp_stride);
+#pragma unroll
+      for (int a = 0; a + 1 < kAhead; ++a)
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          bn[a][rt][0] = bn[a + 1][rt][0];
+          bn[a][rt][1] = bn[a + 1][rt][1];
+        }
+      if (next) load_b<RT>(bn[kAhead - 1], fr, (u + kAhead) * kt_stride, pp_stride);
       dev::cp_async_wait<L - 1>();  // this k-tile has landed (one group per k-tile)
       if (more) issue(st_next, u);
       dev::cp_async_commit();
@@ -543,6 +557,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
         for (int rt = 0; rt < RT; ++rt) bh[rt] = b[rt][pp];
       });
     };
+    static_assert(kAhead <= L, "the unrolled steps' rows stay within K");
     int kt = 0;
     for (; kt + S + L <= nk; kt += S) {
 #pragma unroll
@@ -553,7 +568,7 @@ __device__ __forceinline__ void mainloop(const GemmParams& p, int slot, int tile
     }
     for (; kt < nk; ++kt) {
       const bool more = kt + L < nk;
-      step(0, kt % S, (kt + L) % S, more, kt + 1 < nk);
+      step(0, kt % S, (kt + L) % S, more, kt + kAhead < nk);
       if (more) advance(1);
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) fr[rt] += kt_stride;

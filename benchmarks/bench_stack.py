@@ -76,6 +76,14 @@ def graphed(fn):
     return g.replay
 
 
+def finish_checks(bad: list[str], passed: str) -> None:
+    """The checks' verdict after the tables: each failure and exit 1, or the line saying what passed."""
+    if bad:
+        print("CHECKS FAILED:\n  " + "\n  ".join(bad))
+        sys.exit(1)
+    print(passed)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,8,32,64")
@@ -118,10 +126,7 @@ def main():
     for m, (ut, uk, nb) in totals.items():
         print(f"| **all** | {m} | {nb / 1e6:.0f} | {ut:.1f} | {nb / ut / 1e3:.0f} | {100 * nb / ut / 1e3 / bw:.1f} | "
               f"{uk:.1f} | {nb / uk / 1e3:.0f} | {100 * nb / uk / 1e3 / bw:.1f} | {ut / uk:.2f}x |")
-    if bad:
-        print("CHECKS FAILED:\n  " + "\n  ".join(bad))
-        sys.exit(1)
-    print("checks: every output within 2^-6 of cuBLAS's")
+    finish_checks(bad, "checks: every output within 2^-6 of cuBLAS's")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 from rocket_mpi import ops
 
 from bench_experts import copy_bandwidth, median_us  # beside this file
-from bench_stack import graphed
+from bench_stack import finish_checks, graphed
 
 H = 4096
 DEV = "cuda"
@@ -106,10 +106,7 @@ def main():
     for m in rows:
         cells = [f"{t:.1f} / {100 * total_mb / t * 1e3 / bw:.0f} %" for t in totals[m]]
         print(f"| **one of each** | | {total_mb:.1f} | {m} | " + " | ".join(cells) + " |")
-    if bad:
-        print("CHECKS FAILED:\n  " + "\n  ".join(bad))
-        sys.exit(1)
-    print("checks: every output within 2^-6 of dequantise + F.linear")
+    finish_checks(bad, "checks: every output within 2^-6 of dequantise + F.linear")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ def test_kernel_decode_exact_for_every_code_and_scale():
     pq, ps = pack.pack_codes(codes, sb)
     want = pack.dequant_codes(codes, sb) * 2.0 ** -pack.WEIGHT_SHIFT
     assert torch.equal(pack.emulate_decode(pq, ps).float(), want)
+    # the dense launches' tiles (K in direct_k_order): each lane's one block scale in all 4 k-steps, the same weights
+    dq_, ds_ = pack.pack_codes_direct(codes, sb)
+    assert torch.equal(pack.emulate_decode(dq_, ds_, direct=True).float(), want)
 
 
 def test_code_layout_is_a_cover_and_no_cheaper_one_exists():
@@ -165,6 +168,7 @@ def test_gpu_decode_bitwise_equals_emulation():
         # K in direct_k_order (the dense launches' tiles): each lane's one block scale, written back in input order
         dq_, ds_ = pack.pack_codes_direct(codes, sb)
         got = ops.dequant_packed_cuda(dq_.cuda(), ds_.cuda(), direct=True).cpu()
+        want = pack.emulate_decode(dq_, ds_, direct=True)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "direct_k_order decode differs"
 
 

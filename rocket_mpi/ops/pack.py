@@ -271,9 +271,11 @@ def unpack_codes_direct(q: torch.Tensor, sc: torch.Tensor) -> tuple[torch.Tensor
     return codes, sb
 
 
-def emulate_decode(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+def emulate_decode(q: torch.Tensor, sc: torch.Tensor, direct: bool = False) -> torch.Tensor:
     """The kernel's decode, bit for bit, in torch: packed tiles -> bf16 [N_pad, K_pad] as the mma sees
-    them (E2M1 * scale * 2^-8). Tests compare it with dequant_packed * 2^-8 to check the bit tricks."""
+    them (E2M1 * scale * 2^-8). Tests compare it with dequant_packed * 2^-8 to check the bit tricks. direct: tiles of
+    pack_codes_direct, decoded as the dense launches do (lane t's one block scale t in every k-step), W in the input's
+    column order."""
     nt, kt = q.shape[:2]
     dev = q.device
     w = _from_u32_bytes(q.view(nt, kt, 32, 16)).permute(0, 1, 3, 2)      # [T, KT, j, lane]
@@ -281,8 +283,11 @@ def emulate_decode(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     s = _from_u32_bytes(sc.view(nt, kt, 8, 8))                             # [T, KT, g, 2]
     sw = torch.stack((s[..., 0], _rotr8(s[..., 0]), s[..., 1], _rotr8(s[..., 1])), dim=2)   # [T, KT, j, g]
     scw = (sw & SCALE_MASK) | SCALE_HIGH
-    g = torch.arange(32, device=dev) // 4
-    scw = scw[:, :, :, g]                                                  # [T, KT, j, lane]
+    g, t = torch.arange(32, device=dev) // 4, torch.arange(32, device=dev) % 4
+    if direct:                                                             # lane t: block t's scale, every k-step
+        scw = scw[:, :, t, g].unsqueeze(2).expand(-1, -1, 4, -1)
+    else:
+        scw = scw[:, :, :, g]                                              # [T, KT, j, lane]
     sc_lo, sc_hi = scw & 0xFFFF, scw >> 16
     scale = torch.stack((sc_lo, sc_hi, sc_lo, sc_hi), dim=-1)              # reg 0, 2: row g; 1, 3: row g+8
 
@@ -298,7 +303,12 @@ def emulate_decode(q: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     row, kk = _lane_index(dev)
     out = torch.zeros(nt, kt, 4, TILE_N, 16, dtype=torch.bfloat16, device=dev)
     out[:, :, :, row, kk] = vals
-    return out.permute(0, 3, 1, 2, 4).reshape(nt * TILE_N, kt * TILE_K)
+    w = out.permute(0, 3, 1, 2, 4).reshape(nt * TILE_N, kt * TILE_K)
+    if not direct:
+        return w
+    w_in = torch.empty_like(w)
+    w_in[:, direct_k_order(w.shape[1]).to(dev)] = w
+    return w_in
 
 
 def pack_bf16(w: torch.Tensor, n_pad: int, k_pad: int) -> torch.Tensor:

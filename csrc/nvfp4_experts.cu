@@ -1045,7 +1045,8 @@ void set_smem_attr(Kernel kernel, int bytes, bool (&done)[64]) {
 }
 
 // pdl: launched as the programmatic dependent of the kernel before it in the stream (down: gate/up; a dense GEMM:
-// its prep launch), so its blocks can start while that kernel's last wave runs (the wait is in mainloop).
+// its prep launch, or, NVFP4 rows read from x, the kernel that wrote x), so its blocks can start while that kernel's
+// last wave runs (the wait is in mainloop).
 template <bool kSwiglu, int S, int L, int B, bool kBf16, int W, int kSplitK = 0, bool kWide = false,
           bool kWg = false>
 void launch_gemm_cfg(const GemmParams& p, bool pdl, cudaStream_t stream) {

@@ -165,7 +165,8 @@ struct LinearLaunch {
   int n_res;
   int split = 0;               // K slices (1, 2, 4 or 8); 0: by the output's width (nvfp4_experts.cu dense_split)
   // NVFP4 tiles (launch_nvfp4_linear): w holds codes [n_pad / 16][k_pad / 64][32][16], s their block scales
-  // [n_pad / 16][k_pad / 64][8][8] (pack.py pack_codes, K in the logical order), w_scale each part's weight_scale_2
+  // [n_pad / 16][k_pad / 64][8][8] (pack.py pack_codes_direct: K in direct_k_order as the BF16 tiles', the block
+  // scales as stored), w_scale each part's weight_scale_2
   const void* s = nullptr;
   float w_scale[kMaxSegs] = {1.0f, 1.0f, 1.0f};
 };

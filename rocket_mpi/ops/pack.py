@@ -733,6 +733,6 @@ def pack_experts_bf16(experts: Mapping[int, Sequence[torch.Tensor]], hidden: int
 
 def dequant_packed_cuda(q: torch.Tensor, s: torch.Tensor, direct: bool = False) -> torch.Tensor:
     """The kernel's own decode of one packed matrix -> bf16 [N_pad, K_pad] (E2M1 * scale * 2^-8); direct: tiles of
-    pack_codes_direct, W in the input's column order. Equal bit for bit to pack.emulate_decode (of the unpermuted
-    tiles) and the prefill's weights of the stack held as stored."""
+    pack_codes_direct, W in the input's column order. Equal bit for bit to pack.emulate_decode (with the same
+    `direct`); with direct, the prefill's dequantised weights of the stack held as stored."""
     return _ext.require().dequant_packed(q.contiguous(), s.contiguous(), direct)

@@ -402,6 +402,37 @@ def test_graphed_step_with_a_cache_matches(tmp_path):
     assert warm["miss_rows"] < cold["miss_rows"], (cold, warm)
 
 
+@pytest.mark.parametrize("preset", ["tiny:nvfp4-all", "dsa-tiny:nvfp4-all", "glm5-tiny:nvfp4-all", "glm5-tiny:nvfp4-head",
+                                    "tiny:nvfp4"])
+def test_plan_counts_the_stack_as_the_ranks_hold_it(preset):
+    """plan's stack on GPU ranks: the NVFP4 linears a loaded model records as stored parts and whose shapes the kernel's
+    tiles take (whole tiles of 16) count their stored bytes (codes, scales, weight_scale_2) instead of BF16's; the rest
+    (MLA's kv_b, which the model keeps dense, KDA's b of 2 heads) as BF16; CPU ranks: all BF16."""
+    from rocket_mpi.checkpoint.synthetic import SyntheticReader
+    from rocket_mpi.cli.plan import stack_bytes, tensor_shapes
+    from rocket_mpi.model import model_class
+    from rocket_mpi.model.layers import _stored_owners
+    reader = SyntheticReader(f"preset:{preset}")
+    model = model_class(reader.config.model_type).load(reader)
+    saved = []
+
+    def walk(p):
+        if isinstance(p, (list, tuple)) and p and not isinstance(p[0], torch.Tensor):
+            for q in p:
+                walk(q)
+            return
+        w, sc = (p[0], p[1]) if isinstance(p, tuple) else (p.weight, p.weight_scale)
+        n, k = w.shape[0], 2 * w.shape[1]
+        if n % 16 == 0 and k % 16 == 0:   # what pack_linears / pack_mlp take as stored
+            saved.append(2 * n * k - (w.numel() + sc.numel() + 4))
+    for owner in _stored_owners(model):
+        for parts in owner.stored.values():
+            walk(parts)
+    shapes = tensor_shapes(reader)
+    assert stack_bytes(shapes) - stack_bytes(shapes, as_stored=True) == sum(saved)
+    assert bool(saved) == preset.endswith(("-all", "-head"))
+
+
 def test_plan_command():
     """plan from the headers alone: the report's model on two GB10s fits all-resident (16.6 GiB stack + half the
     experts each); on one 80 GiB GPU with 10 GiB of host memory it does not, and says why."""
@@ -418,3 +449,10 @@ def test_plan_command():
     r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4", "--ranks", "1", "--device-memory", "139.8",
                "--host-memory", "120")
     assert r.returncode == 0 and "fits with the expert cache" in r.stdout, r.stdout
+    # the stack held as stored on GPU ranks: the full-size model's NVFP4 stack in its stored bytes, BF16 on CPU ranks
+    r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4-all", "--ranks", "2", "--device-memory", "128",
+               "--host-memory", "0")
+    assert r.returncode == 0 and "replicated stack 6.7" in r.stdout, r.stdout
+    r = rocket("plan", "--checkpoint", "preset:glm5-flash:nvfp4-all", "--ranks", "2", "--device-memory", "128",
+               "--host-memory", "0", "--cpu")
+    assert r.returncode == 0 and "replicated stack 16.6" in r.stdout, r.stdout

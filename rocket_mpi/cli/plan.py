@@ -2,9 +2,9 @@
 
     python -m rocket_mpi plan --checkpoint DIR --ranks 2 --device-memory 128 --host-memory 0
 
-Prints the architecture, the replicated stack's bytes as the ranks hold it (BF16; NVFP4 layers outside the routed
-experts are decoded at load on CPU ranks, and on GPU ranks most are held as stored, model/layers.py, so for them this
-is an upper bound), the routed experts' bytes (packed for the GPU kernel, or dense BF16 on CPU ranks), and
+Prints the architecture, the replicated stack's bytes as the ranks hold it (NVFP4 linears outside the routed experts:
+held as stored on GPU ranks, model/layers.py, all but MLA's kv_b, which the absorbed attention reads dense, and shapes
+that are not whole tiles of 16; decoded to BF16 at load on CPU ranks), the routed experts' bytes (packed for the GPU kernel, or dense BF16 on CPU ranks), and
 per rank: the experts it owns, how many of them the expert cache (moe/cache.py) keeps in device memory under
 --expert-cache, the rest in host memory (where that is short, as many far slots per layer as fit, the other experts
 read from the checkpoint files when a step needs them), and the bytes one decode step reads from each memory (M
@@ -23,11 +23,17 @@ from rocket_mpi.moe.placement import Placement
 
 
 def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor's shape, from the safetensors headers (or a preset's specs)."""
+    """Every stored tensor's shape, from the safetensors headers (or a preset's specs, its NVFP4 modules as a
+    checkpoint stores them: weight [N, K/2] uint8, weight_scale [N, K/16], weight_scale_2 [])."""
     if isinstance(reader, SyntheticReader):
         out = {}
         for name, (shape, _) in reader.specs.items():
-            out[name] = tuple(shape)
+            mod = name[:-len(".weight")]
+            if name.endswith(".weight") and mod + ".weight_scale" in reader.where:
+                n, k = shape
+                out.update({name: (n, k // 2), mod + ".weight_scale": (n, k // 16), mod + ".weight_scale_2": ()})
+            else:
+                out[name] = tuple(shape)
         return out
     from safetensors import safe_open
     out, by_file = {}, {}
@@ -40,9 +46,15 @@ def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def stack_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
-    """The replicated stack as loaded: every tensor but the routed experts' and the NVFP4 scales, in BF16 (an NVFP4
-    weight [N, K/2] holds N x K elements)."""
+# NVFP4 linears of the stack that GPU ranks keep dense all the same: MLA's kv_b (the absorbed attention reads its key
+# and value halves per head)
+DENSE_ON_GPU = ("kv_b_proj",)
+
+
+def stack_bytes(shapes: dict[str, tuple[int, ...]], as_stored: bool = False) -> int:
+    """The replicated stack as loaded: every tensor but the routed experts', in BF16 (an NVFP4 weight [N, K/2] holds
+    N x K elements); as_stored (GPU ranks): an NVFP4 linear held as stored (model/layers.py: shapes of whole tiles of
+    16, not DENSE_ON_GPU) counts its stored bytes, codes, block scales and weight_scale_2, instead."""
     total = 0
     for name, shape in shapes.items():
         if ".mlp.experts." in name or name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
@@ -50,8 +62,13 @@ def stack_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
         n = 1
         for d in shape:
             n *= d
-        packed = name.endswith(".weight") and (name[:-len(".weight")] + ".weight_scale") in shapes
-        total += n * (4 if packed else 2)
+        mod = name[:-len(".weight")]
+        packed = name.endswith(".weight") and mod + ".weight_scale" in shapes
+        if packed and as_stored and shape[0] % 16 == 0 and (2 * shape[1]) % 16 == 0 and \
+                not any(p in name for p in DENSE_ON_GPU):
+            total += n + n // 8 + 4   # codes (2 per byte), one e4m3 scale per 16, the fp32 weight_scale_2
+        else:
+            total += n * (4 if packed else 2)
     return total
 
 
@@ -81,7 +98,7 @@ def plan(args) -> int:
     nvfp4 = any(".mlp.experts." in n and n.endswith(".weight_scale") for n in shapes) or (
         isinstance(reader, SyntheticReader) and reader.quant_mode is not None)
     bpe = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, nvfp4, packed=not args.cpu)
-    stack = stack_bytes(shapes)
+    stack = stack_bytes(shapes, as_stored=not args.cpu)
     placement = Placement.from_file(args.placement, cfg, args.ranks) if args.placement else \
         Placement.contiguous(cfg, args.ranks)
     if args.device_memory is None:

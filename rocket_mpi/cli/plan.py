@@ -8,7 +8,8 @@ that are not whole tiles of 16; decoded to BF16 at load on CPU ranks), the route
 per rank: the experts it owns, how many of them the expert cache (moe/cache.py) keeps in device memory under
 --expert-cache, the rest in host memory (where that is short, as many far slots per layer as fit, the other experts
 read from the checkpoint files when a step needs them), and the bytes one decode step reads from each memory (M
-streams, uniform routing: each expert read at most once per layer). The verdict: fits all-resident, fits with a cache,
+streams, uniform routing: each expert read at most once per layer; the stack but the embedding's rows, as the decode
+report counts it). The verdict: fits all-resident, fits with a cache,
 fits with a cache and the checkpoint files, or does not fit.
 """
 from __future__ import annotations
@@ -99,6 +100,9 @@ def plan(args) -> int:
         isinstance(reader, SyntheticReader) and reader.quant_mode is not None)
     bpe = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, nvfp4, packed=not args.cpu)
     stack = stack_bytes(shapes, as_stored=not args.cpu)
+    # a step reads the stack whole but for the embedding (M rows of it; all of it where the lm_head is tied to it)
+    emb = 0 if cfg.tie_word_embeddings else sum(2 * shapes[n][0] * shapes[n][1] for n in shapes
+                                                 if n.endswith("embed_tokens.weight") and len(shapes[n]) == 2)
     placement = Placement.from_file(args.placement, cfg, args.ranks) if args.placement else \
         Placement.contiguous(cfg, args.ranks)
     if args.device_memory is None:
@@ -151,7 +155,7 @@ def plan(args) -> int:
         res_frac = cp.resident_bytes / cp.owned_bytes if cp.owned_bytes else 1.0
         read = n_owned * per_layer * bpe
         print(f"{r:>4} {n_owned:>8} {cp.owned_bytes / GIB:>9.2f} {cp.capacity:>9} {cp.resident_bytes / GIB:>8.2f} "
-              f"{far / GIB:>8.2f} {(stack + cp.resident_bytes) / GIB:>10.2f} {(stack + read * res_frac) / 1e9:>11.2f} "
+              f"{far / GIB:>8.2f} {(stack + cp.resident_bytes) / GIB:>10.2f} {(stack - emb + read * res_frac) / 1e9:>11.2f} "
               f"{read * (1 - res_frac) / 1e9:>12.2f}  {verdict}")
     print(f"verdict: {worst}")
     return 0 if not worst.startswith("does not") else 1

@@ -104,6 +104,13 @@ fabbench)
   done ;;
 experts)
   T=240 run bench_experts python3 benchmarks/bench_experts.py --decode 1,8,32 ;;
+stack)  # the stack held as NVFP4: its launches one kind at a time, then glm5-flash-4l's and air8's graphed step with the
+        # stack NVFP4 (:nvfp4-all) and BF16 (:nvfp4), and the first's step kernel by kernel
+  T=200 run bench_stack_nvfp4 python3 benchmarks/bench_stack_nvfp4.py --rows 1,8,16
+  for p in glm5-flash-4l air8; do for q in nvfp4-all nvfp4; do
+    T=200 run "decode_${p}_$q" python3 -m rocket_mpi decode --checkpoint "preset:$p:$q" --device cuda --decode-path graph --sweep 1,8,16 --tokens 40
+  done; done
+  T=200 run profile_sequence python3 benchmarks/profile_gpu_step.py preset:glm5-flash-4l:nvfp4-all 1 --sequence --rows 40 ;;
 fire1)  # static fires with every rank on the one GPU of this host (cuda-ipc between processes, graphed step)
   for n in 2 3; do
     T=240 run "fire1gpu_graph_ipc$n" python3 -m rocket_mpi static-fire --checkpoint preset:default:nvfp4 --ranks $n --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12

@@ -129,8 +129,9 @@ struct ExpertsLaunch {
   // bf16 tensors (fp32 sum, one rounding): out = res[1] + (res[0] + y), the replicated stack's x + (moe + shared)
   const void* res[kMaxResiduals];
   int n_res;
-  int direct_k;                // dense rows: gate/up's K in direct_k_order (pack.py pack_bf16_direct, pack_codes_direct), so up to 16
-                               // rows are read from x itself, more through a prep launch in that order
+  int direct_k;                // dense rows: gate/up's K in direct_k_order (pack.py pack_bf16_direct,
+                               // pack_codes_direct), so up to 16 rows are read from x itself, more through a prep
+                               // launch in that order
   // Launch tuning (nvfp4_experts.cu). pdl never changes a row's bits, only when down's weight copies and rows start;
   // split sets the order of each output's fp32 sums (a row's bits still depend on no other row).
   int pdl = kPdlAuto;          // kPdlAuto, kPdlOff or kPdlPerPass (above)

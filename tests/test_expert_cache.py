@@ -402,8 +402,8 @@ def test_graphed_step_with_a_cache_matches(tmp_path):
     assert warm["miss_rows"] < cold["miss_rows"], (cold, warm)
 
 
-@pytest.mark.parametrize("preset", ["tiny:nvfp4-all", "dsa-tiny:nvfp4-all", "glm5-tiny:nvfp4-all", "glm5-tiny:nvfp4-head",
-                                    "tiny:nvfp4"])
+@pytest.mark.parametrize("preset", ["tiny:nvfp4-all", "dsa-tiny:nvfp4-all", "glm5-tiny:nvfp4-all",
+                                    "glm5-tiny:nvfp4-head", "tiny:nvfp4"])
 def test_plan_counts_the_stack_as_the_ranks_hold_it(preset):
     """plan's stack on GPU ranks: the NVFP4 linears a loaded model records as stored parts and whose shapes the kernel's
     tiles take (whole tiles of 16) count their stored bytes (codes, scales, weight_scale_2) instead of BF16's; the rest

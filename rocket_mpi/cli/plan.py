@@ -4,13 +4,13 @@
 
 Prints the architecture, the replicated stack's bytes as the ranks hold it (NVFP4 linears outside the routed experts:
 held as stored on GPU ranks, model/layers.py, all but MLA's kv_b, which the absorbed attention reads dense, and shapes
-that are not whole tiles of 16; decoded to BF16 at load on CPU ranks), the routed experts' bytes (packed for the GPU kernel, or dense BF16 on CPU ranks), and
-per rank: the experts it owns, how many of them the expert cache (moe/cache.py) keeps in device memory under
---expert-cache, the rest in host memory (where that is short, as many far slots per layer as fit, the other experts
-read from the checkpoint files when a step needs them), and the bytes one decode step reads from each memory (M
-streams, uniform routing: each expert read at most once per layer; the stack but the embedding's rows, as the decode
-report counts it). The verdict: fits all-resident, fits with a cache,
-fits with a cache and the checkpoint files, or does not fit.
+that are not whole tiles of 16; decoded to BF16 at load on CPU ranks), the routed experts' bytes (packed for the GPU
+kernel, or dense BF16 on CPU ranks), and per rank: the experts it owns, how many of them the expert cache
+(moe/cache.py) keeps in device memory under --expert-cache, the rest in host memory (where that is short, as many far
+slots per layer as fit, the other experts read from the checkpoint files when a step needs them), and the bytes one
+decode step reads from each memory (M streams, uniform routing: each expert read at most once per layer; the stack but
+the embedding's rows, as the decode report counts it). The verdict: fits all-resident, fits with a cache, fits with a
+cache and the checkpoint files, or does not fit.
 """
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def plan(args) -> int:
         res_frac = cp.resident_bytes / cp.owned_bytes if cp.owned_bytes else 1.0
         read = n_owned * per_layer * bpe
         print(f"{r:>4} {n_owned:>8} {cp.owned_bytes / GIB:>9.2f} {cp.capacity:>9} {cp.resident_bytes / GIB:>8.2f} "
-              f"{far / GIB:>8.2f} {(stack + cp.resident_bytes) / GIB:>10.2f} {(stack - emb + read * res_frac) / 1e9:>11.2f} "
-              f"{read * (1 - res_frac) / 1e9:>12.2f}  {verdict}")
+              f"{far / GIB:>8.2f} {(stack + cp.resident_bytes) / GIB:>10.2f} "
+              f"{(stack - emb + read * res_frac) / 1e9:>11.2f} {read * (1 - res_frac) / 1e9:>12.2f}  {verdict}")
     print(f"verdict: {worst}")
     return 0 if not worst.startswith("does not") else 1

@@ -560,7 +560,8 @@ class StackModel:
 
     def to(self, device):
         """Move every weight to `device` (one rank per GPU: the replicated stack lives on its GPU); on a GPU with
-        the extension, the stack's linears also get a copy in the expert kernel's BF16 tiles (pack_stack)."""
+        the extension, the stack's linears also get a copy in the expert kernel's tiles (pack_stack: BF16, or NVFP4
+        held as stored)."""
         move_stack(self, device)
         if stack_kernel_enabled(device):
             self.pack_stack()

@@ -142,6 +142,11 @@ def test_bad_prompts_file(capsys, ckpt, tmp_path):
     (["make-checkpoint", "--out", "/tmp/x", "--preset", "huge"], "huge"),
     (["decode", "--checkpoint", "x", "--fabric-timeout", "inf"], "--fabric-timeout"),  # a wait with no end
     (["fabric-bench", "--timeout", "0"], "--fabric-timeout"),
+    (["plan", "--checkpoint", "x", "--ranks", "0"], "--ranks"),
+    (["plan", "--checkpoint", "x", "--device-memory", "-3"], "--device-memory"),
+    (["plan", "--checkpoint", "x", "--host-memory", "nan"], "--host-memory"),
+    (["plan", "--checkpoint", "x", "--expert-cache", "lots"], "--expert-cache"),
+    (["plan", "--checkpoint", "x", "--streams", "0"], "--streams"),
 ])
 def test_bad_flags(capsys, argv, needle):
     assert_one_line(*run_cli(capsys, *argv), needle)

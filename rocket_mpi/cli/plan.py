@@ -18,6 +18,7 @@ import argparse
 
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
+from rocket_mpi.cli.flags import cache_budget, nonneg_float, pos_float, pos_int
 from rocket_mpi.errors import RocketError
 from rocket_mpi.moe.cache import GIB, RESERVE_FRACTION, RESERVE_MIN, expert_bytes, parse_budget, plan_capacity
 from rocket_mpi.moe.placement import Placement
@@ -77,20 +78,18 @@ def add_parser(sub, formatter) -> None:
     p = sub.add_parser("plan", help="whether a checkpoint fits N ranks, from its headers", formatter_class=formatter,
                        description=__doc__)
     p.add_argument("--checkpoint", required=True, help="checkpoint folder, or preset:NAME[:nvfp4|:nvfp4-all|:nvfp4-head]")
-    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--ranks", type=pos_int, default=1)
     p.add_argument("--placement", help="JSON placement (default: contiguous halves, thirds, ...)")
-    p.add_argument("--device-memory", type=float, help="GiB of device memory per rank (default: this machine's GPU; "
+    p.add_argument("--device-memory", type=pos_float, help="GiB of device memory per rank (default: this machine's GPU; "
                                                         "GB10's unified memory: 128 and --host-memory 0)")
-    p.add_argument("--host-memory", type=float, help="GiB of host memory per rank for far experts (default: 0 "
+    p.add_argument("--host-memory", type=nonneg_float, help="GiB of host memory per rank for far experts (default: 0 "
                                                       "where --device-memory is given, else this machine's)")
-    p.add_argument("--expert-cache", default="auto", help="as decode's: GiB or auto")
+    p.add_argument("--expert-cache", type=cache_budget, default="auto", metavar="GIB|auto", help="as decode's")
     p.add_argument("--cpu", action="store_true", help="CPU ranks: dense BF16 experts, misses read from the checkpoint")
-    p.add_argument("--streams", type=int, default=1, help="M, for the bytes a decode step reads")
+    p.add_argument("--streams", type=pos_int, default=1, help="M, for the bytes a decode step reads")
 
 
 def plan(args) -> int:
-    if args.ranks < 1:
-        raise RocketError(f"--ranks {args.ranks}: at least 1")
     reader = SyntheticReader(args.checkpoint) if is_synthetic(args.checkpoint) else CheckpointReader(args.checkpoint)
     cfg = reader.config
     shapes = tensor_shapes(reader)

@@ -148,6 +148,16 @@ llamacpp)  # rocket_mpi beside llama.cpp in one call on the archived build (carr
   # .llamacpp/wheels; the build step after the extension's)
   T=560 run llamacpp python3 benchmarks/bench_llamacpp.py --llama .llamacpp/conv --work .llamacpp/work \
     --layers ${LAYERS:-2} --unpack .llamacpp/build --out "$OUT/llamacpp.json" ;;
+verify)  # the GPU checks of the NVFP4 stack and of the server on this tree: the stack kernels and layouts against their
+  # references (the direct dequant against pack.emulate_decode), the graphed server, a 3-rank graphed fire
+  T=300 run verify_tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_pack.py tests/test_stack.py tests/test_serve.py -k "gpu or GPU"
+  T=240 run verify_fire python3 -m rocket_mpi static-fire --checkpoint preset:glm5-tiny:nvfp4-all --ranks 3 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
+  T=240 run verify_experts python3 benchmarks/bench_experts.py --rows 1,8,16,24,32 --reps 15 ;;
+cache_from)  # the full-size GLM-5.3-Flash's cache started from a trace recorded on other prompts, against a cold start
+  # (two loads of about 2 minutes each: give this step a call of its own)
+  python3 -c "import json, random; r = random.Random(11); json.dump([[r.randrange(2, 150000) for _ in range(12)] for _ in range(8)], open('$OUT/prompts_a.json', 'w'))"
+  T=280 run cache_trace python3 -m rocket_mpi decode --checkpoint preset:glm5-flash:nvfp4:skew=1.5 --device cuda --streams 8 --tokens 48 --ignore-eos --prompts "$OUT/prompts_a.json" --telemetry "$OUT/trace_a.npz"
+  T=300 run cache_from python3 benchmarks/bench_expert_cache.py preset:glm5-flash:nvfp4:skew=1.5 --budgets auto --sweep 1,8 --tokens 48 --start "$OUT/trace_a.npz" ;;
 stack_split)  # each stack launch of one decode step at every K split (GLM-5.3-Flash's NVFP4 stack by default)
   T=200 run stack_split python3 benchmarks/bench_stack_split.py "preset:${STACK_PRESET:-glm5-flash-4l:nvfp4-all}" ${M:-1} ;;
 esac; done

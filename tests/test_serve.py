@@ -22,6 +22,7 @@ import pytest
 
 from conftest import ROOT, rocket
 from helpers import gpu
+from rocket_mpi.checkpoint.make import make_checkpoint
 from rocket_mpi.cli import launch
 
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
@@ -145,6 +146,29 @@ def test_the_fixed_shape_step_serves_the_decode_commands_tokens(ckpt_name, reque
         assert _metrics(srv)["rocket_step_slots"] == "1"
         _check_staggered(srv, want)
         assert 1 < float(_metrics(srv)["rocket_step_slots"]) <= 4
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]
+
+
+@pytest.mark.parametrize("path", ["host", "device", pytest.param("graph", id="gpu-graph", marks=gpu)])
+def test_live_rebalancing_while_serving_keeps_the_tokens(path, tmp_path):
+    """--rebalance-every on the server: skewed routing moves experts (and places replicas) between the ranks while
+    requests come and go, on the host path and on the fixed-shape path (its tables rewritten in place between
+    steps; on a GPU, under the captured graphs of every step size), and every request still gets the one-rank
+    decode command's tokens."""
+    ckpt = str(tmp_path / "skewed")
+    make_checkpoint("tiny", ckpt, seed=5, skew=1.5)
+    where = ("--decode-path", path) + (("--device", "cuda") if path == "graph" else ())
+    want = _decode_cli(ckpt, tmp_path, prompts=PROMPTS, extra=("--ignore-eos", *where))
+    fabric = ("--fabric", "cuda-ipc") if path == "graph" else ()
+    srv = Server(ckpt, extra=(*where, *fabric, "--rebalance-every", "2", "--replicas", "2"))
+    try:
+        _check_staggered(srv, want)
+        m = _metrics(srv)  # the placement is recomputed every 2 decode steps, and the skew changes it
+        steps = float(m["rocket_decode_steps_total"])
+        assert steps >= 8 and float(m["rocket_rebalances_total"]) >= steps // 4, m
+        assert float(m["rocket_rebalances_changed_total"]) >= 1, m
     finally:
         code, err = srv.stop()
     assert code == 0, err[-2000:]

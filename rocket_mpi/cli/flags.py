@@ -118,14 +118,18 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="what the ranks log on stderr (rank 0 from this level, the others warnings and errors)")
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    add_rank_flags(p)
+def add_rebalance_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rebalance-every", type=nonneg_int, default=0, metavar="STEPS",
                    help="every STEPS decode steps, every rank recomputes the placement from the decayed firing counts "
                         "(the same on every rank) and reads the experts it gains from the checkpoint (0: never)")
     p.add_argument("--replicas", type=nonneg_int, default=None, metavar="R",
                    help="with --rebalance-every: at most R extra copies of the hottest experts per MoE layer "
                         "(default: as many as the --placement file has, else 0)")
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    add_rank_flags(p)
+    add_rebalance_flags(p)
     p.add_argument("--tokens", type=pos_int, default=20, help="tokens to generate per stream")
     p.add_argument("--prompts", help="JSON list of token-id lists (or strings, with tokenizer.json)")
     p.add_argument("--chat", help="JSON list of conversations (lists of {role, content} messages), rendered with the "
@@ -143,6 +147,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_rank_flags(p)
+    add_rebalance_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--max-streams", type=pos_int, default=8,
@@ -157,7 +162,8 @@ def serve_run_settings(args) -> RunSettings:
                        threads=args.threads, startup_timeout=args.startup_timeout, decode_path=args.decode_path,
                        prefill_chunk=args.prefill_chunk, fabric=fabric_settings(args), log_level=args.log_level,
                        progress=True, expert_cache=args.expert_cache, host_memory=args.host_memory,
-                       expert_cache_from=args.expert_cache_from)
+                       expert_cache_from=args.expert_cache_from, rebalance_every=args.rebalance_every,
+                       replicas=args.replicas)
 
 
 def serve_settings(args) -> ServeSettings:

@@ -65,6 +65,8 @@ class Slots:
         # launched decode steps not yet collected: (step, live slots, kept state, host path's logits, GraphStep)
         self.pending: list[tuple] = []
         self.since = 0          # decode steps since the expert cache's last upkeep
+        self.decodes = 0        # decode steps since serving began: live rebalancing's clock (--rebalance-every)
+        self.rebalance_at = 0   # the decode step whose upkeep rebalances next (0: never)
         pin = engine.device.type == "cuda"
         # positions of a step launched behind another in flight: a pinned buffer per step in flight (the copy is
         # ordered on the stream, so the host must not rewrite a buffer before its step ran)
@@ -82,6 +84,11 @@ class Slots:
                 clear_stream(self.cache, s)
         if self.engine.expert_cache is not None:
             self.engine.expert_cache.begin()  # the accounting counts the requests' steps
+        rb = self.engine.rebalancer
+        self.decodes = 0
+        if rb is not None:
+            rb.begin()
+            self.rebalance_at = rb.every
 
     @torch.inference_mode()
     def prefill(self, joins: dict[int, list[int]]) -> dict[int, torch.Tensor]:
@@ -117,6 +124,7 @@ class Slots:
             logits = eng.model.forward(tokens, cache, seqlens, eng.moe)
             self.pending.append((self.steps, live, [], (logits[live], t0, eng.fabric.stats.seconds - f0), None))
             self.steps += 1
+            self.decodes += 1
             return
         st = self._static(self.step_size(live))
         tokens = torch.zeros(st.tokens.numel(), dtype=torch.long)
@@ -141,7 +149,8 @@ class Slots:
 
     def can_follow(self) -> bool:
         """Whether launch_next may run now: one fixed-shape step in flight, its span holds the next, the expert
-        cache's upkeep is not due, and no idle slot has recurrent state to put back between the two."""
+        cache's upkeep (or a live rebalancing) is not due, and no idle slot has recurrent state to put back between
+        the two."""
         if self.path == "host" or len(self.pending) != 1 or self.pending[0][3] is not None:
             return False
         live, st = self.pending[0][1], self.pending[0][4]
@@ -149,7 +158,7 @@ class Slots:
         if longest >= self.capacity or not st.follows(longest):
             return False
         xc = self.engine.expert_cache
-        if xc is not None and self.since + 1 >= MAINTAIN_EVERY:
+        if xc is not None and (self.since + 1 >= MAINTAIN_EVERY or self._rebalance_due(1)):
             return False
         return len(live) == st.tokens.numel() or not recurrent_state(self.cache)
 
@@ -175,6 +184,7 @@ class Slots:
         self.launches += 1
         self.steps += 1
         self.since += 1
+        self.decodes += 1
 
     @torch.inference_mode()
     def collect(self, logits: bool = False) -> tuple[list[int], list[int], dict[int, torch.Tensor], float, float]:
@@ -199,17 +209,27 @@ class Slots:
 
     def _upkeep(self, account: bool = True) -> None:
         """The expert cache's upkeep (moe/cache.py), as decode runs it: after every host-path forward; on the
-        fixed-shape path every MAINTAIN_EVERY decode steps, with none in flight. Every rank runs the same forwards
-        in the same order, so every rank keeps the same residency."""
+        fixed-shape path every MAINTAIN_EVERY decode steps, and where a live rebalancing is due, with none in flight.
+        Then, where one is due, the live rebalancing (moe/rebalance.py) from the counts the upkeep read: at the
+        first upkeep of the decode step `rebalance_at` or after (the fixed-shape path does not launch past it).
+        Every rank runs the same forwards in the same order, so every rank keeps the same residency and placement."""
         xc = self.engine.expert_cache
         if xc is None:
             return
         if self.path == "host" or not account:
             xc.maintain(1, account=account)
             self.since = 0
-        elif self.since >= MAINTAIN_EVERY:
+        elif self.since >= MAINTAIN_EVERY or (self.since and self._rebalance_due()):
             xc.maintain(self.since)
             self.since = 0
+        if account and self._rebalance_due():
+            rb = self.engine.rebalancer
+            rb.rebalance(self.decodes)
+            self.rebalance_at = (self.decodes // rb.every + 1) * rb.every
+
+    def _rebalance_due(self, ahead: int = 0) -> bool:
+        """Whether the live rebalancing is due once `ahead` more decode steps have run."""
+        return bool(self.rebalance_at) and self.decodes + ahead >= self.rebalance_at
 
 
 def step_sizes(m: int) -> list[int]:
@@ -286,7 +306,18 @@ class Scheduler:
                 "requests_waiting": self.inbox.qsize() + len(self.waiting), "step_seconds": step,
                 "fabric_share": fab, "slots": self.slots.m,
                 "step_slots": sum(r[2] for r in recent) / len(recent) if recent else 0.0,
-                "tokens_per_second": sum(n for _, n in self.emitted) / span if span > 0 else 0.0}
+                "tokens_per_second": sum(n for _, n in self.emitted) / span if span > 0 else 0.0,
+                **self._rebalance_metrics()}
+
+    def _rebalance_metrics(self) -> dict:
+        """Live rebalancing on this rank (rank 0: every rank recomputes the same placements): placements recomputed,
+        how many changed owners, the experts this rank read in and the seconds the steps waited for it all."""
+        rb = self.slots.engine.rebalancer
+        if rb is None:
+            return {}
+        st = rb.stats
+        return {"rebalances_total": st.rebalances, "rebalances_changed_total": st.changed,
+                "rebalance_experts_arrived_total": st.arrived, "rebalance_seconds_total": st.seconds}
 
     # -- rank 0's loop -------------------------------------------------------------
     def run(self) -> None:

@@ -99,6 +99,8 @@ class Slots:
         eng.step = self.steps
         for s in joins:
             clear_stream(self.cache, s)
+        if self.since:  # the decode steps since the last upkeep, counted before the prompts' rows join them
+            self._upkeep(promote=False)
         seqlens = [len(joins.get(s, ())) for s in range(m)]
         tokens = torch.tensor([t for s in range(m) for t in joins.get(s, ())], dtype=torch.long)
         eng.moe.reset()
@@ -207,11 +209,12 @@ class Slots:
             self._upkeep()
         return live, [chosen[s] for s in live], out, seconds, self.engine.fabric.stats.seconds - f0
 
-    def _upkeep(self, account: bool = True) -> None:
+    def _upkeep(self, account: bool = True, promote: bool = True) -> None:
         """The expert cache's upkeep (moe/cache.py), as decode runs it: after every host-path forward; on the
         fixed-shape path every MAINTAIN_EVERY decode steps, and where a live rebalancing is due, with none in flight.
         Then, where one is due, the live rebalancing (moe/rebalance.py) from the counts the upkeep read: at the
         first upkeep of the decode step `rebalance_at` or after (the fixed-shape path does not launch past it).
+        promote=False: the fixed-shape path's decode steps so far only counted (before a prefill), no promotion.
         Every rank runs the same forwards in the same order, so every rank keeps the same residency and placement."""
         xc = self.engine.expert_cache
         if xc is None:
@@ -219,8 +222,8 @@ class Slots:
         if self.path == "host" or not account:
             xc.maintain(1, account=account)
             self.since = 0
-        elif self.since >= MAINTAIN_EVERY or (self.since and self._rebalance_due()):
-            xc.maintain(self.since)
+        elif self.since and (not promote or self.since >= MAINTAIN_EVERY or self._rebalance_due()):
+            xc.maintain(self.since, promote=promote)
             self.since = 0
         if account and self._rebalance_due():
             rb = self.engine.rebalancer

@@ -145,7 +145,13 @@ def test_the_fixed_shape_step_serves_the_decode_commands_tokens(ckpt_name, reque
         # a request alone takes the lowest slot, and its steps the one-slot step (what the metric averages)
         assert _metrics(srv)["rocket_step_slots"] == "1"
         _check_staggered(srv, want)
-        assert 1 < float(_metrics(srv)["rocket_step_slots"]) <= 4
+        m = _metrics(srv)
+        assert 1 < float(m["rocket_step_slots"]) <= 4
+        if cache:  # rank 0's expert cache: a few experts resident, its reads counted
+            hits, misses = (float(m[f"rocket_expert_cache_{k}_rows_total"]) for k in ("hit", "miss"))
+            assert hits > 0 and misses > 0, m
+            assert float(m["rocket_expert_cache_hit_rate"]) == pytest.approx(hits / (hits + misses), rel=1e-5), m
+            assert float(m["rocket_expert_cache_resident_experts"]) > 0, m
     finally:
         code, err = srv.stop()
     assert code == 0, err[-2000:]

@@ -310,7 +310,21 @@ class Scheduler:
                 "fabric_share": fab, "slots": self.slots.m,
                 "step_slots": sum(r[2] for r in recent) / len(recent) if recent else 0.0,
                 "tokens_per_second": sum(n for _, n in self.emitted) / span if span > 0 else 0.0,
-                **self._rebalance_metrics()}
+                **self._cache_metrics(), **self._rebalance_metrics()}
+
+    def _cache_metrics(self) -> dict:
+        """The expert cache of rank 0 (--expert-cache; every rank sees the same routing, each its own experts): rows
+        that met a resident and a far expert, far bytes read, promotions, and the resident experts now."""
+        xc = self.slots.engine.expert_cache
+        if xc is None:
+            return {}
+        st = xc.stats
+        rows = st.hit_rows + st.miss_rows
+        return {"expert_cache_hit_rows_total": st.hit_rows, "expert_cache_miss_rows_total": st.miss_rows,
+                "expert_cache_hit_rate": st.hit_rows / rows if rows else 1.0,
+                "expert_cache_far_bytes_total": st.far_bytes, "expert_cache_swaps_total": st.swaps,
+                "expert_cache_moved_bytes_total": st.moved_bytes,
+                "expert_cache_resident_experts": sum(p.capacity for p in xc.policies.values())}
 
     def _rebalance_metrics(self) -> dict:
         """Live rebalancing on this rank (rank 0: every rank recomputes the same placements): placements recomputed,

@@ -12,6 +12,12 @@ step), then one rebalance is timed: balance() for every MoE layer, the experts t
 layers whose placement changed, experts gained and given up, MB read into slots, ms in all and in balance(), and
 the rate of the moves.
 
+Both ways of running it, side by side (two engines in turn, the same counts): at once (the steps wait for balance()
+and the reads), and in the background (moe/rebalance.py: balance() and the reads of the arriving experts in a worker
+thread from the snapshot on, the move --cover-ms later, what decode steps would run meanwhile; "ms" is then what the
+move waited, "ms background" the worker's time). A preset drawn on a GPU is drawn at the move either way; a written
+checkpoint, or a preset on the CPU, is read in the background.
+
 Beside it (without --no-capture): what the alternative to rewriting the tables in place costs, a capture of the graphed
 step (a one-rank engine of the same model and streams: the same kernels but the exchange's), median of 3.
 """
@@ -76,18 +82,20 @@ def capture_ms(spec: str, device, streams: int) -> float:
     return statistics.median(times) if times else float("nan")
 
 
-def rebalances(a, dev) -> None:
-    """Rank a.rank's share loaded with rebalancing on, two rebalances timed (the module docstring)."""
+def rebalances(a, dev, background: bool) -> None:
+    """Rank a.rank's share loaded with rebalancing on, two rebalances timed (the module docstring), at once or in the
+    background."""
     reader = reader_for(a.checkpoint, dev)
     cfg = reader.config
     t0 = time.perf_counter()
     eng = Engine(a.checkpoint, a.rank, a.ranks, Placement.contiguous(cfg, a.ranks), reader, device=str(dev),
-                 rebalance_every=1, replicas=a.replicas)
+                 rebalance_every=2 if background else 1, replicas=a.replicas)
     rb = eng.rebalancer
     DeviceMoE(eng, a.streams)  # the fixed-shape step's tables: each rebalance rewrites them in place (on_change)
     owned = len(next(iter(eng.experts.values())).owned)
     n_exp, layers = cfg.n_routed_experts, len(cfg.moe_layers)
-    print(f"{a.checkpoint}: rank {a.rank} of {a.ranks} loaded in {time.perf_counter() - t0:.1f} s on {dev}; "
+    mode = "in the background" if background else "at once"
+    print(f"{mode}: rank {a.rank} of {a.ranks} loaded in {time.perf_counter() - t0:.1f} s on {dev}; "
           f"{layers} MoE layers x {n_exp} experts, {rb.slots} slots per layer (contiguous: {owned} owned), one "
           f"expert {rb.expert_bytes / 2**20:.2f} MiB, up to {a.replicas} replicas, {a.streams} streams x "
           f"top-{cfg.num_experts_per_tok}")
@@ -95,7 +103,7 @@ def rebalances(a, dev) -> None:
     orders = [rng.permutation(n_exp) for _ in range(layers)]
     rows = a.streams * cfg.num_experts_per_tok
     print(f"{'rebalance':<22} {'layers changed':>14} {'arrived':>7} {'left':>5} {'MB read':>8} {'ms':>8} "
-          f"{'ms balance':>10} {'GB/s moves':>10} {'replicas':>8}")
+          f"{'ms balance':>10} {'ms background':>13} {'replicas':>8}")
     for what in ("from contiguous", "after a drift"):
         if what == "after a drift":  # a quarter of the 16 hottest experts of each layer trade places with cold ones
             for o in orders:
@@ -106,13 +114,20 @@ def rebalances(a, dev) -> None:
             rb.observe(c[step], 1)
         rb.begin()
         before = {la: eng.placement.owners[la] for la in cfg.moe_layers}
-        rb.rebalance(STEPS)
+        if background:  # the snapshot, then --cover-ms of steps, then the move
+            rb.at_step(STEPS)
+            time.sleep(a.cover_ms / 1e3)
+            rb.at_step(STEPS + rb.lag)
+        else:
+            rb.rebalance(STEPS)
         st = rb.stats
         changed = sum(1 for la in cfg.moe_layers if eng.placement.owners[la] != before[la])
-        moves = st.seconds - st.balance_seconds
-        rate = st.moved_bytes / moves / 1e9 if moves > 0 and st.moved_bytes else 0.0
         print(f"{what:<22} {changed:>14} {st.arrived:>7} {st.left:>5} {st.moved_bytes / 1e6:>8.1f} "
-              f"{1e3 * st.seconds:>8.1f} {1e3 * st.balance_seconds:>10.1f} {rate:>10.2f} {st.replicas:>8}")
+              f"{1e3 * st.seconds:>8.1f} {1e3 * st.balance_seconds:>10.1f} {1e3 * st.background_seconds:>13.1f} "
+              f"{st.replicas:>8}")
+    rb.finish()
+    del eng
+    gc.collect()
 
 
 def main() -> int:
@@ -125,10 +140,16 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-capture", action="store_true", help="skip the one-rank capture (its memory and time)")
+    ap.add_argument("--cover-ms", type=float, default=100.0,
+                    help="background: the steps between the snapshot and the move, in ms (default 100: 50 steps of 2 "
+                         "ms, what --rebalance-every 100 gives)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dev = pick_device(a.device, None)
-    rebalances(a, dev)
+    for background in (False, True):
+        rebalances(a, dev, background)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     if not a.no_capture and dev.type == "cuda":
         gc.collect()  # the split engine's memory, before the one-rank engine loads
         torch.cuda.empty_cache()

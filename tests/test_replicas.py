@@ -3,6 +3,8 @@ between slots bit for bit, and the split decoding the one-rank tokens under repl
 that change mid-run (--rebalance-every), on 2, 3 and 4 ranks, shm and mpi, host and fixed-shape paths, with and
 without a bounded expert cache."""
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -228,6 +230,54 @@ def test_rebalance_moves_experts_and_rewrites_the_tables(skewed, monkeypatch):
     with pytest.raises(RocketError, match=f"rank 0: live rebalancing at decode step 4 gave rank 0 16 experts of MoE "
                                           f"layer {layers[0]}, more than its 9 slots"):
         rb.rebalance(4)
+
+
+def test_rebalance_in_the_background(skewed, monkeypatch):
+    """--rebalance-every 4: the snapshot at step 4 starts the placement and the arriving experts' reads in a worker
+    thread, the steps go on under the old placement, and at step 6 (lag 2) the engine moves to it: the same owners and
+    weights as at once; a worker that does not finish within WAIT is one error naming the rank and step."""
+    from rocket_mpi.errors import RocketError
+    from rocket_mpi.moe import rebalance
+    from rocket_mpi.runtime.engine import Engine
+    torch.set_num_threads(1)
+    eng = Engine(skewed, 0, 2, rebalance_every=4, replicas=2)
+    rb, layers = eng.rebalancer, list(eng.cfg.moe_layers)
+    assert rb.lag == 2 and [rb.wants(s) for s in (1, 3, 4)] == [False, False, True]
+    answer = [[0, 1], [0, 1]] + [e % 2 for e in range(2, 16)]
+    threads = []
+
+    def fake_balance(*a, **k):
+        threads.append(threading.current_thread().name)
+        return answer
+    monkeypatch.setattr(rebalance, "balance", fake_balance)
+    rb.observe(np.ones((len(layers), 2, 16), dtype=np.int64), 1)
+    rb.at_step(4)
+    assert rb.pending is not None and eng.placement.owned(layers[0], 0) == list(range(8))  # not moved yet
+    assert not rb.wants(5) and rb.wants(6)
+    rb.at_step(6)
+    mine = [0, 1] + list(range(2, 16, 2))
+    assert rb.pending is None and eng.placement.owned(layers[0], 0) == mine
+    assert threads and all(t.startswith("rebalance") for t in threads), threads
+    st = rb.stats.as_dict()
+    assert (st["rebalances"], st["changed"], st["arrived"], st["left"]) == (1, 1, 2 * 4, 2 * 3), st
+    assert st["background_ms"] > 0 and st["last_step"] == 6, st
+    for la in layers:  # the experts read in the background are the checkpoint's
+        store = eng.experts[la]
+        assert store.owned == mine
+        for e in (10, 12):
+            gu, d = store.source.dense(e)
+            assert torch.equal(store.gate_up[e], gu) and torch.equal(store.down[e], d)
+    assert rb.wants(8)
+
+    def slow(*a, **k):
+        time.sleep(2)
+        return answer
+    monkeypatch.setattr(rebalance, "balance", slow)
+    monkeypatch.setattr(rebalance, "WAIT", 0.05)
+    rb.at_step(8)
+    with pytest.raises(RocketError, match="rank 0: live rebalancing: the placement computed in the background was "
+                                          "not ready within 0 s at decode step 10"):
+        rb.at_step(10)
 
 
 def test_fixed_slots(tiny_ckpt):

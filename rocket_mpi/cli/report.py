@@ -95,16 +95,17 @@ def print_cache(per_rank: list[dict], loads: dict) -> None:
 
 def print_rebalance(per_rank: list[dict]) -> None:
     """Live rebalancing (--rebalance-every), per rank: placements recomputed and how many changed, the experts it
-    gained and gave up, the bytes it read for them and the time it took (moe/rebalance.py)."""
+    gained and gave up, the bytes it read for them, the time the steps waited for it and the time it took in the
+    background (moe/rebalance.py)."""
     rows = [s for s in per_rank if s.get("rebalance")]
     if not rows:
         return
     print(f"rebalance: {'rank':>4} {'placements':>10} {'changed':>7} {'arrived':>7} {'left':>5} {'MB moved':>9} "
-          f"{'ms':>8}")
+          f"{'ms waited':>9} {'ms background':>13}")
     for s in rows:
         b = s["rebalance"]
         print(f"           {s['rank']:>4} {b['rebalances']:>10} {b['changed']:>7} {b['arrived']:>7} {b['left']:>5} "
-              f"{b['moved_bytes'] / 1e6:>9.2f} {b['ms']:>8.1f}")
+              f"{b['moved_bytes'] / 1e6:>9.2f} {b['ms']:>9.1f} {b.get('background_ms', 0.0):>13.1f}")
 
 
 def human(n: int) -> str:

@@ -206,14 +206,26 @@ class ExpertStore:
         self.gate_up[e_in], self.down[e_in] = gu.to(dev), d.to(dev)
 
     # -- live rebalancing (moe/rebalance.py) ---------------------------------------------
-    def rehome(self, owned: list[int]) -> tuple[list[int], list[int], int]:
+    def prepare(self, experts: list[int]) -> dict:
+        """The experts' weights read from the checkpoint for a later rehome (live rebalancing reads them in the
+        background while steps run), in host memory: {} where the checkpoint is drawn on a GPU (a preset), whose
+        experts rehome draws at the move instead."""
+        if getattr(self.source.reader, "device", torch.device("cpu")).type != "cpu":
+            return {}
+        pk = self.packed
+        if pk is not None:
+            return {e: self.source.packed(e, pk.bf16, device="cpu") for e in experts}
+        return {e: self.source.dense(e) for e in experts}
+
+    def rehome(self, owned: list[int], ready: dict | None = None) -> tuple[list[int], list[int], int]:
         """Hold the experts `owned` from now on: the ones that leave free their slots, the ones that arrive are read
-        from the checkpoint into free slots (device slots first), and a far expert takes a device slot left free.
-        The slots are fixed, so the packed buffers stay where they are (a captured step stays valid: the caller
-        rewrites the slot tables). -> (arrived, left, bytes read)."""
+        from the checkpoint (or taken from `ready`, prepare's) into free slots (device slots first), and a far
+        expert takes a device slot left free. The slots are fixed, so the packed buffers stay where they are (a
+        captured step stays valid: the caller rewrites the slot tables). -> (arrived, left, bytes read)."""
         owned = sorted(owned)
         left = [e for e in self.owned if e not in set(owned)]
         arrived = [e for e in owned if e not in set(self.owned)]
+        ready = ready or {}
         pk = self.packed
         moved = 0
         if pk is not None:
@@ -222,7 +234,8 @@ class ExpertStore:
             for e in left:
                 pk.drop(e)
             for e in arrived:
-                pk.put(e, pk.free_slots()[0], self.source.packed(e, pk.bf16))
+                src = ready[e] if e in ready else self.source.packed(e, pk.bf16)
+                pk.put(e, pk.free_slots()[0], src)
                 moved += pk.bytes_per_expert
             for e in sorted(e for e, s in pk.slot.items() if s >= pk.near):  # device slots filled first
                 free = pk.free_slots()
@@ -238,7 +251,7 @@ class ExpertStore:
             for e in arrived + [e for e in owned if e not in arrived and e not in self.gate_up]:
                 if len(self.gate_up) >= self.capacity:
                     break
-                gu, d = self.source.dense(e)
+                gu, d = ready[e] if e in ready else self.source.dense(e)
                 self.gate_up[e], self.down[e] = gu.to(dev), d.to(dev)
                 moved += (gu.numel() + d.numel()) * gu.element_size()
         self.owned = owned

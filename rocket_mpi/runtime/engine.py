@@ -385,7 +385,7 @@ class Engine:
 
         def pause(n: int) -> bool:  # the fixed-shape step n waits until no step is in flight: upkeep, maybe a rebalance
             # (n - 1 decode steps are done before step n; while the cache is cold, upkeeps after 1, 2, 4 of them too)
-            return xc is not None and (n % every == 0 or warm_upkeep(n - 1, every) or (rb is not None and rb.due(n)))
+            return xc is not None and (n % every == 0 or warm_upkeep(n - 1, every) or (rb is not None and rb.wants(n)))
 
         since = 0  # decode steps since the cache's last upkeep
         if xc is not None:
@@ -409,8 +409,8 @@ class Engine:
                         if since:
                             xc.maintain(since)
                             since = 0
-                        if rb is not None and rb.due(launched + 1):
-                            rb.rebalance(launched + 1)
+                        if rb is not None and rb.wants(launched + 1):
+                            rb.at_step(launched + 1)
                     launched += 1
                     since += 1
                     self.step = launched
@@ -429,8 +429,8 @@ class Engine:
                 if static.graph_error and not result.note:
                     result.note = f"CUDA graph capture failed, steps ran eagerly: {static.graph_error}"
             else:
-                if rb is not None and rb.due(step):  # the counts of the steps before it were read after each step
-                    rb.rebalance(step)
+                if rb is not None and rb.wants(step):  # the counts of the steps before it were read after each step
+                    rb.at_step(step)
                 self.moe.reset()
                 f0, b0 = self.fabric.stats.seconds, self.fabric.stats.bytes_sent
                 t0 = time.perf_counter()
@@ -473,5 +473,6 @@ class Engine:
         if xc is not None:
             result.expert_cache = xc.summary()
         if rb is not None:
+            rb.finish()
             result.rebalance = rb.stats.as_dict()
         return result

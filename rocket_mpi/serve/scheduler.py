@@ -66,7 +66,7 @@ class Slots:
         self.pending: list[tuple] = []
         self.since = 0          # decode steps since the expert cache's last upkeep
         self.decodes = 0        # decode steps since serving began: live rebalancing's clock (--rebalance-every)
-        self.rebalance_at = 0   # the decode step whose upkeep rebalances next (0: never)
+        self.serving = False    # warm() done: live rebalancing counts and moves from then on
         pin = engine.device.type == "cuda"
         # positions of a step launched behind another in flight: a pinned buffer per step in flight (the copy is
         # ordered on the stream, so the host must not rewrite a buffer before its step ran)
@@ -84,11 +84,10 @@ class Slots:
                 clear_stream(self.cache, s)
         if self.engine.expert_cache is not None:
             self.engine.expert_cache.begin()  # the accounting counts the requests' steps
-        rb = self.engine.rebalancer
         self.decodes = 0
-        if rb is not None:
-            rb.begin()
-            self.rebalance_at = rb.every
+        if self.engine.rebalancer is not None:  # the warm-up's steps (token 0) are not the requests' routing
+            self.engine.rebalancer.begin(forget=True)
+        self.serving = True
 
     @torch.inference_mode()
     def prefill(self, joins: dict[int, list[int]]) -> dict[int, torch.Tensor]:
@@ -160,7 +159,7 @@ class Slots:
         if longest >= self.capacity or not st.follows(longest):
             return False
         xc = self.engine.expert_cache
-        if xc is not None and (self.since + 1 >= MAINTAIN_EVERY or self._rebalance_due(1)):
+        if xc is not None and (self.since + 1 >= MAINTAIN_EVERY or self._rebalance_due()):
             return False
         return len(live) == st.tokens.numel() or not recurrent_state(self.cache)
 
@@ -212,8 +211,8 @@ class Slots:
     def _upkeep(self, account: bool = True, promote: bool = True) -> None:
         """The expert cache's upkeep (moe/cache.py), as decode runs it: after every host-path forward; on the
         fixed-shape path every MAINTAIN_EVERY decode steps, and where a live rebalancing is due, with none in flight.
-        Then, where one is due, the live rebalancing (moe/rebalance.py) from the counts the upkeep read: at the
-        first upkeep of the decode step `rebalance_at` or after (the fixed-shape path does not launch past it).
+        Then, where it is due, the live rebalancing (moe/rebalance.py Rebalancer.at_step) with the counts the upkeep
+        read: at the first upkeep at or after its step (the fixed-shape path does not launch past it).
         promote=False: the fixed-shape path's decode steps so far only counted (before a prefill), no promotion.
         Every rank runs the same forwards in the same order, so every rank keeps the same residency and placement."""
         xc = self.engine.expert_cache
@@ -226,13 +225,13 @@ class Slots:
             xc.maintain(self.since, promote=promote)
             self.since = 0
         if account and self._rebalance_due():
-            rb = self.engine.rebalancer
-            rb.rebalance(self.decodes)
-            self.rebalance_at = (self.decodes // rb.every + 1) * rb.every
+            self.engine.rebalancer.at_step(self.decodes + 1)
 
-    def _rebalance_due(self, ahead: int = 0) -> bool:
-        """Whether the live rebalancing is due once `ahead` more decode steps have run."""
-        return bool(self.rebalance_at) and self.decodes + ahead >= self.rebalance_at
+    def _rebalance_due(self) -> bool:
+        """Whether the live rebalancing wants the steps paused before the next decode step (decode's numbering: the
+        steps since serving began, from 1)."""
+        rb = self.engine.rebalancer
+        return rb is not None and self.serving and rb.wants(self.decodes + 1)
 
 
 def step_sizes(m: int) -> list[int]:

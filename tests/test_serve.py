@@ -183,6 +183,32 @@ def test_live_rebalancing_while_serving_keeps_the_tokens(path, tmp_path):
     assert code == 0, err[-2000:]
 
 
+def test_the_server_records_its_routing(tiny_ckpt, tmp_path):
+    """serve --telemetry on the fixed-shape path: at shutdown rank 0 writes every decode step's routing (each step's
+    rows: its b slots x top-k in every MoE layer), which place plans from and --expert-cache-from starts a cache
+    from; requests still get the decode command's tokens (the upkeep runs every step, no step launched ahead)."""
+    from rocket_mpi.runtime.telemetry import read_telemetry
+    want = _decode_cli(tiny_ckpt, tmp_path, prompts=PROMPTS, extra=("--ignore-eos", "--decode-path", "device"))
+    trace = tmp_path / "served.npz"
+    srv = Server(tiny_ckpt, extra=("--decode-path", "device", "--telemetry", str(trace)))
+    try:
+        _check_staggered(srv, want)
+        steps = int(float(_metrics(srv)["rocket_decode_steps_total"]))
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]
+    t = read_telemetry(str(trace))
+    k = t["model"]["top_k"]
+    per_step = t["rows"].sum(axis=2)  # [steps, MoE layers]
+    assert t["rows"].shape[0] == steps > 0 and int(t["ranks"]) == 2, (t["rows"].shape, steps)
+    assert set(per_step.ravel().tolist()) <= {k, 2 * k, 4 * k} and (per_step == per_step[:, :1]).all(), per_step
+    r = rocket("place", "--telemetry", str(trace), "--ranks", "2", "--checkpoint", tiny_ckpt)
+    assert r.returncode == 0 and f"{steps} decode steps" in r.stdout, r.stdout + r.stderr
+    r = rocket("decode", "--checkpoint", tiny_ckpt, "--streams", "2", "--tokens", "4", "--expert-cache", "0.00005",
+               "--expert-cache-from", str(trace), "--quiet")
+    assert r.returncode == 0, r.stderr
+
+
 @gpu
 def test_gpu_graphed_server_serves_the_decode_commands_tokens(tiny_ckpt, tmp_path):
     """One GPU, 2 ranks over cuda-ipc, the graphed step: requests alone, staggered and joining take steps of 1, 2

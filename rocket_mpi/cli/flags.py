@@ -155,6 +155,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=pos_int, default=None,
                    help="positions per slot, prompt and completion together (default: the model's, at most 8192)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the checkpoint folder's)")
+    p.add_argument("--telemetry", metavar="FILE",
+                   help="record the routing of every decode step served (rows per step, MoE layer and expert) and the "
+                        "model's identity; rank 0 writes FILE (.npz, as decode --telemetry) when the server shuts "
+                        "down: plan a placement from it (place) or start a cache from it (--expert-cache-from)")
 
 
 def serve_run_settings(args) -> RunSettings:
@@ -163,7 +167,7 @@ def serve_run_settings(args) -> RunSettings:
                        prefill_chunk=args.prefill_chunk, fabric=fabric_settings(args), log_level=args.log_level,
                        progress=True, expert_cache=args.expert_cache, host_memory=args.host_memory,
                        expert_cache_from=args.expert_cache_from, rebalance_every=args.rebalance_every,
-                       replicas=args.replicas)
+                       replicas=args.replicas, telemetry=args.telemetry)
 
 
 def serve_settings(args) -> ServeSettings:

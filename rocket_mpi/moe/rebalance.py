@@ -76,7 +76,6 @@ class RebalanceStats:
 class Plan:
     """A placement computed from one snapshot, and this rank's arriving experts read ahead (per layer: expert ->
     what ExpertStore.rehome puts in its slot)."""
-    start: int
     placement: Placement
     ready: dict
     balance_seconds: float
@@ -124,9 +123,6 @@ class Rebalancer:
             self.rows[:] = 0.0
             self.active[:] = 0.0
             self.weight = 0.0
-
-    def due(self, step: int) -> bool:
-        return step > 0 and step % self.every == 0
 
     def wants(self, step: int) -> bool:
         """Whether the steps pause before decode step `step` (or, for a caller that pauses only now and then: have
@@ -212,7 +208,7 @@ class Rebalancer:
                 store, mine = e.experts[layer], new.owned(layer, e.rank)
                 if new.owners[layer] != old.owners[layer]:
                     ready[layer] = store.prepare([x for x in mine if x not in set(old.owned(layer, e.rank))])
-        return Plan(step, new, ready, t1 - t0, time.perf_counter() - t0)
+        return Plan(new, ready, t1 - t0, time.perf_counter() - t0)
 
     def _move(self, step: int, plan: Plan) -> None:
         """Make `plan` the engine's placement: this rank's experts moved where a layer changed, the tables rewritten."""

@@ -34,10 +34,11 @@ def step_telemetry(result) -> np.ndarray:
 
 
 def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement, steps: list[np.ndarray], model: dict,
-                    expert_bytes: int, path_taken: str, device: str) -> None:
+                    expert_bytes: int, path_taken: str, device: str, ranks: int | None = None) -> None:
     """--telemetry: the last run of the sweep as one .npz (fields in docs/DESIGN.md, Telemetry): its routing (rows per
     decode step, MoE layer and expert: the same on every rank, rank 0's), the placement it ran with, per rank and step
-    the step, expert and exchange times and rows, each rank's expert-cache accounting, and the model's identity."""
+    the step, expert and exchange times and rows (steps: one array per rank, or none: a server records no times),
+    each rank's expert-cache accounting, and the model's identity. ranks: the job's ranks (default len(steps))."""
     layers = list(cfg.moe_layers)
     n_moe, n_exp = len(layers), cfg.n_routed_experts
     trace = np.zeros((0, n_moe, n_exp), dtype=np.int32) if trace is None else trace
@@ -49,7 +50,7 @@ def write_telemetry(path: str, trace, cfg, per_rank: list[dict], placement, step
                       dtype=np.int64).reshape(n_moe, n_exp)
     np.savez_compressed(path, format=np.array(TELEMETRY_FORMAT), version=np.array(TELEMETRY_VERSION),
                         rows=trace[:n], layers=np.array(layers, dtype=np.int64), owners=owners,
-                        placement=np.array(json.dumps(placed)), ranks=np.array(len(steps)),
+                        placement=np.array(json.dumps(placed)), ranks=np.array(len(steps) if ranks is None else ranks),
                         step_s=per_step[:, :, 0], expert_s=per_step[:, :, 1], wait_s=per_step[:, :, 2],
                         rows_owned=per_step[:, :, 3].astype(np.int64), expert_cpu_s=per_step[:, :, 4],
                         expert_bytes=np.array(expert_bytes),

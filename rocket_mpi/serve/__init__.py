@@ -19,6 +19,7 @@ from rocket_mpi.runtime.dist import collective as _collective
 from rocket_mpi.runtime.dist import run_guarded, wait_all, world
 from rocket_mpi.runtime.progress import log
 from rocket_mpi.runtime.prompts import load_tokenizer
+from rocket_mpi.runtime.telemetry import model_identity, write_telemetry
 from rocket_mpi.serve.api import Api, make_app
 from rocket_mpi.serve.scheduler import Scheduler, Slots, follow
 from rocket_mpi.settings import RunSettings, Settings
@@ -54,6 +55,9 @@ def _listen(host: str, port: int) -> socket.socket:
 def _serve(args: RunSettings, opts: ServeSettings, settings: Settings, comm) -> int:
     import uvicorn
     rank = comm.rank if comm else 0
+    out_dir = os.path.dirname(os.path.abspath(args.telemetry)) if args.telemetry else None
+    if rank == 0 and out_dir and not os.path.isdir(out_dir):  # before the load, not at shutdown
+        raise RocketError(f"--telemetry {args.telemetry}: the folder {out_dir} does not exist")
     sock = _listen(opts.host, opts.port) if rank == 0 else None  # a port in use fails before the model loads
     facts = {"serve": (opts.max_streams, opts.max_model_len)}
     m = opts.max_streams
@@ -113,5 +117,21 @@ def _serve(args: RunSettings, opts: ServeSettings, settings: Settings, comm) -> 
         server.should_exit = True
         thread.join(5)
         engine.fabric.close()
+    if args.telemetry:
+        _write_telemetry(args, engine, slots, path)
     log.info("shut down")
     return 0
+
+
+def _write_telemetry(args: RunSettings, engine, slots: Slots, path: str) -> None:
+    """--telemetry: the routing of every decode step served (rank 0's count: every rank routes the same rows), the
+    placement at shutdown and the model's identity, as decode --telemetry writes them; no per-rank step times (a
+    server's steps differ in their slots), so `place --row-cost fit` has nothing to fit."""
+    xc = engine.expert_cache
+    trace = xc.trace_array() if xc is not None else None
+    per_expert = next((s.read_bytes_per_expert for s in engine.experts.values() if s.owned), 0)
+    summary = {"rank": engine.rank, "M": slots.m, "expert_cache": xc.summary() if xc is not None else None}
+    write_telemetry(args.telemetry, trace, engine.cfg, [summary], engine.placement, [],
+                    model_identity(engine.cfg, args.checkpoint), per_expert, path, args.device, engine.size)
+    steps = 0 if trace is None else trace.shape[0]
+    log.info(f"telemetry: {steps} decode steps' routing written to {args.telemetry}")

@@ -65,6 +65,8 @@ class Slots:
         # launched decode steps not yet collected: (step, live slots, kept state, host path's logits, GraphStep)
         self.pending: list[tuple] = []
         self.since = 0          # decode steps since the expert cache's last upkeep
+        xc = engine.expert_cache  # its upkeep's interval: every step where it records the routing (--telemetry)
+        self.every = 1 if xc is not None and xc.trace is not None else MAINTAIN_EVERY
         self.decodes = 0        # decode steps since serving began: live rebalancing's clock (--rebalance-every)
         self.serving = False    # warm() done: live rebalancing counts and moves from then on
         pin = engine.device.type == "cuda"
@@ -159,7 +161,7 @@ class Slots:
         if longest >= self.capacity or not st.follows(longest):
             return False
         xc = self.engine.expert_cache
-        if xc is not None and (self.since + 1 >= MAINTAIN_EVERY or self._rebalance_due()):
+        if xc is not None and (self.since + 1 >= self.every or self._rebalance_due()):
             return False
         return len(live) == st.tokens.numel() or not recurrent_state(self.cache)
 
@@ -210,7 +212,8 @@ class Slots:
 
     def _upkeep(self, account: bool = True, promote: bool = True) -> None:
         """The expert cache's upkeep (moe/cache.py), as decode runs it: after every host-path forward; on the
-        fixed-shape path every MAINTAIN_EVERY decode steps, and where a live rebalancing is due, with none in flight.
+        fixed-shape path every MAINTAIN_EVERY decode steps (every step where it records the routing), and where a
+        live rebalancing is due, with none in flight.
         Then, where it is due, the live rebalancing (moe/rebalance.py Rebalancer.at_step) with the counts the upkeep
         read: at the first upkeep at or after its step (the fixed-shape path does not launch past it).
         promote=False: the fixed-shape path's decode steps so far only counted (before a prefill), no promotion.
@@ -221,7 +224,7 @@ class Slots:
         if self.path == "host" or not account:
             xc.maintain(1, account=account)
             self.since = 0
-        elif self.since and (not promote or self.since >= MAINTAIN_EVERY or self._rebalance_due()):
+        elif self.since and (not promote or self.since >= self.every or self._rebalance_due()):
             xc.maintain(self.since, promote=promote)
             self.since = 0
         if account and self._rebalance_due():

@@ -158,6 +158,10 @@ cache_from)  # the full-size GLM-5.3-Flash's cache started from a trace recorded
   python3 -c "import json, random; r = random.Random(11); json.dump([[r.randrange(2, 150000) for _ in range(12)] for _ in range(8)], open('$OUT/prompts_a.json', 'w'))"
   T=280 run cache_trace python3 -m rocket_mpi decode --checkpoint preset:glm5-flash:nvfp4:skew=1.5 --device cuda --streams 8 --tokens 48 --ignore-eos --prompts "$OUT/prompts_a.json" --telemetry "$OUT/trace_a.npz"
   T=300 run cache_from python3 benchmarks/bench_expert_cache.py preset:glm5-flash:nvfp4:skew=1.5 --budgets auto --sweep 1,8 --tokens 48 --start "$OUT/trace_a.npz" ;;
+rebalance_bg)  # live rebalancing at once and in the background on a written checkpoint (a preset drawn on the GPU
+  # is drawn at the move either way), air8's experts NVFP4, one rank's share of 2
+  T=200 run rebalance_ckpt python3 -m rocket_mpi make-checkpoint --preset air8 --nvfp4 --skew 1.5 --out /tmp/air8_skew
+  T=300 run rebalance_bg python3 benchmarks/bench_rebalance.py /tmp/air8_skew --ranks 2 --replicas 2 --no-capture ;;
 stack_split)  # each stack launch of one decode step at every K split (GLM-5.3-Flash's NVFP4 stack by default)
   T=200 run stack_split python3 benchmarks/bench_stack_split.py "preset:${STACK_PRESET:-glm5-flash-4l:nvfp4-all}" ${M:-1} ;;
 esac; done

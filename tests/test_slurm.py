@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -404,3 +405,40 @@ def test_srun_direct(cluster, ckpt, tmp_path, nodes):
     assert re.search(r"rocket_mpi decode: .*; 2 rank\(s\)", r.stdout) and "stream 0 tokens:" in r.stdout, r.stdout
     with open(out) as f:
         assert len(json.load(f)["runs"][0]["tokens"]) == 2
+
+
+def test_serve_job(cluster, ckpt, tmp_path):
+    """jobs/serve-gpu-nodes.sbatch as submitted, with --device cpu: the log names the node rank 0 runs on, the server
+    comes up there on the allocation's 2 nodes, answers a completion, and scancel ends the job (bounded waits)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, runs = str(tmp_path), str(tmp_path / "runs")
+    job = cluster.sbatch("serve-gpu-nodes.sbatch", [], [ckpt, "--device", "cpu", "--host", "127.0.0.1", "--port",
+                                                        str(port), "--max-streams", "2"], out, runs)
+    log = os.path.join(out, f"slurm-rocket-serve-gpu-nodes-{job}.out")
+    t0, text = time.monotonic(), ""
+    try:
+        while "rocket_mpi: serving on" not in text:
+            state = cluster.job_info(job).get("JobState")
+            assert state in (None, "PENDING", "RUNNING", "CONFIGURING"), f"job {job}: {state}\n{_tail(text, 30)}"
+            assert time.monotonic() - t0 < JOB_TIMEOUT, f"no URL within {JOB_TIMEOUT} s:\n{_tail(text, 30)}"
+            time.sleep(1)
+            text = open(log, errors="replace").read() if os.path.exists(log) else ""
+        assert "rocket_mpi serve: rank 0 runs on n1" in text and "2 node(s)" in text, text[:800]
+        body = json.dumps({"prompt": [5, 17, 99], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                done = json.load(r)
+        except OSError as e:
+            time.sleep(2)
+            raise AssertionError(f"{e}:\n{_tail(open(log, errors='replace').read(), 40)}") from None
+        assert done["usage"]["completion_tokens"] == 4, done
+    finally:
+        _run([_bin("scancel"), job], 20, cluster.env())
+    t0 = time.monotonic()
+    while job in _run([_bin("squeue"), "-h", "-o", "%i"], 10, cluster.env()).stdout.split():
+        assert time.monotonic() - t0 < 90, f"job {job} still queued 90 s after scancel"
+        time.sleep(1)

@@ -36,6 +36,9 @@ class Fabric:
         self.max_rows, self.hidden = max_rows, hidden
         self.timeout = timeout
         self.stats = FabricStats()
+        # called now and then while a wait for rows (or for a graphed step) idles: the server hands MPI a moment
+        # there, so its control messages move where the transport moves bytes only inside MPI calls (serve)
+        self.idle_hook = None
 
     def exchange(self, seq: int, offsets: list[int], block: torch.Tensor, layer: int, step: int) -> torch.Tensor:
         """block [offsets[r+1]-offsets[r], H] bf16 -> rows [offsets[-1], H] bf16, same on every rank."""
@@ -442,4 +445,6 @@ class _Patience:
             return True
         time.sleep(0 if self.spins < 4 * self.fabric.poll_spins else 20e-6)
         self.fabric._progress()
+        if self.fabric.idle_hook is not None:
+            self.fabric.idle_hook()
         return False

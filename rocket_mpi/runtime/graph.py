@@ -222,6 +222,8 @@ class GraphStep:
             if nap:
                 time.sleep(20e-6)
             if spins % 1024 == 0:
+                if fab.idle_hook is not None:
+                    fab.idle_hook()
                 if time.monotonic() > deadline:
                     raise FabricTimeout(f"rank {self.engine.rank}: decode step {step} did not finish in "
                                         f"{limit:.0f} s "

@@ -71,6 +71,10 @@ def _serve(args: RunSettings, opts: ServeSettings, settings: Settings, comm) -> 
 
     b = boot(args, settings, comm, [], facts, rows_for)
     engine = b.engine
+    if comm is not None and comm.size > 1:
+        # rank 0's step plans (runtime/dist.py bcast) may still be in flight when a rank starts waiting for rows:
+        # some transports (MPICH's OFI netmod between nodes) move them only while both ends call into MPI
+        engine.fabric.idle_hook = comm.Iprobe
     path = _collective(comm, args.startup_timeout, "the slots' decode path", lambda: engine.path_for(m))
     slots = Slots(engine, m, cap(engine), path)
     _collective(comm, args.startup_timeout, "warming up the decode step", slots.warm)

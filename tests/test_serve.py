@@ -183,6 +183,26 @@ def test_live_rebalancing_while_serving_keeps_the_tokens(path, tmp_path):
     assert code == 0, err[-2000:]
 
 
+def test_plans_arrive_where_mpi_moves_bytes_only_inside_its_calls(server, tiny_ckpt):
+    """MPICH with every message through its OFI netmod (MPIR_CVAR_NOLOCAL, as between two nodes under srun): its tcp
+    transport moves a message only while both ends are inside MPI, so a step plan still in flight when rank 0 began
+    its step was never delivered while rank 0 waited for rows, and the first request hung until the fabric timeout.
+    The server's waits call into MPI now and then (fabric idle_hook): requests are served. (Open MPI ignores the two
+    variables: this is then one more server run.)"""
+    srv = Server(tiny_ckpt, extra=("--fabric-timeout", "15"),
+                 env={"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi"})
+    try:
+        for p in PROMPTS[:2]:
+            c = srv.client.completions.create(model=None, prompt=p, max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+            ref = server.client.completions.create(model=None, prompt=p, max_tokens=6, temperature=0,
+                                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert _ids(c.choices[0]) == _ids(ref.choices[0])
+    finally:
+        code, err = srv.stop()
+    assert code == 0, err[-2000:]
+
+
 def test_the_server_records_its_routing(tiny_ckpt, tmp_path):
     """serve --telemetry on the fixed-shape path: at shutdown rank 0 writes every decode step's routing (each step's
     rows: its b slots x top-k in every MoE layer), which place plans from and --expert-cache-from starts a cache

@@ -222,6 +222,9 @@ def test_the_server_records_its_routing(tiny_ckpt, tmp_path):
     per_step = t["rows"].sum(axis=2)  # [steps, MoE layers]
     assert t["rows"].shape[0] == steps > 0 and int(t["ranks"]) == 2, (t["rows"].shape, steps)
     assert set(per_step.ravel().tolist()) <= {k, 2 * k, 4 * k} and (per_step == per_step[:, :1]).all(), per_step
+    r = rocket("serve", "--checkpoint", tiny_ckpt, "--telemetry", str(tmp_path / "no" / "t.npz"), timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].endswith(f"the folder {tmp_path / 'no'} does "
+                                                                          f"not exist"), r.stderr
     r = rocket("place", "--telemetry", str(trace), "--ranks", "2", "--checkpoint", tiny_ckpt)
     assert r.returncode == 0 and f"{steps} decode steps" in r.stdout, r.stdout + r.stderr
     r = rocket("decode", "--checkpoint", tiny_ckpt, "--streams", "2", "--tokens", "4", "--expert-cache", "0.00005",

@@ -174,12 +174,17 @@ def boot(args: RunSettings, settings: Settings, comm, sweep: list[int], facts_ex
     return Booted(engine, reader, fabric_name, path, runs, text, stop, detok, timeline)
 
 
+def check_out_folders(rank: int, *flags: tuple[str, str | None]) -> None:
+    """Rank 0 writes these (flag, path) files at the end: their folders must exist before the run, not after it."""
+    for flag, path in flags:
+        out_dir = os.path.dirname(os.path.abspath(path)) if path else None
+        if rank == 0 and out_dir and not os.path.isdir(out_dir):
+            raise RocketError(f"{flag} {path}: the folder {out_dir} does not exist")
+
+
 def _decode(args: RunSettings, settings: Settings, comm, report) -> int:
     rank, size = (comm.rank, comm.size) if comm else (0, 1)
-    for flag, path in (("--out", args.out), ("--telemetry", args.telemetry)):
-        out_dir = os.path.dirname(os.path.abspath(path)) if path else None
-        if rank == 0 and out_dir and not os.path.isdir(out_dir):  # before the run, not after it
-            raise RocketError(f"{flag} {path}: the folder {out_dir} does not exist")
+    check_out_folders(rank, ("--out", args.out), ("--telemetry", args.telemetry))
     sweep = list(args.streams)
     b = boot(args, settings, comm, sweep)
     engine, reader, fabric_name, path, runs = b.engine, b.reader, b.fabric_name, b.path, b.runs

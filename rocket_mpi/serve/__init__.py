@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from rocket_mpi.errors import RocketError
 from rocket_mpi.runtime.chat import generation_config, load_chat_template, special_tokens, stop_ids
-from rocket_mpi.runtime.decode import boot
+from rocket_mpi.runtime.decode import boot, check_out_folders
 from rocket_mpi.runtime.dist import collective as _collective
 from rocket_mpi.runtime.dist import run_guarded, wait_all, world
 from rocket_mpi.runtime.progress import log
@@ -55,9 +55,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def _serve(args: RunSettings, opts: ServeSettings, settings: Settings, comm) -> int:
     import uvicorn
     rank = comm.rank if comm else 0
-    out_dir = os.path.dirname(os.path.abspath(args.telemetry)) if args.telemetry else None
-    if rank == 0 and out_dir and not os.path.isdir(out_dir):  # before the load, not at shutdown
-        raise RocketError(f"--telemetry {args.telemetry}: the folder {out_dir} does not exist")
+    check_out_folders(rank, ("--telemetry", args.telemetry))  # before the load, not at shutdown
     sock = _listen(opts.host, opts.port) if rank == 0 else None  # a port in use fails before the model loads
     facts = {"serve": (opts.max_streams, opts.max_model_len)}
     m = opts.max_streams

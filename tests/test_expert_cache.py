@@ -433,6 +433,39 @@ def test_plan_counts_the_stack_as_the_ranks_hold_it(preset):
     assert bool(saved) == preset.endswith(("-all", "-head"))
 
 
+def test_plan_and_decode_leave_out_what_text_decode_does_not_read(tiny_nvfp4_ckpt, tmp_path):
+    """A GLM checkpoint as published also stores its MTP layer (layers.{num_hidden_layers}: attention, shared and routed
+    experts, eh_proj) and, for the vision models, the vision tower: plan counts neither in the stack, and decode gives
+    the same tokens with them there."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "with_mtp"
+    shutil.copytree(tiny_nvfp4_ckpt, d)
+    t = load_file(str(d / "model.safetensors"))
+    last = json.load(open(d / "config.json"))["num_hidden_layers"]
+    for n in [n for n in t if n.startswith(f"model.layers.{last - 1}.")]:
+        t[n.replace(f"layers.{last - 1}.", f"layers.{last}.")] = t[n].clone()
+    t[f"model.layers.{last}.eh_proj.weight"] = torch.ones(64, 128, dtype=torch.bfloat16)
+    t["model.visual.blocks.0.attn.qkv.weight"] = torch.ones(3 * 64, 64, dtype=torch.bfloat16)
+    save_file(t, str(d / "model.safetensors"))
+    from rocket_mpi.checkpoint.reader import CheckpointReader
+    from rocket_mpi.cli.plan import stack_bytes, tensor_shapes
+    readers = [CheckpointReader(c) for c in (tiny_nvfp4_ckpt, str(d))]
+    assert len(readers[1].where) > len(readers[0].where)
+    assert [tensor_shapes(r) for r in readers][0] == tensor_shapes(readers[1])
+    assert stack_bytes(tensor_shapes(readers[1]), as_stored=True) == stack_bytes(tensor_shapes(readers[0]), True)
+    outs, toks = [], []
+    for c in (tiny_nvfp4_ckpt, str(d)):
+        r = rocket("plan", "--checkpoint", c, "--ranks", "2", "--device-memory", "8", "--host-memory", "0")
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout.replace(c, "DIR"))
+        out = tmp_path / f"{len(toks)}.json"
+        r = rocket("decode", "--checkpoint", c, "--streams", "2", "--tokens", "4", "--quiet", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        toks.append(json.load(open(out))["runs"][0]["tokens"])
+    assert outs[0] == outs[1] and toks[0] == toks[1]
+
+
 def test_plan_command():
     """plan from the headers alone: the report's model on two GB10s fits all-resident (16.6 GiB stack + half the
     experts each); on one 80 GiB GPU with 10 GiB of host memory it does not, and says why."""

@@ -1,4 +1,9 @@
-"""Lazy safetensors reading, single file or sharded, with one-line errors naming file and tensor."""
+"""Lazy safetensors reading, single file or sharded, with one-line errors naming file and tensor.
+
+NVFP4 parts are handed out under ModelOpt's names (`weight`, `weight_scale`, `weight_scale_2`) whichever layout the
+checkpoint has: a compressed-tensors checkpoint's `weight_packed` is read as `weight` (the same bytes) and its
+`weight_global_scale` as `weight_scale_2` (its reciprocal, in fp32), so nothing past this reader tells them apart.
+Errors name the tensor as the file stores it."""
 from __future__ import annotations
 
 import glob
@@ -13,10 +18,13 @@ import torch
 from safetensors import safe_open
 
 from rocket_mpi.ops import nvfp4
-from rocket_mpi.config import ModelConfig
+from rocket_mpi.config import COMPRESSED_TENSORS, ModelConfig
 from rocket_mpi.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
+
+# compressed-tensors' names of NVFP4 parts -> ModelOpt's, the names this reader hands them out under
+CT_NAMES = ((".weight_packed", ".weight"), (".weight_global_scale", ".weight_scale_2"))
 
 
 @dataclass
@@ -67,6 +75,33 @@ class CheckpointReader:
             for path in self.files:
                 for name in self._open(path).keys():
                     self.where[name] = path
+        self._stored: dict[str, str] = {}  # name handed out -> name in the file, where the two differ
+        if self.config.quant is not None and self.config.quant.layout == COMPRESSED_TENSORS:
+            self._compressed_tensors_names()
+
+    def _compressed_tensors_names(self) -> None:
+        for stored in list(self.where):
+            if stored.endswith(".weight_zero_point"):
+                raise CheckpointError(f"{self.where[stored]}: tensor '{stored}': zero points (asymmetric weights) "
+                                      f"are not NVFP4")
+            for ct, mo in CT_NAMES:
+                if stored.endswith(ct):
+                    name = stored[:-len(ct)] + mo
+                    if name in self.where:
+                        raise CheckpointError(f"{self.where[stored]}: both '{stored}' and '{name}' are stored (a "
+                                              f"compressed-tensors checkpoint holds only the first)")
+                    self.where[name] = self.where.pop(stored)
+                    self._stored[name] = stored
+
+    def stored_name(self, name: str) -> str:
+        """The name under which the checkpoint stores what this reader calls `name`."""
+        if name in self._stored or name in self.where:
+            return self._stored.get(name, name)
+        if self.config.quant is not None and self.config.quant.layout == COMPRESSED_TENSORS:  # a missing part
+            for ct, mo in CT_NAMES:
+                if name.endswith(mo):
+                    return name[:-len(mo)] + ct
+        return name
 
     def _find_files(self) -> list[str]:
         if not os.path.isdir(self.dir):
@@ -96,7 +131,9 @@ class CheckpointReader:
         names = [os.path.basename(f) for f in self.files]
         where = os.path.basename(idx) if os.path.exists(idx) else \
             ", ".join(names) if len(names) <= 3 else f"any of its {len(names)} *.safetensors files"
-        return f"{self.dir}: missing tensor '{name}' (not in {where})"
+        stored = self.stored_name(name)
+        what = f"'{stored}' or '{name}'" if stored != name and name.endswith(".weight") else f"'{stored}'"
+        return f"{self.dir}: missing tensor {what} (not in {where})"
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -110,6 +147,7 @@ class CheckpointReader:
     def _stored_dtype(self, name: str, path: str) -> str:
         """safetensors dtype code of a tensor without reading it ('U8', 'BF16', ...)."""
         h = self._open(path)
+        name = self.stored_name(name)
         try:
             return h.get_slice(name).get_dtype()
         except Exception as e:  # an index that names a tensor its file does not hold
@@ -120,17 +158,20 @@ class CheckpointReader:
         path = self.where.get(name)
         if path is None:
             raise CheckpointError(self._missing(name))
-        t = self._fetch(name, path)
+        stored = self._stored.get(name, name)
+        t = self._fetch(stored, path)
+        if stored.endswith(".weight_global_scale"):
+            t = _reciprocal(t, stored, path)
         if self.log is not None:
             self.log.add(name, path, t)
         if dtypes is not None and t.dtype not in dtypes:
             want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise CheckpointError(f"{path}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, "
+            raise CheckpointError(f"{path}: tensor '{stored}' has dtype {str(t.dtype).replace('torch.', '')}, "
                                   f"expected {want}")
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{path}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
+            raise CheckpointError(f"{path}: tensor '{stored}' has shape {list(t.shape)}, expected {list(shape)}")
         if finite and not all_finite(t):
-            raise CheckpointError(f"{path}: tensor '{name}' holds NaN or Inf")
+            raise CheckpointError(f"{path}: tensor '{stored}' holds NaN or Inf")
         return t
 
     def get_float(self, name: str, shape: tuple[int, ...], dtype=torch.bfloat16) -> torch.Tensor:
@@ -153,20 +194,22 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: tensor '{wname}' is packed uint8 (NVFP4) but the checkpoint has no "
                                   f"hf_quant_config.json or quantization_config")
         if q.excluded(prefix):
-            raise CheckpointError(f"{path}: tensor '{wname}' is NVFP4 but '{prefix}' matches exclude_modules")
+            what = "its 'ignore' list" if q.layout == COMPRESSED_TENSORS else "exclude_modules"
+            raise CheckpointError(f"{path}: tensor '{self.stored_name(wname)}' is NVFP4 but the quantization config "
+                                  f"excludes '{prefix}' ({what})")
         if in_features % nvfp4.BLOCK:
             raise CheckpointError(f"{path}: '{prefix}' in_features {in_features} is not a multiple of 16")
         w = self.get(wname, (out_features, in_features // 2), (torch.uint8,))
         s = self.get(prefix + ".weight_scale", (out_features, in_features // nvfp4.BLOCK), (torch.float8_e4m3fn,),
                      finite=True)
         s2 = self.get(prefix + ".weight_scale_2", None, (torch.float32,), finite=True)
+        s2_at = f"{self.where[prefix + '.weight_scale_2']}: tensor '{self.stored_name(prefix + '.weight_scale_2')}'"
         if s2.numel() != 1:
-            raise CheckpointError(f"{self.where[prefix + '.weight_scale_2']}: tensor '{prefix}.weight_scale_2' "
-                                  f"has shape {list(s2.shape)}, expected a scalar")
+            raise CheckpointError(f"{s2_at} has shape {list(s2.shape)}, expected a scalar")
         if float(s2) <= 0:
-            raise CheckpointError(f"{self.where[prefix + '.weight_scale_2']}: tensor '{prefix}.weight_scale_2' "
-                                  f"is {float(s2)}, expected > 0")
-        # input_scale (W4A4 activation scale) is read past on purpose: these kernels are W4A16.
+            raise CheckpointError(f"{s2_at} is {float(s2)}, expected > 0")
+        # input_scale (compressed-tensors: input_global_scale), the W4A4 activation scale, is read past on purpose:
+        # these kernels are W4A16.
         return Linear(prefix, w, s, s2.reshape(()), bias=b)
 
     def fingerprint(self) -> str:
@@ -194,6 +237,16 @@ class CheckpointReader:
 
 
 FINGERPRINT_SAMPLES = 32  # data reads per file in the start-up fingerprint (2 MiB a file)
+
+
+def _reciprocal(t: torch.Tensor, name: str, path: str) -> torch.Tensor:
+    """weight_scale_2 from compressed-tensors' weight_global_scale (fp32, finite, > 0): 1 / it, rounded once in fp32."""
+    if t.dtype != torch.float32:
+        raise CheckpointError(f"{path}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, expected "
+                              f"float32")
+    if t.numel() and not (all_finite(t) and bool((t > 0).all())):
+        raise CheckpointError(f"{path}: tensor '{name}' is {t.flatten()[:4].tolist()}, expected finite and > 0")
+    return torch.reciprocal(t)
 
 
 def value_range(t: torch.Tensor) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ cache and the checkpoint files, or does not fit.
 from __future__ import annotations
 
 import argparse
+import re
 
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.checkpoint.synthetic import SyntheticReader, is_synthetic
@@ -24,9 +25,20 @@ from rocket_mpi.moe.cache import GIB, RESERVE_FRACTION, RESERVE_MIN, expert_byte
 from rocket_mpi.moe.placement import Placement
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_NOT_TEXT = ("visual.", "vision_tower.", "model.visual.", "model.vision_tower.", "mtp.", "model.mtp.")
+
+
+def read_by_the_model(name: str, num_hidden_layers: int) -> bool:
+    """Whether text decode loads the tensor: not a layer past the last (the MTP layers a GLM checkpoint stores as
+    layers.{num_hidden_layers}, ...), not the vision tower."""
+    m = _LAYER.search(name)
+    return not (m and int(m.group(1)) >= num_hidden_layers) and not name.startswith(_NOT_TEXT)
+
+
 def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor's shape, from the safetensors headers (or a preset's specs, its NVFP4 modules as a
-    checkpoint stores them: weight [N, K/2] uint8, weight_scale [N, K/16], weight_scale_2 [])."""
+    """Every stored tensor's shape that text decode loads, from the safetensors headers (or a preset's specs, its NVFP4
+    modules as a checkpoint stores them: weight [N, K/2] uint8, weight_scale [N, K/16], weight_scale_2 [])."""
     if isinstance(reader, SyntheticReader):
         out = {}
         for name, (shape, _) in reader.specs.items():
@@ -40,11 +52,12 @@ def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
     out, by_file = {}, {}
     for name, path in reader.where.items():
-        by_file.setdefault(path, []).append(name)
+        if read_by_the_model(name, reader.config.num_hidden_layers):
+            by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as f:
             for name in names:
-                out[name] = tuple(f.get_slice(name).get_shape())
+                out[name] = tuple(f.get_slice(reader.stored_name(name)).get_shape())
     return out
 
 
@@ -59,7 +72,8 @@ def stack_bytes(shapes: dict[str, tuple[int, ...]], as_stored: bool = False) -> 
     16, not DENSE_ON_GPU) counts its stored bytes, codes, block scales and weight_scale_2, instead."""
     total = 0
     for name, shape in shapes.items():
-        if ".mlp.experts." in name or name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+        if ".mlp.experts." in name or name.endswith((".weight_scale", ".weight_scale_2", ".input_scale",
+                                                     ".input_global_scale")):
             continue
         n = 1
         for d in shape:

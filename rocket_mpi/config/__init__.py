@@ -9,6 +9,7 @@ import dataclasses
 import fnmatch
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 from rocket_mpi.config import glm5_next, glm_moe_dsa
@@ -53,15 +54,29 @@ _KEY_MAP: dict[str, tuple[tuple[str, ...], object]] = {
 }
 
 
+MODELOPT = "modelopt"
+COMPRESSED_TENSORS = "compressed-tensors"
+
+
 @dataclass(frozen=True)
 class QuantConfig:
-    """NVFP4 (ModelOpt) quantisation: which Linear modules are *not* quantised."""
+    """NVFP4 quantisation: which Linear modules are *not* quantised, and how the checkpoint lays the parts out.
+
+    layout MODELOPT (NVIDIA ModelOpt's export): `weight` (uint8, two E2M1 codes a byte, the low nibble first),
+    `weight_scale` (e4m3, one per 16), `weight_scale_2` (fp32, the global factor); exclude_modules are fnmatch
+    patterns. layout COMPRESSED_TENSORS (llm-compressor's `nvfp4-pack-quantized`): the same codes as
+    `weight_packed`, the same `weight_scale`, and `weight_global_scale` = 1 / weight_scale_2; exclude_modules are its
+    `ignore` list (a module's full name, or `re:` and a regular expression matched at its start)."""
 
     algo: str = "NVFP4"
     group_size: int = 16
     exclude_modules: tuple[str, ...] = ()
+    layout: str = MODELOPT
 
     def excluded(self, module: str) -> bool:
+        if self.layout == COMPRESSED_TENSORS:
+            return any(re.match(p[3:], module) is not None if p.startswith("re:") else p == module
+                       for p in self.exclude_modules)
         return any(fnmatch.fnmatchcase(module, p) for p in self.exclude_modules)
 
 
@@ -265,25 +280,31 @@ def _read_json(path: str) -> dict:
 
 
 def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
-    """NVFP4 settings from hf_quant_config.json or config.json's quantization_config."""
+    """NVFP4 settings from config.json's quantization_config (ModelOpt's or compressed-tensors') or ModelOpt's
+    hf_quant_config.json. A compressed-tensors quantization_config wins over an hf_quant_config.json left beside it
+    (as transformers and vLLM read such a folder)."""
+    qc = raw_config.get("quantization_config")
+    cfg_src = os.path.join(ckpt_dir, "config.json") + ":quantization_config"
+    if isinstance(qc, dict) and qc.get("quant_method") == COMPRESSED_TENSORS:
+        return _compressed_tensors(qc, cfg_src)
     path = os.path.join(ckpt_dir, "hf_quant_config.json")
     if os.path.exists(path):
         q = _read_json(path).get("quantization", {})
         src, algo, excl = path, q.get("quant_algo"), q.get("exclude_modules") or []
         group = q.get("group_size", 16)
-    elif raw_config.get("quantization_config"):
-        q = raw_config["quantization_config"]
-        src = os.path.join(ckpt_dir, "config.json") + ":quantization_config"
-        method = q.get("quant_method", "modelopt")
-        if method != "modelopt":
-            raise ConfigError(f"{src}: quant_method '{method}' is not supported (only 'modelopt' NVFP4)")
+    elif qc:
+        q = qc
+        src = cfg_src
+        method = q.get("quant_method", MODELOPT)
+        if method != MODELOPT:
+            raise ConfigError(f"{src}: quant_method '{method}' is not supported (NVFP4 as 'modelopt' or "
+                              f"'{COMPRESSED_TENSORS}' writes it)")
         algo = q.get("quant_algo", "NVFP4")
         excl = q.get("ignore") or q.get("exclude_modules") or []
         group = q.get("group_size", 16)
         cg = q.get("config_groups")
-        if cg:  # compressed-tensors style nesting
-            first = next(iter(cg.values()))
-            group = first.get("weights", {}).get("group_size", group)
+        if cg:  # newer ModelOpt exports nest the settings as compressed-tensors does
+            group = next(iter(cg.values())).get("weights", {}).get("group_size", group)
     else:
         return None
     if algo != "NVFP4":
@@ -291,3 +312,48 @@ def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
     if group != 16:
         raise ConfigError(f"{src}: group_size {group} is not supported (NVFP4 uses 16)")
     return QuantConfig(algo=algo, group_size=16, exclude_modules=tuple(excl))
+
+
+# compressed-tensors' NVFP4: weights of 4-bit floats in groups of 16 along K with one scale per group and one per tensor
+_CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
+_CT_NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+
+
+def _compressed_tensors(q: dict, src: str) -> QuantConfig:
+    """A compressed-tensors quantization_config whose every group is NVFP4 as `nvfp4-pack-quantized` (llm-compressor's
+    NVFP4 and NVFP4A16 schemes). The activations' settings are read past: the kernels here are weight-only (W4A16);
+    a kv_cache_scheme is read past too (the cache stays BF16). What would change the weights' meaning is refused:
+    another format or weight type, zero points, sparsity, transforms (rotations applied online)."""
+    for key, what in (("sparsity_config", "sparse weights"), ("transform_config", "online transforms (rotations)")):
+        if q.get(key):
+            raise ConfigError(f"{src}: '{key}' is set: {what} are not supported")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{src}: compressed-tensors config without config_groups")
+    top = q.get("format")
+    for name, g in groups.items():
+        if not isinstance(g, dict):
+            raise ConfigError(f"{src}: config group '{name}' is not an object")
+        fmt = g.get("format") or top
+        if fmt != _CT_NVFP4_FORMAT:
+            raise ConfigError(f"{src}: config group '{name}' has format '{fmt}'; only '{_CT_NVFP4_FORMAT}' (NVFP4) "
+                              f"is supported")
+        w = g.get("weights")
+        if not isinstance(w, dict):
+            raise ConfigError(f"{src}: config group '{name}' has no weights settings")
+        for key, want in _CT_NVFP4_WEIGHTS.items():
+            if w.get(key) != want:
+                raise ConfigError(f"{src}: config group '{name}' weights.{key} is {w.get(key)!r}; NVFP4 needs "
+                                  f"{want!r}")
+        if w.get("symmetric") is False:
+            raise ConfigError(f"{src}: config group '{name}' has asymmetric weights (zero points): not NVFP4")
+    ignore = q.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise ConfigError(f"{src}: 'ignore' must be a list of module names or 're:' patterns")
+    for p in ignore:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as e:
+                raise ConfigError(f"{src}: 'ignore' pattern {p!r} is not a regular expression ({e})") from None
+    return QuantConfig(algo="NVFP4", group_size=16, exclude_modules=tuple(ignore), layout=COMPRESSED_TENSORS)

@@ -4,6 +4,7 @@
   (requests join a running batch, in any slot);
 - 8 concurrent streaming clients with sampling draw exactly what each request draws alone;
 - chat completions apply the checkpoint's chat template (the same ids as `decode --chat`);
+- log-probabilities are the one-rank engine's, to the bit, whatever else is served;
 - bad requests get OpenAI-style 4xx errors; a client that goes away mid-stream frees its slot;
 - ^C shuts every rank down with exit 0; a stalled rank ends the server non-zero, naming the rank.
 """
@@ -147,6 +148,12 @@ def test_the_fixed_shape_step_serves_the_decode_commands_tokens(ckpt_name, reque
         _check_staggered(srv, want)
         m = _metrics(srv)
         assert 1 < float(m["rocket_step_slots"]) <= 4
+        # log-probabilities from the step's kept logits (no step launched ahead for it): greedy picks the most likely
+        c = srv.client.completions.create(model=None, prompt=PROMPTS[2], max_tokens=6, temperature=0, logprobs=2,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        lp = c.choices[0].logprobs
+        assert _ids(c.choices[0]) == want[2][:6] and len(lp.token_logprobs) == 6
+        assert all(v == max(top.values()) and len(top) <= 2 for v, top in zip(lp.token_logprobs, lp.top_logprobs))
         if cache:  # rank 0's expert cache: a few experts resident, its reads counted
             hits, misses = (float(m[f"rocket_expert_cache_{k}_rows_total"]) for k in ("hit", "miss"))
             assert hits > 0 and misses > 0, m
@@ -246,6 +253,11 @@ def test_gpu_graphed_server_serves_the_decode_commands_tokens(tiny_ckpt, tmp_pat
         assert _metrics(srv)["rocket_step_slots"] == "1"
         _check_staggered(srv, want)
         assert 1 < float(_metrics(srv)["rocket_step_slots"]) <= 4
+        c = srv.client.completions.create(model=None, prompt=PROMPTS[2], max_tokens=6, temperature=0, logprobs=2,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        lp = c.choices[0].logprobs
+        assert _ids(c.choices[0]) == want[2][:6]
+        assert all(v == max(top.values()) for v, top in zip(lp.token_logprobs, lp.top_logprobs))
     finally:
         _assert_interrupted_cleanly(srv)
 
@@ -292,6 +304,78 @@ def test_chat_completions_apply_the_chat_template(server, tiny_ckpt, tmp_path):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
 
 
+def _reference_logprobs(ckpt, prompt, n):
+    """(tokens, per step: (the chosen token's log-probability, the top 3 [(id, log-probability)])) of one greedy
+    stream on one rank, from the engine's own logits (log-softmax in fp32)."""
+    import torch
+    from rocket_mpi.runtime.engine import Engine
+    eng, rows = Engine(ckpt), []
+    res = eng.generate([prompt], n, on_step=lambda step, logits: rows.append(logits[0].float().clone()))
+    out = []
+    for row, tok in zip(rows, res.tokens[0]):
+        lp = torch.log_softmax(row, -1)
+        vals, ids = torch.sort(lp, descending=True, stable=True)
+        out.append((float(lp[tok]), list(zip(ids[:3].tolist(), vals[:3].tolist()))))
+    return res.tokens[0], out
+
+
+def test_logprobs_are_the_models_own_whatever_else_is_served(server, tiny_ckpt):
+    """/v1/completions with logprobs=3, sent beside 7 other requests (it joins a running batch on the split): each
+    token's log-probability and the 3 most likely tokens' are those of the one-rank engine's logits for that stream
+    alone, to the bit; the greedy token is the most likely; streamed chunks carry the same, one token each."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(tiny_ckpt, "tokenizer.json"))
+    text = lambda t: tok.decode([t], skip_special_tokens=False)  # noqa: E731
+    ids, ref = _reference_logprobs(tiny_ckpt, PROMPTS[3], 6)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    def ask(i):
+        if i:
+            return server.client.completions.create(model=None, prompt=PROMPTS[i % 4], max_tokens=4 + i,
+                                                    temperature=0.8, seed=i, extra_body=extra)
+        return server.client.completions.create(model=None, prompt=PROMPTS[3], max_tokens=6, temperature=0,
+                                                logprobs=3, extra_body=extra)
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    lp = got[0].choices[0].logprobs
+    assert _ids(got[0].choices[0]) == ids and lp.tokens == [text(t) for t in ids]
+    assert lp.token_logprobs == [r[0] for r in ref]
+    assert lp.top_logprobs == [{text(t): v for t, v in r[1]} for r in ref]
+    assert all(r[1][0] == (t, r[0]) for r, t in zip(ref, ids))  # greedy: the chosen token is the most likely
+    offsets = [0]
+    for t in ids[:-1]:
+        offsets.append(offsets[-1] + len(text(t)))
+    assert lp.text_offset == offsets
+    assert all(c.choices[0].logprobs is None for c in got[1:])
+    chunks = [c for c in server.client.completions.create(model=None, prompt=PROMPTS[3], max_tokens=6, temperature=0,
+                                                          logprobs=3, stream=True, extra_body=extra)]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [x.token_logprobs[0] for x in streamed] == lp.token_logprobs
+    assert [x.text_offset[0] for x in streamed] == offsets
+
+
+def test_chat_logprobs_and_the_usage_chunk(server):
+    """Chat: `logprobs: true` with `top_logprobs: 2` gives every token's entry (token, logprob, bytes, the 2 most
+    likely), the same streamed; `stream_options.include_usage` ends the stream with a chunk of usage, no choices."""
+    conv = [{"role": "user", "content": "hello"}]
+    kw = dict(model=None, messages=conv, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+    r = server.client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.bytes == list(e.token.encode()) and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+               for e in content)
+    assert all(e.logprob == e.top_logprobs[0].logprob for e in content)  # greedy
+    chunks = list(server.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = server.client.chat.completions.create(model=None, messages=conv, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 def test_bad_requests_get_openai_errors(server):
     c = server.client
     with pytest.raises(openai.NotFoundError) as e:
@@ -300,13 +384,18 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
         c.completions.create(model=None, prompt=[3] * 200, max_tokens=100)
     for kw, what in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(n=2), "n = 1"),
-                     (dict(logprobs=2), "logprobs"), (dict(max_tokens=0), "at least 1")):
+                     (dict(logprobs=21), "'logprobs' must be from 0 to 20"), (dict(max_tokens=0), "at least 1"),
+                     (dict(echo=True), "'echo' is not supported"),
+                     (dict(stream_options={"include_usage": 1}), "stream_options")):
         with pytest.raises(openai.BadRequestError, match=what):
             c.completions.create(model=None, prompt=[1, 2], **{"max_tokens": 2, **kw})
     with pytest.raises(openai.BadRequestError, match="out of range"):
         c.completions.create(model=None, prompt=[10 ** 9], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="message 0"):
         c.chat.completions.create(model=None, messages=[{"role": "user"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs': true"):
+        c.chat.completions.create(model=None, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                  top_logprobs=2)
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}

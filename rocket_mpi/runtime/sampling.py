@@ -110,6 +110,21 @@ def choose(rows: torch.Tensor, sampling: list[Sampling], positions: list[int]) -
     return out
 
 
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (as OpenAI's chat API allows)
+
+
+def logprobs(row: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` under one stream's next-token logits (log-softmax in fp32, before any
+    temperature or truncation), and its `top` most likely tokens with theirs, most likely first (ties: lower id
+    first). Computed from that stream's row alone, so it does not depend on the other streams of the batch."""
+    lp = torch.log_softmax(row.float().cpu(), dim=-1)
+    best = []
+    if top:
+        vals, ids = torch.sort(lp, descending=True, stable=True)
+        best = list(zip(ids[:top].tolist(), vals[:top].tolist()))
+    return float(lp[token]), best
+
+
 @dataclass(frozen=True)
 class Stop:
     """When a stream ends before its token budget: at one of `eos` ids (unless ignore_eos), or once its text

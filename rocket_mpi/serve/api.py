@@ -3,7 +3,12 @@
 
 Request fields follow the OpenAI API and the extensions vLLM accepts (top_k, ignore_eos, return_token_ids).
 A bad request gets an OpenAI-style error body ({"error": {"message", "type", "param", "code"}}) with a 4xx
-status; what the server does not do (n > 1, logprobs, echo, best_of) is refused, not ignored.
+status; what the server does not do (n > 1, echo, best_of, tools) is refused, not ignored.
+
+Log-probabilities: /v1/completions' `logprobs: N` and /v1/chat/completions' `logprobs: true` with `top_logprobs: N`
+give each generated token's log-probability under the model's distribution (log-softmax of its logits, before
+temperature or truncation) and the N most likely tokens' (N up to 20), in OpenAI's shapes, streamed or not.
+`stream_options: {"include_usage": true}` ends a stream with a chunk that carries the usage.
 """
 # no `from __future__ import annotations`: FastAPI reads the routes' annotations, which name make_app's imports
 import asyncio
@@ -14,10 +19,10 @@ import uuid
 
 from rocket_mpi.errors import RocketError
 from rocket_mpi.runtime.chat import check_messages, render_chat
-from rocket_mpi.runtime.sampling import Sampling, Stop
+from rocket_mpi.runtime.sampling import MAX_LOGPROBS, Sampling, Stop
 from rocket_mpi.serve.scheduler import Request, Scheduler
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias")
+UNSUPPORTED = ("echo", "best_of", "suffix", "tools", "functions", "logit_bias")
 
 
 class BadRequest(Exception):
@@ -88,7 +93,46 @@ class Api:
         if body.get("n", 1) != 1:
             raise BadRequest("only n = 1 is supported", "n")
 
-    def _request(self, body: dict, prompt: list[int], default_max, sink) -> Request:
+    def _logprobs(self, body: dict, chat: bool) -> int | None:
+        """How many alternatives per token the request wants with each token's log-probability; None: none at all.
+        Completions: `logprobs` N; chat: `logprobs` true and `top_logprobs` N (default 0)."""
+        lp = body.get("logprobs")
+        if chat:
+            if lp not in (None, True, False):
+                raise BadRequest("'logprobs' must be true or false", "logprobs")
+            top = _number(body, "top_logprobs", None, int)
+            if top is not None and not lp:
+                raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            n, key = (top or 0, "top_logprobs") if lp else (None, "logprobs")
+        else:
+            if lp is False:
+                lp = None
+            n, key = _number(body, "logprobs", None, int), "logprobs"
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise BadRequest(f"'{key}' must be from 0 to {MAX_LOGPROBS}, got {n}", key)
+        return n
+
+    def token_text(self, tok: int) -> str:
+        """A token's text as the logprobs show it ('token_id:N' without a tokenizer, as vLLM writes it)."""
+        if self.tokenizer is None:
+            return f"token_id:{tok}"
+        return self.tokenizer.decode([tok], skip_special_tokens=False)
+
+    def logprobs_entry(self, tok: int, lp, chat: bool, offset: int = 0) -> dict:
+        """One token's logprobs in the API's shape: chat's {"content": [...]} item, or the completions' parallel
+        lists (one element each; `offset`: where the token starts in the concatenation of the tokens' texts, as vLLM
+        counts it)."""
+        mine, top = lp
+        text = self.token_text(tok)
+        if chat:
+            def one(t, v):
+                tt = self.token_text(t)
+                return {"token": tt, "logprob": v, "bytes": list(tt.encode("utf-8"))}
+            return dict(one(tok, mine), token=text, top_logprobs=[one(t, v) for t, v in top])
+        return {"tokens": [text], "token_logprobs": [mine], "top_logprobs": [{self.token_text(t): v for t, v in top}],
+                "text_offset": [offset]}
+
+    def _request(self, body: dict, prompt: list[int], default_max, sink, chat: bool = False) -> Request:
         if not prompt:
             raise BadRequest("the prompt is empty", "prompt")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -105,7 +149,7 @@ class Api:
                              f"{len(prompt) + mt} tokens ({len(prompt)} in the prompt, {mt} for the completion). "
                              f"Please reduce the prompt or the completion.", "max_tokens", 400,
                              "context_length_exceeded")
-        return Request(prompt, mt, self._sampling(body), self._stop(body), sink)
+        return Request(prompt, mt, self._sampling(body), self._stop(body), sink, self._logprobs(body, chat))
 
     def completion_prompt(self, body: dict) -> list[int]:
         p = body.get("prompt")
@@ -129,6 +173,13 @@ class Api:
         except RocketError as e:
             raise BadRequest(str(e), "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _joined(entries: list[dict], chat: bool) -> dict:
+    """Per-token logprobs entries (Api.logprobs_entry) as one choice's `logprobs`."""
+    if chat:
+        return {"content": entries}
+    return {k: [v for e in entries for v in e[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def make_app(api: Api):
@@ -176,7 +227,12 @@ def make_app(api: Api):
     async def _run(http: HttpRequest, body: dict, prompt: list[int], default_max, chat: bool):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        req = api._request(body, prompt, default_max, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        req = api._request(body, prompt, default_max, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                           chat)
+        opts = body.get("stream_options")
+        if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+            raise BadRequest("'stream_options' must be an object with include_usage true or false", "stream_options")
+        usage_chunk = bool(opts and opts.get("include_usage")) and bool(body.get("stream"))
         try:
             sched.submit(req)
         except RocketError as e:
@@ -185,9 +241,9 @@ def make_app(api: Api):
         created = int(time.time())
         want_ids = body.get("return_token_ids") is True
         if body.get("stream"):
-            return StreamingResponse(_stream(http, req, events, rid, created, chat, want_ids),
+            return StreamingResponse(_stream(http, req, events, rid, created, chat, want_ids, usage_chunk),
                                      media_type="text/event-stream")
-        text, ids, why, usage = [], [], None, None
+        text, ids, why, usage, lps, offset = [], [], None, None, [], 0
         try:
             while why is None:
                 ev = await _next(http, events)
@@ -195,6 +251,9 @@ def make_app(api: Api):
                     sched.cancel(req)
                     return _error("the client went away", 499)
                 if ev[0] == "token":
+                    if ev[3] is not None:
+                        lps.append(api.logprobs_entry(ev[1], ev[3], chat, offset))
+                        offset += len(api.token_text(ev[1]))
                     ids.append(ev[1])
                     text.append(ev[2])
                 elif ev[0] == "done":
@@ -204,7 +263,8 @@ def make_app(api: Api):
         except asyncio.CancelledError:
             sched.cancel(req)
             raise
-        choice = {"index": 0, "finish_reason": why, "logprobs": None}
+        choice = {"index": 0, "finish_reason": why, "logprobs": _joined(lps, chat) if req.logprobs is not None
+                  else None}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -223,20 +283,24 @@ def make_app(api: Api):
                 if await http.is_disconnected():
                     return None
 
-    async def _stream(http, req, events, rid, created, chat, want_ids):
+    async def _stream(http, req, events, rid, created, chat, want_ids, usage_chunk):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text, why=None, ids=None, first=False):
+        def data(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        def chunk(text, why=None, ids=None, first=False, lp=None):
             if chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                c = {"index": 0, "delta": delta, "finish_reason": why, "logprobs": None}
+                c = {"index": 0, "delta": delta, "finish_reason": why, "logprobs": lp}
             else:
-                c = {"index": 0, "text": text, "finish_reason": why, "logprobs": None}
+                c = {"index": 0, "text": text, "finish_reason": why, "logprobs": lp}
             if want_ids and ids is not None:
                 c["token_ids"] = ids
-            return f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': api.model, 'choices': [c]})}\n\n"
+            head = {"id": rid, "object": kind, "created": created, "model": api.model, "choices": [c]}
+            return data(dict(head, usage=None) if usage_chunk else head)
 
-        done = False
+        done, offset = False, 0
         try:
             if chat:
                 yield chunk("", first=True)
@@ -245,10 +309,17 @@ def make_app(api: Api):
                 if ev is None:
                     return
                 if ev[0] == "token":
-                    yield chunk(ev[2], ids=[ev[1]])
+                    lp = None
+                    if ev[3] is not None:
+                        lp = _joined([api.logprobs_entry(ev[1], ev[3], chat, offset)], chat)
+                        offset += len(api.token_text(ev[1]))
+                    yield chunk(ev[2], ids=[ev[1]], lp=lp)
                 elif ev[0] == "done":
                     done = True
                     yield chunk("", ev[1])
+                    if usage_chunk:
+                        yield data({"id": rid, "object": kind, "created": created, "model": api.model, "choices": [],
+                                    "usage": ev[2]})
                 else:
                     done = True
                     yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error'}})}\n\n"

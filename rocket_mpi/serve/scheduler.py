@@ -30,7 +30,7 @@ from rocket_mpi.model.cache import clear_stream, first_streams
 from rocket_mpi.runtime.dist import acknowledge, bcast
 from rocket_mpi.runtime.engine import CACHE_QUANTUM, MAINTAIN_EVERY
 from rocket_mpi.runtime.graph import GraphStep
-from rocket_mpi.runtime.sampling import Sampling, Stop, choose, cut_at_stop
+from rocket_mpi.runtime.sampling import Sampling, Stop, choose, cut_at_stop, logprobs
 
 HEARTBEAT = 1.0  # seconds an idle rank 0 waits for a request before it checks on the other ranks
 WINDOW = 64      # decode steps the step-time and fabric-share gauges average over
@@ -255,12 +255,15 @@ def recurrent_state(cache) -> list[torch.Tensor]:
 @dataclass
 class Request:
     """One completion: its prompt ids, limits and the sink its events go to (called from the scheduler's thread).
-    Events: ("token", token id, text delta), then ("done", finish reason, usage) or ("error", message)."""
+    Events: ("token", token id, text delta, logprobs), then ("done", finish reason, usage) or ("error", message);
+    logprobs is None, or with `logprobs` set (the alternatives wanted, 0 or more) (the token's log-probability,
+    [(token id, log-probability)] of the `logprobs` most likely tokens)."""
     prompt: list[int]
     max_tokens: int
     sampling: Sampling
     stop: Stop
     sink: object
+    logprobs: int | None = None
     generated: list[int] = field(default_factory=list)
     sent: str = ""                 # the text already sent
     text: str = ""                 # generated[:done] decoded (IncrementalText), stop strings not cut yet
@@ -398,7 +401,7 @@ class Scheduler:
             chosen = choose(torch.stack([logits[s] for s in fed]), [r.sampling for r in reqs],
                             [len(r.generated) for r in reqs])
             for s, r, tok in zip(fed, reqs, chosen):
-                self._advance(s, r, tok, now)
+                self._advance(s, r, tok, now, logits[s])
             self.emitted.append((now, len(fed)))
         if decodes:  # read back on the next call, after the next step is launched where it may be
             self.slots.launch(decodes)
@@ -414,7 +417,7 @@ class Scheduler:
             return False
         for s in live:
             r = self.active[s]
-            if not r.sampling.greedy or len(r.generated) + 1 >= r.max_tokens:
+            if not r.sampling.greedy or r.logprobs is not None or len(r.generated) + 1 >= r.max_tokens:
                 return False
         return self.slots.can_follow()
 
@@ -424,7 +427,8 @@ class Scheduler:
         width = len(live) if st is None else st.tokens.numel()  # the slots the step ran
         reqs = [self.active[s] for s in live]
         sampled = any(r is not None and not r.sampling.greedy for r in reqs)
-        live, chosen, logits, seconds, fab = self.slots.collect(logits=sampled)
+        wanted = sampled or any(r is not None and r.logprobs is not None for r in reqs)
+        live, chosen, logits, seconds, fab = self.slots.collect(logits=wanted)
         self.recent.append((seconds, fab, width))
         self.steps_total += 1
         now = time.perf_counter()
@@ -434,10 +438,11 @@ class Scheduler:
                             [len(r.generated) for _, r, _ in fed]) if fed else []
             fed = [(s, r, t) for (s, r, _), t in zip(fed, picked)]
         for s, r, tok in fed:
-            self._advance(s, r, tok, now)
+            self._advance(s, r, tok, now, logits.get(s))
         self.emitted.append((now, len(fed)))
 
-    def _advance(self, s: int, req: Request, tok: int, now: float) -> None:
+    def _advance(self, s: int, req: Request, tok: int, now: float, row: torch.Tensor | None = None) -> None:
+        lp = logprobs(row, tok, req.logprobs) if req.logprobs is not None else None
         req.generated.append(tok)
         req.first_token = req.first_token or now
         self.tokens_total += 1
@@ -445,7 +450,7 @@ class Scheduler:
         if not why and (len(req.generated) >= req.max_tokens
                         or len(req.prompt) + len(req.generated) >= self.slots.capacity):
             why = "length"
-        req.sink(("token", tok, self._delta(req, bool(why))))
+        req.sink(("token", tok, self._delta(req, bool(why)), lp))
         if why:
             self.active[s] = None
             self.requests_total += 1

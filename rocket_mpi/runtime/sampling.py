@@ -117,11 +117,11 @@ def logprobs(row: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple
     """The model's log-probability of `token` under one stream's next-token logits (log-softmax in fp32, before any
     temperature or truncation), and its `top` most likely tokens with theirs, most likely first (ties: lower id
     first). Computed from that stream's row alone, so it does not depend on the other streams of the batch."""
-    lp = torch.log_softmax(row.float().cpu(), dim=-1)
+    lp = torch.log_softmax(row.float(), dim=-1)   # on the row's device: only what is asked for comes back
     best = []
     if top:
-        vals, ids = torch.sort(lp, descending=True, stable=True)
-        best = list(zip(ids[:top].tolist(), vals[:top].tolist()))
+        vals, ids = lp.topk(top)
+        best = sorted(zip(ids.tolist(), vals.tolist()), key=lambda p: (-p[1], p[0]))
     return float(lp[token]), best
 
 

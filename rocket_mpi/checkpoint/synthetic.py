@@ -54,7 +54,7 @@ class SyntheticReader(CheckpointReader):
                                      self.quant_mode == "nvfp4-head") if self.quant_mode else None
         quant = QuantConfig(exclude_modules=tuple(excl)) if excl is not None else None
         self.config = ModelConfig.from_dict(raw, source=spec, quant=quant)
-        self.files, self._handles, self._cache = [], {}, {}
+        self.files, self._handles, self._cache, self._stored = [], {}, {}, {}
         fam = make._family_for_preset(self.preset)
         self.specs = {n: (shape, kind) for n, shape, kind in (fam or make).tensor_specs(raw)}
         self.where = {}

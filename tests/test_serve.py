@@ -393,6 +393,9 @@ def test_bad_requests_get_openai_errors(server):
         c.completions.create(model=None, prompt=[10 ** 9], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="message 0"):
         c.chat.completions.create(model=None, messages=[{"role": "user"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="does not write tool calls"):  # the preset's plain template
+        c.chat.completions.create(model=None, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                  tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs': true"):
         c.chat.completions.create(model=None, messages=[{"role": "user", "content": "a"}], max_tokens=2,
                                   top_logprobs=2)

@@ -3,7 +3,8 @@
 
 Request fields follow the OpenAI API and the extensions vLLM accepts (top_k, ignore_eos, return_token_ids).
 A bad request gets an OpenAI-style error body ({"error": {"message", "type", "param", "code"}}) with a 4xx
-status; what the server does not do (n > 1, echo, best_of, tools) is refused, not ignored.
+status; what the server does not do (n > 1, echo, best_of, a required or named tool call) is refused, not ignored.
+Tools on /v1/chat/completions: serve/tools.py.
 
 Log-probabilities: /v1/completions' `logprobs: N` and /v1/chat/completions' `logprobs: true` with `top_logprobs: N`
 give each generated token's log-probability under the model's distribution (log-softmax of its logits, before
@@ -20,9 +21,10 @@ import uuid
 from rocket_mpi.errors import RocketError
 from rocket_mpi.runtime.chat import check_messages, render_chat
 from rocket_mpi.runtime.sampling import MAX_LOGPROBS, Sampling, Stop
+from rocket_mpi.serve import tools as toolcalls
 from rocket_mpi.serve.scheduler import Request, Scheduler
 
-UNSUPPORTED = ("echo", "best_of", "suffix", "tools", "functions", "logit_bias")
+UNSUPPORTED = ("echo", "best_of", "suffix", "functions", "logit_bias")
 
 
 class BadRequest(Exception):
@@ -163,13 +165,20 @@ class Api:
             return list(p)
         raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    def chat_tools(self, body: dict) -> tuple[list[dict] | None, bool]:
+        """The request's tools for the template, and whether tool calls are read out of the completion."""
+        try:
+            return toolcalls.check_tools(body.get("tools"), body.get("tool_choice"), self.template)
+        except toolcalls.ToolError as e:
+            raise BadRequest(str(e), e.param) from None
+
+    def chat_prompt(self, body: dict, tools: list[dict] | None = None) -> list[int]:
         if self.template is None or self.tokenizer is None:
             raise BadRequest("this checkpoint has no chat template or tokenizer: use /v1/completions", "messages")
         try:
-            messages = check_messages(body.get("messages"), "messages")
+            messages = check_messages(toolcalls.history(body.get("messages")), "messages")
             text = render_chat(self.template, messages, True, source="the checkpoint's chat template",
-                               **self.template_vars)
+                               **self.template_vars, **({"tools": tools} if tools else {}))
         except RocketError as e:
             raise BadRequest(str(e), "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -224,7 +233,7 @@ def make_app(api: Api):
         api._check_common(body)
         return body
 
-    async def _run(http: HttpRequest, body: dict, prompt: list[int], default_max, chat: bool):
+    async def _run(http: HttpRequest, body: dict, prompt: list[int], default_max, chat: bool, tools=None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         req = api._request(body, prompt, default_max, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
@@ -241,7 +250,7 @@ def make_app(api: Api):
         created = int(time.time())
         want_ids = body.get("return_token_ids") is True
         if body.get("stream"):
-            return StreamingResponse(_stream(http, req, events, rid, created, chat, want_ids, usage_chunk),
+            return StreamingResponse(_stream(http, req, events, rid, created, chat, want_ids, usage_chunk, tools),
                                      media_type="text/event-stream")
         text, ids, why, usage, lps, offset = [], [], None, None, [], 0
         try:
@@ -267,6 +276,11 @@ def make_app(api: Api):
                   else None}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
+            if tools:
+                content, calls = toolcalls.parse("".join(text), tools)
+                if calls:
+                    choice["message"].update(content=content, tool_calls=calls)
+                    choice["finish_reason"] = "tool_calls" if why == "stop" else why
         else:
             choice["text"] = "".join(text)
         if want_ids:
@@ -283,15 +297,17 @@ def make_app(api: Api):
                 if await http.is_disconnected():
                     return None
 
-    async def _stream(http, req, events, rid, created, chat, want_ids, usage_chunk):
+    async def _stream(http, req, events, rid, created, chat, want_ids, usage_chunk, tools=None):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def data(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
-        def chunk(text, why=None, ids=None, first=False, lp=None):
+        def chunk(text, why=None, ids=None, first=False, lp=None, calls=None):
             if chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                if calls:
+                    delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
                 c = {"index": 0, "delta": delta, "finish_reason": why, "logprobs": lp}
             else:
                 c = {"index": 0, "text": text, "finish_reason": why, "logprobs": lp}
@@ -300,7 +316,7 @@ def make_app(api: Api):
             head = {"id": rid, "object": kind, "created": created, "model": api.model, "choices": [c]}
             return data(dict(head, usage=None) if usage_chunk else head)
 
-        done, offset = False, 0
+        done, offset, whole, sent = False, 0, "", 0
         try:
             if chat:
                 yield chunk("", first=True)
@@ -313,10 +329,24 @@ def make_app(api: Api):
                     if ev[3] is not None:
                         lp = _joined([api.logprobs_entry(ev[1], ev[3], chat, offset)], chat)
                         offset += len(api.token_text(ev[1]))
-                    yield chunk(ev[2], ids=[ev[1]], lp=lp)
+                    text = ev[2]
+                    if tools:  # content up to the first tool call; what may start one waits
+                        whole += text
+                        n = toolcalls.sendable(whole)
+                        text, sent = whole[sent:max(n, sent)], max(n, sent)
+                    yield chunk(text, ids=[ev[1]], lp=lp)
                 elif ev[0] == "done":
                     done = True
-                    yield chunk("", ev[1])
+                    why, calls = ev[1], []
+                    if tools:
+                        _, calls = toolcalls.parse(whole, tools)
+                        rest = toolcalls.strip_calls(whole[sent:]) if calls else whole[sent:]
+                        if calls:
+                            rest = rest.strip()
+                            why = "tool_calls" if why == "stop" else why
+                        if rest or calls:
+                            yield chunk(rest, calls=calls)
+                    yield chunk("", why)
                     if usage_chunk:
                         yield data({"id": rid, "object": kind, "created": created, "model": api.model, "choices": [],
                                     "usage": ev[2]})
@@ -336,6 +366,8 @@ def make_app(api: Api):
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
         body = await _body(http)
-        return await _run(http, body, api.chat_prompt(body), None, chat=True)
+        tools, read_calls = api.chat_tools(body)
+        return await _run(http, body, api.chat_prompt(body, tools), None, chat=True,
+                          tools=tools if read_calls else None)
 
     return app

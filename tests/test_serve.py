@@ -76,7 +76,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
-    srv = Server(tiny_ckpt)
+    srv = Server(tiny_ckpt, extra=("--reasoning-parser", "glm"))  # the chat tests' text through the parser too
     yield srv
     if srv.proc.poll() is None:
         srv.kill()

@@ -155,6 +155,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=pos_int, default=None,
                    help="positions per slot, prompt and completion together (default: the model's, at most 8192)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the checkpoint folder's)")
+    p.add_argument("--reasoning-parser", choices=("glm",),
+                   help="glm: chat completions return what the model writes between <think> and </think> as "
+                        "reasoning_content, apart from the content (default: the text as written)")
     p.add_argument("--telemetry", metavar="FILE",
                    help="record the routing of every decode step served (rows per step, MoE layer and expert) and the "
                         "model's identity; rank 0 writes FILE (.npz, as decode --telemetry) when the server shuts "
@@ -171,7 +174,8 @@ def serve_run_settings(args) -> RunSettings:
 
 
 def serve_settings(args) -> ServeSettings:
-    return ServeSettings(args.host, args.port, args.max_streams, args.max_model_len or 0, args.served_model_name)
+    return ServeSettings(args.host, args.port, args.max_streams, args.max_model_len or 0, args.served_model_name,
+                         args.reasoning_parser)
 
 
 def run_settings(args, streams: list[int]) -> RunSettings:

@@ -34,6 +34,7 @@ class ServeSettings:
     max_streams: int = 8          # M: the stream slots decoded together
     max_model_len: int = 0        # positions per slot (prompt + completion); 0: the model's, at most 8192
     model_name: str | None = None  # what /v1/models lists (default: the checkpoint folder's name)
+    reasoning_parser: str | None = None  # "glm": chat completions' <think> ... </think> as reasoning_content
 
 
 def serve(args: RunSettings, opts: ServeSettings, settings: Settings) -> int:
@@ -97,7 +98,7 @@ def _serve(args: RunSettings, opts: ServeSettings, settings: Settings, comm) -> 
     name = opts.model_name or (os.path.basename(os.path.normpath(ckpt)) if real else ckpt)
     template = load_chat_template(ckpt) if real else None
     api = Api(sched, tok, template, special_tokens(ckpt) if real else {}, name, cfg.vocab_size, eos,
-              {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen})
+              {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}, opts.reasoning_parser == "glm")
     server = uvicorn.Server(uvicorn.Config(make_app(api), log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="http")

@@ -21,7 +21,7 @@ import uuid
 from rocket_mpi.errors import RocketError
 from rocket_mpi.runtime.chat import check_messages, render_chat
 from rocket_mpi.runtime.sampling import MAX_LOGPROBS, Sampling, Stop
-from rocket_mpi.serve import tools as toolcalls
+from rocket_mpi.serve import reasoning, tools as toolcalls
 from rocket_mpi.serve.scheduler import Request, Scheduler
 
 UNSUPPORTED = ("echo", "best_of", "suffix", "functions", "logit_bias")
@@ -52,9 +52,10 @@ class Api:
     """What the routes need: the scheduler, the tokenizer, the chat template, the model's name and limits."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, template: str | None, template_vars: dict, model: str,
-                 vocab_size: int, eos: tuple[int, ...], defaults: dict):
+                 vocab_size: int, eos: tuple[int, ...], defaults: dict, reasoning_parser: bool = False):
         self.scheduler, self.tokenizer, self.template, self.template_vars = scheduler, tokenizer, template, template_vars
         self.model, self.vocab_size, self.eos, self.defaults = model, vocab_size, eos, defaults
+        self.reasoning_parser = reasoning_parser
         self.capacity = scheduler.slots.capacity
         self.created = int(time.time())
 
@@ -172,16 +173,64 @@ class Api:
         except toolcalls.ToolError as e:
             raise BadRequest(str(e), e.param) from None
 
-    def chat_prompt(self, body: dict, tools: list[dict] | None = None) -> list[int]:
+    def chat_prompt(self, body: dict, tools: list[dict] | None = None) -> tuple[list[int], bool | None]:
+        """-> (the conversation's token ids, and with the reasoning parser on whether the prompt leaves a <think>
+        open, else None). `chat_template_kwargs` (vLLM's extension, e.g. {"enable_thinking": false}) are more
+        variables for the template."""
         if self.template is None or self.tokenizer is None:
             raise BadRequest("this checkpoint has no chat template or tokenizer: use /v1/completions", "messages")
+        kw = body.get("chat_template_kwargs") or {}
+        if not isinstance(kw, dict) or any(k in ("messages", "tools", "add_generation_prompt") for k in kw):
+            raise BadRequest("'chat_template_kwargs' must be an object of template variables (not messages, tools "
+                             "or add_generation_prompt)", "chat_template_kwargs")
         try:
             messages = check_messages(toolcalls.history(body.get("messages")), "messages")
             text = render_chat(self.template, messages, True, source="the checkpoint's chat template",
-                               **self.template_vars, **({"tools": tools} if tools else {}))
+                               **{**self.template_vars, **kw, **({"tools": tools} if tools else {})})
         except RocketError as e:
             raise BadRequest(str(e), "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        think = reasoning.opened(text) if self.reasoning_parser else None
+        return self.tokenizer.encode(text, add_special_tokens=False).ids, think
+
+
+class ChatOutput:
+    """A chat completion's text as it arrives, piece by piece: the reasoning apart (serve --reasoning-parser), the
+    content up to its first tool call (tools given; what may start one is held back), the calls read at the end."""
+
+    def __init__(self, tools: list[dict] | None, think: bool | None):
+        self.tools = tools
+        self.split = reasoning.Splitter(think) if think is not None else None
+        self.whole, self.sent = "", 0   # the content so far, and how much of it has gone out
+
+    @property
+    def thought(self) -> bool:
+        return self.split is not None and self.split.thought
+
+    def _content(self, piece: str) -> str:
+        if not self.tools:
+            return piece
+        self.whole += piece
+        n = max(toolcalls.sendable(self.whole), self.sent)
+        out, self.sent = self.whole[self.sent:n], n
+        return out
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """-> (reasoning, content) that may go out now."""
+        r, c = self.split.feed(piece) if self.split else ("", piece)
+        return r, self._content(c)
+
+    def finish(self, why: str) -> tuple[str, str, list[dict], str]:
+        """-> (the reasoning and content held back, the tool calls, the finish reason: "tool_calls" for a completion
+        that stopped after calling)."""
+        r, c = self.split.finish() if self.split else ("", "")
+        if not self.tools:
+            return r, c, [], why
+        self.whole += c
+        rest, calls = self.whole[self.sent:], toolcalls.parse(self.whole, self.tools)[1]
+        if calls:
+            rest = toolcalls.strip_calls(rest).strip()
+            why = "tool_calls" if why == "stop" else why
+        return r, rest, calls, why
 
 
 def _joined(entries: list[dict], chat: bool) -> dict:
@@ -233,7 +282,8 @@ def make_app(api: Api):
         api._check_common(body)
         return body
 
-    async def _run(http: HttpRequest, body: dict, prompt: list[int], default_max, chat: bool, tools=None):
+    async def _run(http: HttpRequest, body: dict, prompt: list[int], default_max, chat: bool, tools=None,
+                   think=None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         req = api._request(body, prompt, default_max, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
@@ -250,7 +300,8 @@ def make_app(api: Api):
         created = int(time.time())
         want_ids = body.get("return_token_ids") is True
         if body.get("stream"):
-            return StreamingResponse(_stream(http, req, events, rid, created, chat, want_ids, usage_chunk, tools),
+            out = ChatOutput(tools, think) if chat else None
+            return StreamingResponse(_stream(http, req, events, rid, created, want_ids, usage_chunk, out),
                                      media_type="text/event-stream")
         text, ids, why, usage, lps, offset = [], [], None, None, [], 0
         try:
@@ -275,12 +326,15 @@ def make_app(api: Api):
         choice = {"index": 0, "finish_reason": why, "logprobs": _joined(lps, chat) if req.logprobs is not None
                   else None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-            if tools:
-                content, calls = toolcalls.parse("".join(text), tools)
-                if calls:
-                    choice["message"].update(content=content, tool_calls=calls)
-                    choice["finish_reason"] = "tool_calls" if why == "stop" else why
+            out = ChatOutput(tools, think)
+            parts = [out.feed(piece) for piece in text]
+            r, c, calls, choice["finish_reason"] = out.finish(why)
+            content = "".join(p[1] for p in parts) + c
+            msg = choice["message"] = {"role": "assistant", "content": (content.strip() or None) if calls else content}
+            if out.thought:
+                msg["reasoning_content"] = "".join(p[0] for p in parts) + r
+            if calls:
+                msg["tool_calls"] = calls
         else:
             choice["text"] = "".join(text)
         if want_ids:
@@ -297,15 +351,18 @@ def make_app(api: Api):
                 if await http.is_disconnected():
                     return None
 
-    async def _stream(http, req, events, rid, created, chat, want_ids, usage_chunk, tools=None):
+    async def _stream(http, req, events, rid, created, want_ids, usage_chunk, out: ChatOutput | None):
+        chat = out is not None
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def data(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
-        def chunk(text, why=None, ids=None, first=False, lp=None, calls=None):
+        def chunk(text, why=None, ids=None, first=False, lp=None, calls=None, thought=""):
             if chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                if thought:
+                    delta["reasoning_content"] = thought
                 if calls:
                     delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
                 c = {"index": 0, "delta": delta, "finish_reason": why, "logprobs": lp}
@@ -316,7 +373,7 @@ def make_app(api: Api):
             head = {"id": rid, "object": kind, "created": created, "model": api.model, "choices": [c]}
             return data(dict(head, usage=None) if usage_chunk else head)
 
-        done, offset, whole, sent = False, 0, "", 0
+        done, offset = False, 0
         try:
             if chat:
                 yield chunk("", first=True)
@@ -329,23 +386,15 @@ def make_app(api: Api):
                     if ev[3] is not None:
                         lp = _joined([api.logprobs_entry(ev[1], ev[3], chat, offset)], chat)
                         offset += len(api.token_text(ev[1]))
-                    text = ev[2]
-                    if tools:  # content up to the first tool call; what may start one waits
-                        whole += text
-                        n = toolcalls.sendable(whole)
-                        text, sent = whole[sent:max(n, sent)], max(n, sent)
-                    yield chunk(text, ids=[ev[1]], lp=lp)
+                    thought, text = out.feed(ev[2]) if chat else ("", ev[2])
+                    yield chunk(text, ids=[ev[1]], lp=lp, thought=thought)
                 elif ev[0] == "done":
                     done = True
-                    why, calls = ev[1], []
-                    if tools:
-                        _, calls = toolcalls.parse(whole, tools)
-                        rest = toolcalls.strip_calls(whole[sent:]) if calls else whole[sent:]
-                        if calls:
-                            rest = rest.strip()
-                            why = "tool_calls" if why == "stop" else why
-                        if rest or calls:
-                            yield chunk(rest, calls=calls)
+                    why = ev[1]
+                    if chat:
+                        thought, rest, calls, why = out.finish(why)
+                        if thought or rest or calls:
+                            yield chunk(rest, calls=calls, thought=thought)
                     yield chunk("", why)
                     if usage_chunk:
                         yield data({"id": rid, "object": kind, "created": created, "model": api.model, "choices": [],
@@ -367,7 +416,7 @@ def make_app(api: Api):
     async def chat_completions(http: HttpRequest):
         body = await _body(http)
         tools, read_calls = api.chat_tools(body)
-        return await _run(http, body, api.chat_prompt(body, tools), None, chat=True,
-                          tools=tools if read_calls else None)
+        prompt, think = api.chat_prompt(body, tools)
+        return await _run(http, body, prompt, None, chat=True, tools=tools if read_calls else None, think=think)
 
     return app

@@ -1,16 +1,17 @@
-"""Tool calls on /v1/chat/completions (serve/tools.py): GLM's <tool_call> form read into OpenAI's tool_calls.
+"""What /v1/chat/completions reads out of a completion's text: tool calls in GLM's <tool_call> form (serve/tools.py)
+as OpenAI's tool_calls, and GLM's <think> ... </think> as reasoning_content (serve/reasoning.py, --reasoning-parser).
 
-The parser on texts in that form; then the HTTP API itself (FastAPI's test client, driven by the real `openai`
-client) over a scripted scheduler that "generates" a given text, since random weights never write a tool call: the
-tools reach the chat template, the calls come back as tool_calls with typed arguments, streamed and not, and a
-conversation's earlier calls and tool results render."""
+The parsers on texts in those forms; then the HTTP API itself (FastAPI's test client, driven by the real `openai`
+client) over a scripted scheduler that "generates" a given text, since random weights never write a tool call or a
+thought: the tools reach the chat template, the calls come back as tool_calls with typed arguments, the reasoning
+apart from the content, streamed and not, and a conversation's earlier calls and tool results render."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from rocket_mpi.serve import tools as tc
+from rocket_mpi.serve import reasoning, tools as tc
 
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
 
@@ -123,9 +124,9 @@ def scripted():
 
     from rocket_mpi.serve.api import Api, make_app
 
-    def make(text):
+    def make(text, template=TEMPLATE, parser=False):
         sched = _Script(text)
-        api = Api(sched, _Tok(), TEMPLATE, {}, "glm", 1 << 20, (), {})
+        api = Api(sched, _Tok(), template, {}, "glm", 1 << 20, (), {}, parser)
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
                                http_client=TestClient(make_app(api)))
         return sched, client
@@ -186,3 +187,58 @@ def test_bad_tools_are_a_400_naming_the_field(scripted):
     with pytest.raises(openai.BadRequestError, match="constrained decoding") as e:
         client.chat.completions.create(model="glm", messages=CONV, tools=[WEATHER], tool_choice="required")
     assert e.value.body["param"] == "tool_choice"
+
+
+# ---- reasoning ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,inside,want", [
+    ("<think>plan it</think>\nThe answer.", False, ("plan it", "The answer.")),
+    ("\n<think>a</think>b", False, ("a", "b")),
+    ("plan it</think>The answer.", True, ("plan it", "The answer.")),   # the prompt opened the <think>
+    ("<think>cut short by max_tokens", False, ("cut short by max_tokens", "")),
+    ("No thinking here.", False, (None, "No thinking here.")),
+    ("<thin", False, (None, "<thin")),
+    ("<think></think>Direct.", False, ("", "Direct.")),
+])
+def test_reasoning_split(text, inside, want):
+    assert reasoning.split(text, inside) == want
+    # streamed a character at a time: the same parts, nothing of a tag in either
+    s, parts = reasoning.Splitter(inside), []
+    parts = [s.feed(ch) for ch in text] + [s.finish()]
+    got = ("".join(p[0] for p in parts) if s.thought else None, "".join(p[1] for p in parts))
+    assert got == want
+
+
+THINK_TEMPLATE = TEMPLATE.replace("<|assistant|>\n{% endif %}",
+                                  "<|assistant|>\n{% if enable_thinking is defined and not enable_thinking %}"
+                                  "<think></think>{% else %}<think>{% endif %}{% endif %}")
+
+
+def test_the_api_returns_reasoning_apart_with_a_tool_call(scripted):
+    sched, client = scripted("I should look it up.</think>\nLet me check.\n" + CALL, THINK_TEMPLATE, True)
+    r = client.chat.completions.create(model="glm", messages=CONV, tools=[WEATHER])
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "I should look it up." and msg.content == "Let me check."
+    assert json.loads(msg.tool_calls[0].function.arguments) == WANT and r.choices[0].finish_reason == "tool_calls"
+    thought, content, names = "", "", []
+    for ch in client.chat.completions.create(model="glm", messages=CONV, tools=[WEATHER], stream=True):
+        d = ch.choices[0].delta
+        thought += getattr(d, "reasoning_content", None) or ""
+        content += d.content or ""
+        names += [c.function.name for c in d.tool_calls or []]
+    assert thought == "I should look it up." and content.strip() == "Let me check." and names == ["get_weather"]
+    # chat_template_kwargs reach the template: thinking off closes the <think> in the prompt, the text is content
+    sched, client = scripted("Sunny.", THINK_TEMPLATE, True)
+    r = client.chat.completions.create(model="glm", messages=CONV,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert sched.prompts[0].endswith("<think></think>")
+    assert r.choices[0].message.content == "Sunny." and getattr(r.choices[0].message, "reasoning_content", None) is None
+
+
+def test_without_the_parser_the_text_is_as_written(scripted):
+    _, client = scripted("<think>x</think>y", THINK_TEMPLATE, False)
+    r = client.chat.completions.create(model="glm", messages=CONV)
+    assert r.choices[0].message.content == "<think>x</think>y"
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        client.chat.completions.create(model="glm", messages=CONV, extra_body={"chat_template_kwargs": {"messages": 1}})

@@ -1,4 +1,5 @@
-"""make-checkpoint presets of the GLM-5 family (glm_moe_dsa): MLA + DSA indexer, 256-expert MoE.
+"""make-checkpoint presets of the GLM-5 family (glm_moe_dsa): MLA + DSA indexer, 256-expert MoE; and of DeepSeek-V3's
+(deepseek_v3: the same MLA and MoE without the indexer, YaRN rope).
 
 make.py lists this module in FAMILY_MODULES; PRESETS holds full config.json dicts and
 tensor_specs(cfg) names every tensor as GlmMoeDsaForCausalLM.save_pretrained writes it.
@@ -49,6 +50,41 @@ PRESETS: dict[str, dict] = {
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                     eos_token_id=[154820, 154827, 154829]),
 }
+
+
+def _dsv3_config(**kw) -> dict:
+    base = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "norm_topk_prob": True, "dtype": "bfloat16",
+            "rope_theta": 10000.0, "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+            "pad_token_id": None, "initializer_range": 0.02, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+            "rope_interleave": True}
+    base.update(kw)
+    base.setdefault("num_key_value_heads", base["num_attention_heads"])
+    return base
+
+
+PRESETS.update({
+    # tests: DeepSeek-V3's architecture, tiny, with YaRN (factor 4 over 128 pretraining positions: the ramp falls inside
+    # the rope's 8 frequencies) and group-limited routing
+    "dsv3-tiny": _dsv3_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                              qk_rope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=16,
+                              num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                              max_position_embeddings=512,
+                              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # DeepSeek-V3 / R1 as published (61 layers, 3 dense, 256 experts, about 671 B parameters): a reference shape for
+    # plan's byte counts
+    "deepseek-v3": _dsv3_config(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                                num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=2048,
+                                n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+                                first_k_dense_replace=3, max_position_embeddings=163840,
+                                rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                              "mscale_all_dim": 1.0}),
+})
+
 # GLM-5's layer shape cut to 4 layers (1 dense + 3 MoE of 256 experts, every indexer full): 3 x 256 experts are
 # 58 GB in BF16 (16 GB NVFP4) beside 3.8 GB of embeddings and head, one GPU
 PRESETS["glm5-4l"] = {**PRESETS["glm5"], "num_hidden_layers": 4, "first_k_dense_replace": 1,
@@ -60,10 +96,10 @@ def tensor_specs(cfg: dict):
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     ql, c = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, r, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+    ih, idim = cfg.get("index_n_heads", 0), cfg.get("index_head_dim", 0)
     bias = cfg.get("attention_bias", False)
     n = cfg["num_hidden_layers"]
-    indexer_types = cfg.get("indexer_types") or ["full"] * n
+    indexer_types = cfg.get("indexer_types") or ["none" if cfg.get("model_type") == "deepseek_v3" else "full"] * n
     mlp_types = cfg.get("mlp_layer_types") or (["dense"] * cfg["first_k_dense_replace"]
                                                + ["sparse"] * (n - cfg["first_k_dense_replace"]))
     yield "model.embed_tokens.weight", (cfg["vocab_size"], h), "embed"

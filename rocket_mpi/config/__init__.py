@@ -20,8 +20,9 @@ PREFILL_CHUNK = 4096  # prompt tokens per prefill forward, all streams together 
 # config.json normalisers (config/<family>.py) of the families whose config differs from the common keys below,
 # e.g. lifting a nested text_config; family-only keys stay readable in ModelConfig.raw
 _NORMALIZE = {"glm_moe_dsa": glm_moe_dsa.normalize_config, "glm5_next": glm5_next.normalize_config,
-              "glm5_next_text": glm5_next.normalize_config}  # glm5_next_text: a config saved from the text model
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "glm_moe_dsa", "glm5_next", "glm5_next_text")
+              "glm5_next_text": glm5_next.normalize_config,  # glm5_next_text: a config saved from the text model
+              "deepseek_v3": glm_moe_dsa.normalize_deepseek_v3}
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "glm_moe_dsa", "glm5_next", "glm5_next_text", "deepseek_v3")
 
 _MISSING = object()
 

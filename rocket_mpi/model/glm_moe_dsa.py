@@ -34,7 +34,7 @@ from rocket_mpi.model.glm4_moe import Layer  # the same per-layer weights, anoth
 from rocket_mpi.model.layers import (Rope, StackModel, distinct_writes, head_logits, latent_attention,
                                      latent_input_linears, linear_rows, linears, load_embed_head, load_ffn, load_linear,
                                      load_swiglu, matmul_fp32, mlp_forward, norm_of, pack_head, pack_mla, pack_mlps,
-                                     prefill_blocks, rms_norm, stored_nbytes, unique_nbytes)
+                                     prefill_blocks, rms_norm, stored_nbytes, unique_nbytes, yarn_mscale)
 
 DT = torch.bfloat16
 # q_a_layernorm, kv_a_layernorm and the indexer's LayerNorm are built with transformers' default eps,
@@ -155,10 +155,15 @@ class GlmMoeDsaModel(StackModel):
         self.nope, self.rope_dim, self.v_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"], raw["v_head_dim"]
         self.latent = raw["kv_lora_rank"]
         self.index_heads, self.index_dim = raw["index_n_heads"], raw["index_head_dim"]
-        self.index_topk = raw["index_topk"]
-        self.rope = Rope(self.rope_dim, cfg.rope_theta, DT)
+        # None: no indexer (DeepSeek-V3): every layer attends over every position, as where the top-k takes them all
+        self.index_topk = raw["index_topk"] or None
+        yarn = raw.get("yarn")
+        self.rope = Rope(self.rope_dim, cfg.rope_theta, DT, yarn, cfg.max_position_embeddings)
         self.scale = (self.nope + self.rope_dim) ** -0.5          # the un-absorbed qk_head_dim's scale
-        self.index_scale = self.index_dim ** -0.5
+        if yarn is not None and yarn["mscale_all_dim"]:          # YaRN's softmax temperature, as transformers'
+            m = yarn_mscale(yarn["factor"], yarn["mscale_all_dim"])
+            self.scale = self.scale * m * m
+        self.index_scale = self.index_dim ** -0.5 if self.index_dim else 0.0
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -320,9 +325,10 @@ class GlmMoeDsaModel(StackModel):
         q_cat = torch.cat((torch.einsum("thd,hdc->thc", q_nope, a.w_uk), rope_interleaved(q_rot, cos, sin)), dim=-1)
         kv_new = torch.cat((latent, k_rot), dim=-1)                                      # [T, c + rope]
         kvc, ixc = cache.kv[i], cache.index_k[i]
+        dense = self.index_topk is None   # no indexer: every position
         if own:
             ik = self._indexer_k(a.indexer, wk_h[0], cos, sin)
-        elif selection is None:
+        elif selection is None and not dense:
             raise ConfigError(f"layer {i}: a 'shared' indexer layer needs an earlier 'full' one")
 
         if pos is not None or all(n == 1 for n in seqlens):
@@ -349,6 +355,8 @@ class GlmMoeDsaModel(StackModel):
                     ixc[s, p0:p0 + n] = ik[off:off + n]
                     sel = self._prefill_selection(None if iq is None else iq[off:off + n],
                                                   None if iw is None else iw[off:off + n], ixc[s], p0, n)
+                elif dense:
+                    sel = self._prefill_selection(None, None, kvc[s], p0, n)
                 else:
                     sel = selection[s]
                 outs += self._prefill_attend(q_cat[off:off + n], kvc[s], sel)
@@ -366,7 +374,7 @@ class GlmMoeDsaModel(StackModel):
         that each row takes its index_topk best keys <= its position, as positions [r, k] and whether each is
         a real one (a row with fewer keys pads with masked ones), attended gathered: the attention's work and
         memory per row stay index_topk's, whatever the context (a mask over the context would be [n, p0 + n])."""
-        dev, k, end = keys.device, self.index_topk, p0 + n
+        dev, k, end = keys.device, self.index_topk or float("inf"), p0 + n
         wide = end > k                      # some rows choose: their scores [rows, ih, keys] and the gathered rows
         per_row = max(self.index_heads * end, k * max(self.heads, self.latent + self.rope_dim)) if wide \
             else self.heads * end
@@ -420,7 +428,7 @@ class GlmMoeDsaModel(StackModel):
             kvc[idx, pos] = kv_new
             if a.indexer is not None:
                 ixc[idx, pos] = ik
-        if a.indexer is not None and iq is None:  # span <= index_topk: every position <= pos, in order
+        if (a.indexer is not None and iq is None) or self.index_topk is None:  # every position <= pos, in order
             sel = torch.arange(span, device=dev).expand(pos.numel(), span)
             selection = (sel, sel <= pos[:, None])
         elif a.indexer is not None:
@@ -473,3 +481,11 @@ class GlmMoeDsaModel(StackModel):
         if h is None:
             h = norm(x, self.norm, eps)
         return head_logits(self, h)  # bf16, as glm4_moe.forward_static
+
+
+class DeepseekV3Model(GlmMoeDsaModel):
+    """DeepSeek-V3 (transformers model_type deepseek_v3; DeepSeek-V3 / R1 and the models on its architecture): GLM-5's
+    MLA and MoE without the DSA indexer, every layer attending over every position, with YaRN's rope
+    (config/glm_moe_dsa.normalize_deepseek_v3). Its fixed-shape step is GLM-5's, not yet checked captured on a GPU:
+    --decode-path auto takes the host path there until it is."""
+    GRAPH_CHECKED = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -377,19 +378,59 @@ def stack_kernel_enabled(device) -> bool:
     return ops.on_gpu(device)
 
 
-class Rope:
-    """Partial rotary embedding on the first `rotary_dim` channels of each head (rotate-half form)."""
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
-    def __init__(self, rotary_dim: int, theta: float, dtype: torch.dtype):
+
+def yarn_inv_freq(dim: int, base: float, y: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and the factor on cos / sin, computed as transformers' _compute_yarn_parameters does (the
+    same fp32 ops in the same order, so the same bits). y: config/glm_moe_dsa._yarn's settings."""
+    orig = y["original_max_position_embeddings"]
+    factor = y["factor"] if y["factor"] is not None else max_positions / orig
+    att = y["attention_factor"]
+    if att is None:
+        m, m_all = y["mscale"], y["mscale_all_dim"]
+        att = float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) if m and m_all else yarn_mscale(factor)
+    fast, slow = y["beta_fast"] or 32, y["beta_slow"] or 1
+
+    def corr(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr(fast), corr(slow)
+    if y["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extra = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, att
+
+
+class Rope:
+    """Partial rotary embedding on the first `rotary_dim` channels of each head (rotate-half form). yarn (DeepSeek-V3's
+    rope: config/glm_moe_dsa._yarn's settings): YaRN's frequencies, cos and sin times its attention factor."""
+
+    def __init__(self, rotary_dim: int, theta: float, dtype: torch.dtype, yarn: dict | None = None,
+                 max_positions: int = 0):
         self.dim = rotary_dim
         self.dtype = dtype
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.attention = 1.0
+        if yarn is None:
+            self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        else:
+            self.inv_freq, self.attention = yarn_inv_freq(rotary_dim, theta, yarn, max_positions)
         self._tables: dict[tuple[int, str], torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq  # [T, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention != 1.0:
+            cos, sin = cos * self.attention, sin * self.attention
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def table(self, n: int, device) -> torch.Tensor:
         """cos_sin of positions 0..n-1 as one [2, n, rotary_dim] tensor, made once per (n, device) and kept (a

@@ -152,6 +152,10 @@ verify)  # the GPU checks of the NVFP4 stack and of the server on this tree: the
   # references (the direct dequant against pack.emulate_decode), the graphed server, a 3-rank graphed fire
   T=300 run verify_tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_pack.py tests/test_stack.py tests/test_serve.py tests/test_compressed_tensors.py -k "gpu or GPU"
   T=240 run verify_fire python3 -m rocket_mpi static-fire --checkpoint preset:glm5-tiny:nvfp4-all --ranks 3 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
+  # DeepSeek-V3's architecture: its graphed step against the eager one, then a graphed 2-rank fire (DeepseekV3Model's
+  # GRAPH_CHECKED may go True once both pass)
+  T=240 run verify_dsv3 python3 -m pytest -q -rs -p no:cacheprovider tests/test_graph_step.py -k "gpu and dsv3"
+  T=240 run verify_dsv3_fire python3 -m rocket_mpi static-fire --checkpoint preset:dsv3-tiny:nvfp4-all --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
   T=240 run verify_experts python3 benchmarks/bench_experts.py --rows 1,8,16,24,32 --reps 15 ;;
 cache_from)  # the full-size GLM-5.3-Flash's cache started from a trace recorded on other prompts, against a cold start
   # (two loads of about 2 minutes each: give this step a call of its own)

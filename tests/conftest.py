@@ -52,6 +52,14 @@ def glm5_ckpt(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="session")
+def dsv3_ckpt(tmp_path_factory):
+    """DeepSeek-V3 architecture (deepseek_v3: MLA without the indexer, YaRN rope), tiny, NVFP4 experts."""
+    d = str(tmp_path_factory.mktemp("dsv3_tiny"))
+    make_checkpoint("dsv3-tiny", d, seed=3, nvfp4_experts=True)
+    return d
+
+
 def rocket(*args, timeout=120, env=None):
     """python -m rocket_mpi ARGS as one process, outside any MPI launch."""
     return subprocess.run([sys.executable, "-m", "rocket_mpi", *args], capture_output=True, text=True,

@@ -20,7 +20,7 @@ import torch
 from helpers import gpu
 
 
-@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt"])
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "dsa_ckpt", "glm5_ckpt", "dsv3_ckpt"])
 def test_forward_static_matches_forward(ckpt_name, request):
     """The fixed-shape step (whole-capacity attention, device positions; for glm_moe_dsa and glm5_next the
     indexer over the whole capacity) against the eager step, with the same tokens fed to both: logits
@@ -48,23 +48,26 @@ def test_forward_static_matches_forward(ckpt_name, request):
         assert worst < 0.02, f"forward_static differs from forward by {worst}"
 
 
-def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_ckpt, glm5_ckpt, monkeypatch):
+def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_ckpt, glm5_ckpt, dsv3_ckpt,
+                                                                 monkeypatch):
     """Where the graphed step could run, --decode-path auto takes it for a family whose capture has been
-    checked on a GPU (all three: glm4_moe and the two GLM-5 families) and keeps the host path for one that
-    has not; graph asked for explicitly runs either way."""
+    checked on a GPU (glm4_moe and the two GLM-5 families) and keeps the host path for one that has not (deepseek_v3,
+    and GLM-5 made unchecked); graph asked for explicitly runs either way."""
     import rocket_mpi.runtime.engine as engine_mod
     from rocket_mpi.runtime.engine import Engine
     from rocket_mpi.model.glm_moe_dsa import GlmMoeDsaModel
     monkeypatch.setattr(engine_mod, "unsupported", lambda *a, **k: "")   # as on a GPU with the extension
     for ckpt in (tiny_ckpt, dsa_ckpt, glm5_ckpt):
         assert Engine(ckpt).set_decode_path("auto", "local") == "graph"
+    assert Engine(dsv3_ckpt).set_decode_path("auto", "local") == "host"
+    assert Engine(dsv3_ckpt).set_decode_path("graph", "local") == "graph"
     monkeypatch.setattr(GlmMoeDsaModel, "GRAPH_CHECKED", False)     # a family not yet checked
     assert Engine(dsa_ckpt).set_decode_path("auto", "local") == "host"
     assert Engine(dsa_ckpt).set_decode_path("graph", "local") == "graph"
 
 
 @pytest.mark.parametrize("spans", ["auto", "4"])
-@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt", "dsa_ckpt", "glm5_ckpt"])
+@pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tiny_nvfp4_ckpt", "dsa_ckpt", "glm5_ckpt", "dsv3_ckpt"])
 def test_cpu_device_path_matches_host_path(ckpt_name, spans, request, monkeypatch):
     """The fixed-shape step on a CPU (graph.py's reference mode: device plan by its reference, the block by
     ExpertStore.compute over the rows the plan gives, slot-space scatter) decodes the host path's tokens; with
@@ -187,11 +190,12 @@ def _eager_logits(eng, res, prompts, step):
 @pytest.mark.parametrize("streams,preset,spans", [(1, "default", "auto"), (8, "default", "auto"),
                                                   (8, "dsa-tiny", "auto"), (8, "glm5-tiny", "auto"),
                                                   (1, "default", "4"), (8, "default", "4"), (8, "dsa-tiny", "4"),
-                                                  (8, "glm5-tiny", "4")])
+                                                  (8, "glm5-tiny", "4"), (8, "dsv3-tiny", "auto"),
+                                                  (8, "dsv3-tiny", "4")])
 def test_gpu_graph_decode_equals_eager_device_step(streams, preset, spans, monkeypatch):
     """The captured step replays exactly what the same step computes when launched eagerly (dsa-tiny:
-    GLM-5's architecture, MLA + DSA indexer; glm5-tiny: GLM-5.3-Flash's, KDA + MLA); with ROCKET_GRAPH_SPANS=4
-    the run crosses spans, each captured anew."""
+    GLM-5's architecture, MLA + DSA indexer; glm5-tiny: GLM-5.3-Flash's, KDA + MLA; dsv3-tiny: DeepSeek-V3's, MLA
+    without the indexer, YaRN); with ROCKET_GRAPH_SPANS=4 the run crosses spans, each captured anew."""
     from rocket_mpi.checkpoint.synthetic import SyntheticReader
     from rocket_mpi.runtime.engine import Engine
     from rocket_mpi.runtime.prompts import default_prompts

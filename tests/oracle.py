@@ -64,3 +64,42 @@ def reference_logits(model, prompts, generated):
             logits = model(ids).logits[0].float()
             out.append(logits[len(p) - 1:])
     return out
+
+
+def like_trained(model, routers: bool = True, unit: tuple[str, ...] = ()) -> None:
+    """Random weights closer to a trained model's in what the checks are sensitive to: norms near 1, biases of 0.1,
+    unit-scale embeddings (and the parameters whose names end in one of `unit`), and each router's
+    e_score_correction_bias spread (0.3) so a router that ignores it routes elsewhere."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith(("embed_tokens.weight", *unit)):
+                p.copy_(torch.randn_like(p))
+        if routers:
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    bias = layer.mlp.gate.e_score_correction_bias
+                    bias.copy_(0.3 * torch.randn(bias.shape[0]))
+
+
+def median_checked(ref, ours, streams, steps, rtol, atol, typical):
+    """The median over every stream and step of |logit error| / (atol + rtol * max|ref|) is at most `typical`."""
+    ratios = torch.tensor([[(ref[s][step] - ours[step][s]).abs().max().item()
+                            / (atol + rtol * ref[s][step].abs().max().item()) for step in range(steps)]
+                           for s in range(streams)])
+    print(f"logit error / tolerance: median {ratios.median():.2f}, worst {ratios.max():.2f}")
+    assert ratios.median() <= typical, f"median logit error {ratios.median():.2f} of the bound > {typical}"
+
+
+def engine_against(eng, model, prompts, tokens, rtol, atol, margin, typical):
+    """Decode `prompts` greedily for `tokens` tokens with our engine, teacher-force transformers' `model` on our tokens,
+    and hold every step and the median to the bounds (median_checked, assert_logits_close) -> our result."""
+    ours = []
+    res = eng.generate(prompts, tokens, on_step=lambda step, logits: ours.append(logits.clone()))
+    ref = reference_logits(model, prompts, res.tokens)
+    median_checked(ref, ours, len(prompts), tokens, rtol, atol, typical)
+    assert_logits_close(ref, ours, res.tokens, rtol, atol, margin)
+    return res

@@ -17,7 +17,7 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM  # noqa: E402
 from rocket_mpi.checkpoint.make import quantize_tensors, write_checkpoint  # noqa: E402
 from rocket_mpi.runtime.engine import Engine  # noqa: E402
 from rocket_mpi.runtime.prompts import default_prompts  # noqa: E402
-from oracle import assert_logits_close, dequantised_reference, reference_logits, save_bf16  # noqa: E402
+from oracle import assert_logits_close, dequantised_reference, like_trained, reference_logits, save_bf16  # noqa: E402
 
 RTOL, ATOL, MARGIN = 0.02, 0.01, 0.02
 STREAMS, TOKENS = 8, 20
@@ -47,17 +47,7 @@ def build_hf(variant: str, seed: int = 0) -> Glm4MoeForCausalLM:
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": prf})
     torch.manual_seed(seed)
     model = Glm4MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn_like(p))
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts))
+    like_trained(model)
     return model
 
 

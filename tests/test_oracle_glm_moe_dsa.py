@@ -34,7 +34,7 @@ from rocket_mpi.config import ModelConfig  # noqa: E402
 from rocket_mpi.runtime.engine import Engine  # noqa: E402
 from rocket_mpi.errors import ConfigError  # noqa: E402
 from rocket_mpi.runtime.prompts import default_prompts  # noqa: E402
-from oracle import assert_logits_close, dequantised_reference, reference_logits, save_bf16  # noqa: E402
+from oracle import dequantised_reference, engine_against, like_trained, save_bf16  # noqa: E402
 
 from conftest import rocket  # noqa: E402
 
@@ -72,19 +72,7 @@ def build_hf(variant: str, seed: int = 0) -> GlmMoeDsaForCausalLM:
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
     model = GlmMoeDsaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn_like(p))
-            elif name.endswith("indexer.weights_proj.weight"):
-                p.copy_(torch.randn_like(p))     # head weights of order 1, as trained ones are
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts))
+    like_trained(model, unit=("indexer.weights_proj.weight",))     # head weights of order 1, as trained ones are
     return model
 
 
@@ -96,16 +84,7 @@ def check_against(model, ckpt, patch=None):
     lengths = [len(p) for p in prompts]
     # above index_topk the prefill's last rows attend over their own top-k rows, gathered (_prefill_attend)
     assert min(lengths) < INDEX_TOPK < max(lengths), "prompts must start both below and above index_topk"
-    ours = []
-    res = eng.generate(prompts, TOKENS, on_step=lambda step, logits: ours.append(logits.clone()))
-    ref = reference_logits(model, prompts, res.tokens)
-    ratios = torch.tensor([[(ref[s][step] - ours[step][s]).abs().max().item()
-                            / (ATOL + RTOL * ref[s][step].abs().max().item()) for step in range(TOKENS)]
-                           for s in range(STREAMS)])
-    print(f"logit error / tolerance: median {ratios.median():.2f}, worst {ratios.max():.2f}")
-    assert ratios.median() <= TYPICAL, f"median logit error {ratios.median():.2f} of the bound > {TYPICAL}"
-    assert_logits_close(ref, ours, res.tokens, RTOL, ATOL, MARGIN)
-    return res
+    return engine_against(eng, model, prompts, TOKENS, RTOL, ATOL, MARGIN, TYPICAL)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

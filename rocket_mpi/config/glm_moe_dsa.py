@@ -14,16 +14,7 @@ _DEFAULTS = {"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_group"
 
 def normalize_config(raw: dict, source: str) -> dict:
     """config.json of GlmMoeDsaForCausalLM -> the common keys, plus moe_layer_indices and indexer_types."""
-    raw = dict(raw)
-    for key in ("num_hidden_layers", "num_attention_heads", *_REQUIRED):
-        v = raw.get(key)
-        if v is None:
-            raise ConfigError(f"{source}: missing required field '{key}'")
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {v!r}")
-    for key, v in _DEFAULTS.items():
-        if raw.get(key) is None:
-            raw[key] = v
+    raw = _checked(raw, _REQUIRED, _DEFAULTS, source)
     n = raw["num_hidden_layers"]
     # MLA expands one latent to every head: there are no KV-head groups (GlmMoeDsaConfig's default 64 is
     # unused by its attention), so the common key is pinned to the head count
@@ -37,6 +28,18 @@ def normalize_config(raw: dict, source: str) -> dict:
     raw["indexer_types"] = _indexer_types(raw, n, source)
     raw["moe_layer_indices"] = _moe_layers(raw, n, source)
     return raw
+
+
+def _checked(raw: dict, required: tuple[str, ...], defaults: dict, source: str) -> dict:
+    """A copy of raw whose layer and head counts and `required` shapes are positive integers (else one error naming
+    the key), with the family's defaults where raw leaves a key out."""
+    for key in ("num_hidden_layers", "num_attention_heads", *required):
+        v = raw.get(key)
+        if v is None:
+            raise ConfigError(f"{source}: missing required field '{key}'")
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {v!r}")
+    return {**raw, **{k: v for k, v in defaults.items() if raw.get(k) is None}}
 
 
 def _indexer_types(raw: dict, n: int, source: str) -> list[str]:
@@ -82,21 +85,12 @@ _DSV3_DEFAULTS = {"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_g
 def normalize_deepseek_v3(raw: dict, source: str) -> dict:
     """config.json of DeepseekV3ForCausalLM -> the common keys, as normalize_config gives GLM-5's, with no indexer
     (indexer_types "none": every layer attends over every position) and the rope's YaRN settings in raw["yarn"]."""
-    raw = dict(raw)
     if raw.get("q_lora_rank", 0) is None:
         raise ConfigError(f"{source}: 'q_lora_rank' is null (queries without the low-rank projection, as "
                           f"DeepSeek-V2-Lite): not supported")
     if raw.get("rope_interleave", True) is not True:
         raise ConfigError(f"{source}: 'rope_interleave' false (rotate-half rope on MLA) is not supported")
-    for key in ("num_hidden_layers", "num_attention_heads", *_DSV3_REQUIRED):
-        v = raw.get(key)
-        if v is None:
-            raise ConfigError(f"{source}: missing required field '{key}'")
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"{source}: '{key}' must be a positive integer, got {v!r}")
-    for key, v in _DSV3_DEFAULTS.items():
-        if raw.get(key) is None:
-            raw[key] = v
+    raw = _checked(raw, _DSV3_REQUIRED, _DSV3_DEFAULTS, source)
     n = raw["num_hidden_layers"]
     raw["num_key_value_heads"] = raw["num_attention_heads"]
     if raw["qk_rope_head_dim"] % 2:

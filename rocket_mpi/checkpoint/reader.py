@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from rocket_mpi.ops import nvfp4
+from rocket_mpi.ops import fp8, nvfp4
 from rocket_mpi.config import COMPRESSED_TENSORS, ModelConfig
 from rocket_mpi.errors import CheckpointError
 
@@ -76,8 +76,13 @@ class CheckpointReader:
                 for name in self._open(path).keys():
                     self.where[name] = path
         self._stored: dict[str, str] = {}  # name handed out -> name in the file, where the two differ
-        if self.config.quant is not None and self.config.quant.layout == COMPRESSED_TENSORS:
+        if self._ct_nvfp4:
             self._compressed_tensors_names()
+
+    @property
+    def _ct_nvfp4(self) -> bool:
+        q = self.config.quant
+        return q is not None and q.layout == COMPRESSED_TENSORS and q.algo == "NVFP4"
 
     def _compressed_tensors_names(self) -> None:
         for stored in list(self.where):
@@ -97,7 +102,7 @@ class CheckpointReader:
         """The name under which the checkpoint stores what this reader calls `name`."""
         if name in self._stored or name in self.where:
             return self._stored.get(name, name)
-        if self.config.quant is not None and self.config.quant.layout == COMPRESSED_TENSORS:  # a missing part
+        if self._ct_nvfp4:  # a missing part
             for ct, mo in CT_NAMES:
                 if name.endswith(mo):
                     return name[:-len(mo)] + ct
@@ -186,6 +191,8 @@ class CheckpointReader:
             raise CheckpointError(self._missing(wname))
         dtype = self._stored_dtype(wname, path)
         b = self.get_float(prefix + ".bias", (out_features,)) if bias else None
+        if dtype == "F8_E4M3":
+            return Linear(prefix, self._fp8(prefix, path, out_features, in_features), bias=b)
         if dtype != "U8":
             w = self.get_float(wname, (out_features, in_features))
             return Linear(prefix, w, bias=b)
@@ -211,6 +218,28 @@ class CheckpointReader:
         # input_scale (compressed-tensors: input_global_scale), the W4A4 activation scale, is read past on purpose:
         # these kernels are W4A16.
         return Linear(prefix, w, s, s2.reshape(()), bias=b)
+
+    def _fp8(self, prefix: str, path: str, n: int, k: int) -> torch.Tensor:
+        """An FP8 Linear's weight decoded to BF16 (ops/fp8.py): its codes times the scale beside it."""
+        q = self.config.quant
+        if q is None or q.algo != "FP8":
+            raise CheckpointError(f"{path}: tensor '{prefix}.weight' is FP8 (float8_e4m3fn) but the checkpoint's "
+                                  f"quantization config {'is NVFP4' if q else 'is missing'} (FP8 needs quant_method "
+                                  f"'fp8' or compressed-tensors' float-quantized)")
+        if q.excluded(prefix):
+            raise CheckpointError(f"{path}: tensor '{prefix}.weight' is FP8 but the quantization config excludes "
+                                  f"'{prefix}'")
+        w = self.get(prefix + ".weight", (n, k), (torch.float8_e4m3fn,))
+        sname = f"{prefix}.{q.fp8_scale}"
+        s = self.get(sname, None, (torch.float32, torch.bfloat16, torch.float16), finite=True)
+        if fp8.layout(tuple(s.shape), n, k, q.fp8_block) is None:
+            blocks = f", [{-(-n // q.fp8_block[0])}, {-(-k // q.fp8_block[1])}] (blocks of {q.fp8_block[0]} x " \
+                     f"{q.fp8_block[1]})" if q.fp8_block else ""
+            raise CheckpointError(f"{self.where[sname]}: tensor '{sname}' has shape {list(s.shape)}, expected [1], "
+                                  f"[{n}, 1]{blocks} or [{n}, K / group] for a weight of [{n}, {k}]")
+        if bool((s <= 0).any()):
+            raise CheckpointError(f"{self.where[sname]}: tensor '{sname}' holds a scale <= 0")
+        return fp8.dequantize(w, s, q.fp8_block)
 
     def fingerprint(self) -> str:
         """Cheap identity of the checkpoint: config, index, every file's size and header, and samples of its data

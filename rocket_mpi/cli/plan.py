@@ -43,7 +43,7 @@ def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
         out = {}
         for name, (shape, _) in reader.specs.items():
             mod = name[:-len(".weight")]
-            if name.endswith(".weight") and mod + ".weight_scale" in reader.where:
+            if name.endswith(".weight") and mod + ".weight_scale_2" in reader.where:
                 n, k = shape
                 out.update({name: (n, k // 2), mod + ".weight_scale": (n, k // 16), mod + ".weight_scale_2": ()})
             else:
@@ -73,13 +73,13 @@ def stack_bytes(shapes: dict[str, tuple[int, ...]], as_stored: bool = False) -> 
     total = 0
     for name, shape in shapes.items():
         if ".mlp.experts." in name or name.endswith((".weight_scale", ".weight_scale_2", ".input_scale",
-                                                     ".input_global_scale")):
+                                                     ".input_global_scale", ".weight_scale_inv")):
             continue
         n = 1
         for d in shape:
             n *= d
         mod = name[:-len(".weight")]
-        packed = name.endswith(".weight") and mod + ".weight_scale" in shapes
+        packed = name.endswith(".weight") and mod + ".weight_scale_2" in shapes   # NVFP4 (FP8 loads as BF16)
         if packed and as_stored and shape[0] % 16 == 0 and (2 * shape[1]) % 16 == 0 and \
                 not any(p in name for p in DENSE_ON_GPU):
             total += n + n // 8 + 4   # codes (2 per byte), one e4m3 scale per 16, the fp32 weight_scale_2
@@ -109,7 +109,7 @@ def plan(args) -> int:
     shapes = tensor_shapes(reader)
     layers = list(cfg.moe_layers)
     pre = "mlp.experts"
-    nvfp4 = any(".mlp.experts." in n and n.endswith(".weight_scale") for n in shapes) or (
+    nvfp4 = any(".mlp.experts." in n and n.endswith(".weight_scale_2") for n in shapes) or (
         isinstance(reader, SyntheticReader) and reader.quant_mode is not None)
     bpe = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, nvfp4, packed=not args.cpu)
     stack = stack_bytes(shapes, as_stored=not args.cpu)

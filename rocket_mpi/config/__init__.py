@@ -57,11 +57,12 @@ _KEY_MAP: dict[str, tuple[tuple[str, ...], object]] = {
 
 MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
+FP8_BLOCK = "fp8"   # DeepSeek's and GLM's FP8 releases: quant_method "fp8", weight_scale_inv per 128 x 128 block
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """NVFP4 quantisation: which Linear modules are *not* quantised, and how the checkpoint lays the parts out.
+    """NVFP4 (or FP8) quantisation: which Linear modules are *not* quantised, and how the checkpoint lays the parts out.
 
     layout MODELOPT (NVIDIA ModelOpt's export): `weight` (uint8, two E2M1 codes a byte, the low nibble first),
     `weight_scale` (e4m3, one per 16), `weight_scale_2` (fp32, the global factor); exclude_modules are fnmatch
@@ -73,6 +74,10 @@ class QuantConfig:
     group_size: int = 16
     exclude_modules: tuple[str, ...] = ()
     layout: str = MODELOPT
+    # algo "FP8" (float8_e4m3fn weights, decoded to BF16 at load: ops/fp8.py): the scale's name beside each weight,
+    # and the block its entries cover (layout FP8_BLOCK's weight_block_size; compressed-tensors' block strategy)
+    fp8_scale: str = "weight_scale"
+    fp8_block: tuple[int, int] | None = None
 
     def excluded(self, module: str) -> bool:
         if self.layout == COMPRESSED_TENSORS:
@@ -288,6 +293,8 @@ def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
     cfg_src = os.path.join(ckpt_dir, "config.json") + ":quantization_config"
     if isinstance(qc, dict) and qc.get("quant_method") == COMPRESSED_TENSORS:
         return _compressed_tensors(qc, cfg_src)
+    if isinstance(qc, dict) and qc.get("quant_method") == FP8_BLOCK:
+        return _fp8_block(qc, cfg_src)
     path = os.path.join(ckpt_dir, "hf_quant_config.json")
     if os.path.exists(path):
         q = _read_json(path).get("quantization", {})
@@ -299,7 +306,7 @@ def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
         method = q.get("quant_method", MODELOPT)
         if method != MODELOPT:
             raise ConfigError(f"{src}: quant_method '{method}' is not supported (NVFP4 as 'modelopt' or "
-                              f"'{COMPRESSED_TENSORS}' writes it)")
+                              f"'{COMPRESSED_TENSORS}' writes it, FP8 as '{FP8_BLOCK}' or '{COMPRESSED_TENSORS}')")
         algo = q.get("quant_algo", "NVFP4")
         excl = q.get("ignore") or q.get("exclude_modules") or []
         group = q.get("group_size", 16)
@@ -318,13 +325,17 @@ def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
 # compressed-tensors' NVFP4: weights of 4-bit floats in groups of 16 along K with one scale per group and one per tensor
 _CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 _CT_NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+_CT_FP8_FORMAT = "float-quantized"
+_CT_FP8_WEIGHTS = {"num_bits": 8, "type": "float"}
 
 
 def _compressed_tensors(q: dict, src: str) -> QuantConfig:
     """A compressed-tensors quantization_config whose every group is NVFP4 as `nvfp4-pack-quantized` (llm-compressor's
-    NVFP4 and NVFP4A16 schemes). The activations' settings are read past: the kernels here are weight-only (W4A16);
+    NVFP4 and NVFP4A16 schemes), or every group FP8 as `float-quantized` (its FP8 schemes: per tensor, channel, group
+    or block; decoded to BF16 at load). The activations' settings are read past: the kernels here are weight-only;
     a kv_cache_scheme is read past too (the cache stays BF16). What would change the weights' meaning is refused:
-    another format or weight type, zero points, sparsity, transforms (rotations applied online)."""
+    another format or weight type, groups of both kinds, zero points, sparsity, transforms (rotations applied
+    online)."""
     for key, what in (("sparsity_config", "sparse weights"), ("transform_config", "online transforms (rotations)")):
         if q.get(key):
             raise ConfigError(f"{src}: '{key}' is set: {what} are not supported")
@@ -332,22 +343,33 @@ def _compressed_tensors(q: dict, src: str) -> QuantConfig:
     if not isinstance(groups, dict) or not groups:
         raise ConfigError(f"{src}: compressed-tensors config without config_groups")
     top = q.get("format")
+    kinds, block = set(), None
     for name, g in groups.items():
         if not isinstance(g, dict):
             raise ConfigError(f"{src}: config group '{name}' is not an object")
         fmt = g.get("format") or top
-        if fmt != _CT_NVFP4_FORMAT:
+        if fmt not in (_CT_NVFP4_FORMAT, _CT_FP8_FORMAT):
             raise ConfigError(f"{src}: config group '{name}' has format '{fmt}'; only '{_CT_NVFP4_FORMAT}' (NVFP4) "
-                              f"is supported")
+                              f"and '{_CT_FP8_FORMAT}' (FP8) are supported")
+        kinds.add(fmt)
         w = g.get("weights")
         if not isinstance(w, dict):
             raise ConfigError(f"{src}: config group '{name}' has no weights settings")
-        for key, want in _CT_NVFP4_WEIGHTS.items():
-            if w.get(key) != want:
-                raise ConfigError(f"{src}: config group '{name}' weights.{key} is {w.get(key)!r}; NVFP4 needs "
-                                  f"{want!r}")
+        want = _CT_NVFP4_WEIGHTS if fmt == _CT_NVFP4_FORMAT else _CT_FP8_WEIGHTS
+        for key, value in want.items():
+            if w.get(key) != value:
+                raise ConfigError(f"{src}: config group '{name}' weights.{key} is {w.get(key)!r}; "
+                                  f"{'NVFP4' if fmt == _CT_NVFP4_FORMAT else 'FP8'} needs {value!r}")
         if w.get("symmetric") is False:
-            raise ConfigError(f"{src}: config group '{name}' has asymmetric weights (zero points): not NVFP4")
+            raise ConfigError(f"{src}: config group '{name}' has asymmetric weights (zero points): not supported")
+        if fmt == _CT_FP8_FORMAT:
+            if w.get("strategy") not in ("tensor", "channel", "group", "block"):
+                raise ConfigError(f"{src}: config group '{name}' weights.strategy is {w.get('strategy')!r}; FP8 "
+                                  f"takes tensor, channel, group or block")
+            if w.get("strategy") == "block":
+                block = _block(w.get("block_structure"), f"{src}: config group '{name}' weights.block_structure")
+    if len(kinds) > 1:
+        raise ConfigError(f"{src}: config groups of both NVFP4 and FP8: not supported in one checkpoint")
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise ConfigError(f"{src}: 'ignore' must be a list of module names or 're:' patterns")
@@ -357,4 +379,28 @@ def _compressed_tensors(q: dict, src: str) -> QuantConfig:
                 re.compile(p[3:])
             except re.error as e:
                 raise ConfigError(f"{src}: 'ignore' pattern {p!r} is not a regular expression ({e})") from None
+    if kinds == {_CT_FP8_FORMAT}:
+        return QuantConfig(algo="FP8", group_size=0, exclude_modules=tuple(ignore), layout=COMPRESSED_TENSORS,
+                           fp8_scale="weight_scale", fp8_block=block)
     return QuantConfig(algo="NVFP4", group_size=16, exclude_modules=tuple(ignore), layout=COMPRESSED_TENSORS)
+
+
+def _block(v, what: str) -> tuple[int, int]:
+    if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                 and x > 0 for x in v)):
+        raise ConfigError(f"{what} must be two positive integers, got {v!r}")
+    return int(v[0]), int(v[1])
+
+
+def _fp8_block(q: dict, src: str) -> QuantConfig:
+    """DeepSeek's FP8 (and the FP8 releases of GLM): float8_e4m3fn weights, each with `weight_scale_inv` per
+    weight_block_size block (a multiplier, despite its name); decoded to BF16 at load."""
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"{src}: fmt '{fmt}' is not supported (only e4m3)")
+    block = _block(q.get("weight_block_size", [128, 128]), f"{src}: weight_block_size")
+    excl = q.get("modules_to_not_convert") or q.get("ignored_layers") or []
+    if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
+        raise ConfigError(f"{src}: 'modules_to_not_convert' must be a list of module names")
+    return QuantConfig(algo="FP8", group_size=0, exclude_modules=tuple(excl), layout=FP8_BLOCK,
+                       fp8_scale="weight_scale_inv", fp8_block=block)

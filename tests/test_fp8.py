@@ -1,0 +1,195 @@
+"""FP8 checkpoints, decoded to BF16 at load (ops/fp8.py): DeepSeek's layout (quant_method "fp8", `weight_scale_inv` per
+block, which the FP8 releases of DeepSeek-V3 / R1 and of GLM use) and compressed-tensors' `float-quantized`.
+
+Oracles: transformers loads the DeepSeek-layout checkpoint itself (its FP8 integration dequantises on a machine without
+a GPU) and its logits are held to the oracle bound; compressed-tensors' own FP8 compressor writes the per-channel
+checkpoint's tensors and its own decompression is compared with ours. Every FP8 checkpoint decodes bit for bit as
+the BF16 checkpoint of its decoded weights, and the split passes the static fire."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import rocket
+from rocket_mpi.checkpoint.make import make_checkpoint
+from rocket_mpi.checkpoint.reader import CheckpointReader
+from rocket_mpi.ops import fp8
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+def test_block_layout_round_trip_and_edges():
+    torch.manual_seed(0)
+    w = torch.randn(48, 80)
+    codes, scale = fp8.quantize(w, (32, 32))
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)   # edge blocks cut short
+    back = fp8.dequantize(codes, scale, (32, 32), torch.float32)
+    assert ((back - w).abs() <= w.abs() * 2 ** -3 + 1e-6).all()          # e4m3: 3 mantissa bits
+    assert fp8.layout((2, 3), 48, 80, (32, 32)) == "block"
+    assert fp8.layout((48, 1), 48, 80, None) == "row" and fp8.layout((1,), 48, 80, None) == "tensor"
+    assert fp8.layout((48, 5), 48, 80, None) == "group" and fp8.layout((3, 3), 48, 80, (32, 32)) is None
+    with pytest.raises(ValueError, match="does not cover"):
+        fp8.dequantize(codes, torch.ones(3, 3), (32, 32))
+
+
+def _linear_names(t: dict) -> list[str]:
+    """The 2-D Linear weights a FP8 release quantises: all but the embedding, the head, norms and routers."""
+    return [n for n, v in t.items() if n.endswith(".weight") and v.dim() == 2 and "embed_tokens" not in n
+            and not n.startswith("lm_head") and not n.endswith("mlp.gate.weight") and "norm" not in n]
+
+
+def to_fp8_block(src: str, dst: str, block=(16, 16)) -> str:
+    """src (BF16) -> dst in DeepSeek's FP8 layout: float8_e4m3fn weights and fp32 weight_scale_inv per block."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    t = load_file(path)
+    for n in _linear_names(t):
+        t[n], t[n[: -len(".weight")] + ".weight_scale_inv"] = fp8.quantize(t[n], block)
+    save_file(t, path)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return dst
+
+
+def bf16_twin(src: str, dst: str) -> str:
+    """The FP8 checkpoint's decoded weights as a BF16 checkpoint (our reader's decoding)."""
+    r = CheckpointReader(src)
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    t = load_file(path)
+    for n in [n for n, v in t.items() if v.dtype == torch.float8_e4m3fn]:
+        mod = n[: -len(".weight")]
+        t[n] = r.linear(mod, *t[n].shape).weight
+        t.pop(mod + "." + r.config.quant.fp8_scale)
+    save_file(t, path)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg.pop("quantization_config")
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def dsv3_fp8(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    make_checkpoint("dsv3-tiny", str(root / "bf16"), seed=3)
+    return to_fp8_block(str(root / "bf16"), str(root / "fp8"), (32, 32))   # kv_a's 48 rows: an edge block
+
+
+def _decode(ckpt, *extra, out):
+    r = rocket("decode", "--checkpoint", ckpt, "--streams", "4", "--tokens", "6", "--quiet", "--out", str(out), *extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.load(open(out))["runs"][0]["tokens"]
+
+
+def test_a_block_fp8_checkpoint_decodes_as_its_bf16_decoding(dsv3_fp8, tmp_path):
+    r = CheckpointReader(dsv3_fp8)
+    assert r.config.quant.algo == "FP8" and r.config.quant.fp8_block == (32, 32)
+    twin = bf16_twin(dsv3_fp8, str(tmp_path / "twin"))
+    assert _decode(dsv3_fp8, out=tmp_path / "a.json") == _decode(twin, out=tmp_path / "b.json")
+
+
+def test_static_fire_on_a_block_fp8_checkpoint(dsv3_fp8):
+    r = rocket("static-fire", "--checkpoint", dsv3_fp8, "--ranks", "2", "--sweep", "1,8", "--tokens", "6",
+               "--fabric", "shm", "--fabric-timeout", "20")
+    assert r.returncode == 0 and "STATIC FIRE PASS: 0/8 streams mismatched (2 ranks" in r.stdout, r.stdout + r.stderr
+
+
+def test_plan_counts_fp8_as_the_bf16_it_loads_as(dsv3_fp8, tmp_path):
+    from rocket_mpi.cli.plan import stack_bytes, tensor_shapes
+    twin = bf16_twin(dsv3_fp8, str(tmp_path / "twin"))
+    a, b = CheckpointReader(dsv3_fp8), CheckpointReader(twin)
+    assert stack_bytes(tensor_shapes(a), True) == stack_bytes(tensor_shapes(b), True)
+
+
+def test_transformers_loads_the_same_model(tmp_path):
+    """transformers' own FP8 loading of the same checkpoint (dequantised: no GPU here) is the oracle: our engine's
+    logits on it within the DeepSeek-V3 oracle's bound, and transformers' decoded weights are ours."""
+    pytest.importorskip("accelerate", reason="transformers' FP8 loading needs accelerate (the test extra)")
+    from transformers import DeepseekV3ForCausalLM
+    from test_oracle_deepseek_v3 import ATOL, MARGIN, RTOL, TYPICAL, build_hf
+    from oracle import engine_against, save_bf16
+    from rocket_mpi.runtime.engine import Engine
+    from rocket_mpi.runtime.prompts import default_prompts
+    model = build_hf("yarn_groups")
+    save_bf16(model, tmp_path / "bf16")
+    d = to_fp8_block(str(tmp_path / "bf16"), str(tmp_path / "fp8"), (16, 16))
+    ref = DeepseekV3ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ours = CheckpointReader(d)
+    sd = ref.state_dict()
+    name = "model.layers.0.self_attn.q_b_proj"
+    mine = ours.linear(name, *sd[name + ".weight"].shape).weight.float()
+    assert torch.allclose(sd[name + ".weight"].float(), mine, rtol=2 ** -8, atol=0)
+    eng = Engine(d)
+    engine_against(eng, ref, default_prompts(8, eng.cfg.vocab_size, seed=7), 20, RTOL, ATOL, MARGIN, TYPICAL)
+
+
+def test_compressed_tensors_fp8_per_channel(tmp_path):
+    """llm-compressor's FP8_DYNAMIC layout (float-quantized, a weight_scale per output channel): tensors written by
+    compressed-tensors' own FP8 compressor, our decoding equal to its decompression, and the checkpoint decoding as
+    its BF16 twin."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors (the test extra) is not installed")
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+    make_checkpoint("tiny", str(tmp_path / "bf16"), seed=3)
+    d = str(tmp_path / "ct")
+    shutil.copytree(tmp_path / "bf16", d)
+    path = os.path.join(d, "model.safetensors")
+    t = load_file(path)
+    for n in _linear_names(t):
+        w = t[n].float()
+        scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+        out = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+        t[n] = out["weight"]
+        t[n[: -len(".weight")] + ".weight_scale"] = out["weight_scale"].float()
+    save_file(t, path)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                  "ignore": ["lm_head", "re:.*mlp.gate$"], "quantization_status": "compressed",
+                                  "config_groups": {"group_0": json.loads(scheme.model_dump_json())}}
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    r = CheckpointReader(d)
+    assert r.config.quant.algo == "FP8" and r.config.quant.layout == "compressed-tensors"
+    stored = load_file(path)
+    for n in _linear_names(stored):
+        mod = n[: -len(".weight")]
+        theirs = FloatQuantizationCompressor.decompress(
+            {"weight": stored[n], "weight_scale": stored[mod + ".weight_scale"]}, scheme)["weight"].float()
+        mine = r.linear(mod, *stored[n].shape).weight.float()
+        assert torch.allclose(mine, theirs, rtol=2 ** -8, atol=0), n
+    twin = bf16_twin(d, str(tmp_path / "twin"))
+    assert _decode(d, out=tmp_path / "a.json") == _decode(twin, out=tmp_path / "b.json")
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("no config", "but the checkpoint's quantization config is missing"),
+    ("scale shape", "has shape [3, 3], expected"),
+    ("no scale", "missing tensor 'model.layers.1.self_attn.o_proj.weight_scale_inv'"),
+    ("zero scale", "holds a scale <= 0"),
+    ("e5m2", "fmt 'e5m2' is not supported"),
+])
+def test_bad_fp8_checkpoints_are_one_line(case, needle, dsv3_fp8, tmp_path, capsys):
+    from test_bad_input import assert_one_line, decode
+    d = tmp_path / "ck"
+    shutil.copytree(dsv3_fp8, d)
+    cfg_path, path = d / "config.json", str(d / "model.safetensors")
+    cfg, t = json.load(open(cfg_path)), load_file(path)
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    if case == "no config":
+        cfg.pop("quantization_config")
+    elif case == "scale shape":
+        t[name] = torch.ones(3, 3)
+    elif case == "no scale":
+        t.pop(name)
+    elif case == "zero scale":
+        t[name] = torch.zeros_like(t[name])
+    elif case == "e5m2":
+        cfg["quantization_config"]["fmt"] = "e5m2"
+    json.dump(cfg, open(cfg_path, "w"))
+    save_file(t, path)
+    assert_one_line(*decode(capsys, d), needle)

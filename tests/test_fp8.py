@@ -57,15 +57,22 @@ def to_fp8_block(src: str, dst: str, block=(16, 16)) -> str:
 
 
 def bf16_twin(src: str, dst: str) -> str:
-    """The FP8 checkpoint's decoded weights as a BF16 checkpoint (our reader's decoding)."""
+    """The checkpoint's FP8 (and NVFP4, compressed-tensors' names) weights decoded, as a BF16 checkpoint (our reader's
+    decoding)."""
     r = CheckpointReader(src)
     shutil.copytree(src, dst)
     path = os.path.join(dst, "model.safetensors")
     t = load_file(path)
-    for n in [n for n, v in t.items() if v.dtype == torch.float8_e4m3fn]:
+    for n in [n for n, v in t.items() if n.endswith(".weight") and v.dtype == torch.float8_e4m3fn]:
         mod = n[: -len(".weight")]
         t[n] = r.linear(mod, *t[n].shape).weight
         t.pop(mod + "." + r.config.quant.fp8_scale)
+    for n in [n for n in t if n.endswith(".weight_packed")]:
+        mod = n[: -len(".weight_packed")]
+        rows, half = t[n].shape
+        t[mod + ".weight"] = r.linear(mod, rows, 2 * half).dense()
+        for part in ("weight_packed", "weight_scale", "weight_global_scale"):
+            t.pop(f"{mod}.{part}")
     save_file(t, path)
     cfg = json.load(open(os.path.join(dst, "config.json")))
     cfg.pop("quantization_config")
@@ -164,6 +171,42 @@ def test_compressed_tensors_fp8_per_channel(tmp_path):
         assert torch.allclose(mine, theirs, rtol=2 ** -8, atol=0), n
     twin = bf16_twin(d, str(tmp_path / "twin"))
     assert _decode(d, out=tmp_path / "a.json") == _decode(twin, out=tmp_path / "b.json")
+
+
+def test_nvfp4_and_fp8_in_one_compressed_tensors_checkpoint(tmp_path):
+    """Groups of both formats, as published mixed-precision GLM checkpoints have them (NVFP4 gate and up projections,
+    FP8 per channel elsewhere): each weight read as its dtype says, the checkpoint decoding as its BF16 twin, and 2
+    ranks passing the static fire (an expert whose parts mix formats runs BF16)."""
+    from rocket_mpi.ops import nvfp4
+    make_checkpoint("tiny", str(tmp_path / "bf16"), seed=3)
+    d = str(tmp_path / "mixed")
+    shutil.copytree(tmp_path / "bf16", d)
+    path = os.path.join(d, "model.safetensors")
+    t = load_file(path)
+    for n in _linear_names(t):
+        mod, w = n[: -len(".weight")], t.pop(n).float()
+        if mod.endswith(("gate_proj", "up_proj")):
+            t[mod + ".weight_packed"], t[mod + ".weight_scale"], s2 = nvfp4.quantize(w)
+            t[mod + ".weight_global_scale"] = torch.reciprocal(s2.float().reshape(1))
+        else:
+            scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+            t[n], t[mod + ".weight_scale"] = (w / scale).to(torch.float8_e4m3fn), scale
+    save_file(t, path)
+    nv = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+    f8 = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp.gate$"],
+                                  "config_groups": {
+                                      "group_0": {"targets": ["re:.*gate_proj$", "re:.*up_proj$"], "weights": nv,
+                                                  "format": "nvfp4-pack-quantized"},
+                                      "group_1": {"targets": ["Linear"], "weights": f8, "format": "float-quantized"}}}
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    assert CheckpointReader(d).config.quant.algo == "NVFP4+FP8"
+    twin = bf16_twin(d, str(tmp_path / "twin"))
+    assert _decode(d, out=tmp_path / "a.json") == _decode(twin, out=tmp_path / "b.json")
+    r = rocket("static-fire", "--checkpoint", d, "--ranks", "2", "--sweep", "1,8", "--tokens", "6", "--fabric", "shm",
+               "--fabric-timeout", "20")
+    assert r.returncode == 0 and "STATIC FIRE PASS: 0/8 streams mismatched (2 ranks" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("case,needle", [

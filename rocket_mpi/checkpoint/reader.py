@@ -82,7 +82,7 @@ class CheckpointReader:
     @property
     def _ct_nvfp4(self) -> bool:
         q = self.config.quant
-        return q is not None and q.layout == COMPRESSED_TENSORS and q.algo == "NVFP4"
+        return q is not None and q.layout == COMPRESSED_TENSORS and q.nvfp4
 
     def _compressed_tensors_names(self) -> None:
         for stored in list(self.where):
@@ -197,9 +197,10 @@ class CheckpointReader:
             w = self.get_float(wname, (out_features, in_features))
             return Linear(prefix, w, bias=b)
         q = self.config.quant
-        if q is None:
-            raise CheckpointError(f"{path}: tensor '{wname}' is packed uint8 (NVFP4) but the checkpoint has no "
-                                  f"hf_quant_config.json or quantization_config")
+        if q is None or not q.nvfp4:
+            raise CheckpointError(f"{path}: tensor '{self.stored_name(wname)}' is packed uint8 (NVFP4) but the "
+                                  f"checkpoint has no NVFP4 quantization config (hf_quant_config.json or "
+                                  f"quantization_config)")
         if q.excluded(prefix):
             what = "its 'ignore' list" if q.layout == COMPRESSED_TENSORS else "exclude_modules"
             raise CheckpointError(f"{path}: tensor '{self.stored_name(wname)}' is NVFP4 but the quantization config "
@@ -222,7 +223,7 @@ class CheckpointReader:
     def _fp8(self, prefix: str, path: str, n: int, k: int) -> torch.Tensor:
         """An FP8 Linear's weight decoded to BF16 (ops/fp8.py): its codes times the scale beside it."""
         q = self.config.quant
-        if q is None or q.algo != "FP8":
+        if q is None or not q.fp8:
             raise CheckpointError(f"{path}: tensor '{prefix}.weight' is FP8 (float8_e4m3fn) but the checkpoint's "
                                   f"quantization config {'is NVFP4' if q else 'is missing'} (FP8 needs quant_method "
                                   f"'fp8' or compressed-tensors' float-quantized)")

@@ -74,10 +74,19 @@ class QuantConfig:
     group_size: int = 16
     exclude_modules: tuple[str, ...] = ()
     layout: str = MODELOPT
-    # algo "FP8" (float8_e4m3fn weights, decoded to BF16 at load: ops/fp8.py): the scale's name beside each weight,
+    # algo "FP8" or "NVFP4+FP8" (compressed-tensors groups of both: each weight's dtype says which it is): the FP8
+    # weights (float8_e4m3fn, decoded to BF16 at load: ops/fp8.py) have their scale under this name beside them,
     # and the block its entries cover (layout FP8_BLOCK's weight_block_size; compressed-tensors' block strategy)
     fp8_scale: str = "weight_scale"
     fp8_block: tuple[int, int] | None = None
+
+    @property
+    def nvfp4(self) -> bool:
+        return "NVFP4" in self.algo.split("+")
+
+    @property
+    def fp8(self) -> bool:
+        return "FP8" in self.algo.split("+")
 
     def excluded(self, module: str) -> bool:
         if self.layout == COMPRESSED_TENSORS:
@@ -332,10 +341,10 @@ _CT_FP8_WEIGHTS = {"num_bits": 8, "type": "float"}
 def _compressed_tensors(q: dict, src: str) -> QuantConfig:
     """A compressed-tensors quantization_config whose every group is NVFP4 as `nvfp4-pack-quantized` (llm-compressor's
     NVFP4 and NVFP4A16 schemes), or every group FP8 as `float-quantized` (its FP8 schemes: per tensor, channel, group
-    or block; decoded to BF16 at load). The activations' settings are read past: the kernels here are weight-only;
-    a kv_cache_scheme is read past too (the cache stays BF16). What would change the weights' meaning is refused:
-    another format or weight type, groups of both kinds, zero points, sparsity, transforms (rotations applied
-    online)."""
+    or block; decoded to BF16 at load), or groups of both (each weight's dtype says which). The activations' settings
+    are read past: the kernels here are weight-only; a kv_cache_scheme is read past too (the cache stays BF16). What
+    would change the weights' meaning is refused: another format or weight type, zero points, sparsity, transforms
+    (rotations applied online)."""
     for key, what in (("sparsity_config", "sparse weights"), ("transform_config", "online transforms (rotations)")):
         if q.get(key):
             raise ConfigError(f"{src}: '{key}' is set: {what} are not supported")
@@ -367,9 +376,10 @@ def _compressed_tensors(q: dict, src: str) -> QuantConfig:
                 raise ConfigError(f"{src}: config group '{name}' weights.strategy is {w.get('strategy')!r}; FP8 "
                                   f"takes tensor, channel, group or block")
             if w.get("strategy") == "block":
-                block = _block(w.get("block_structure"), f"{src}: config group '{name}' weights.block_structure")
-    if len(kinds) > 1:
-        raise ConfigError(f"{src}: config groups of both NVFP4 and FP8: not supported in one checkpoint")
+                b = _block(w.get("block_structure"), f"{src}: config group '{name}' weights.block_structure")
+                if block is not None and b != block:
+                    raise ConfigError(f"{src}: FP8 config groups with blocks {block} and {b}: one block size only")
+                block = b
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise ConfigError(f"{src}: 'ignore' must be a list of module names or 're:' patterns")
@@ -379,9 +389,10 @@ def _compressed_tensors(q: dict, src: str) -> QuantConfig:
                 re.compile(p[3:])
             except re.error as e:
                 raise ConfigError(f"{src}: 'ignore' pattern {p!r} is not a regular expression ({e})") from None
-    if kinds == {_CT_FP8_FORMAT}:
-        return QuantConfig(algo="FP8", group_size=0, exclude_modules=tuple(ignore), layout=COMPRESSED_TENSORS,
-                           fp8_scale="weight_scale", fp8_block=block)
+    if _CT_FP8_FORMAT in kinds:  # FP8 alone, or beside NVFP4 (e.g. NVFP4 gate/up, FP8 attention and down)
+        algo = "NVFP4+FP8" if _CT_NVFP4_FORMAT in kinds else "FP8"
+        return QuantConfig(algo=algo, group_size=16 if algo != "FP8" else 0, exclude_modules=tuple(ignore),
+                           layout=COMPRESSED_TENSORS, fp8_scale="weight_scale", fp8_block=block)
     return QuantConfig(algo="NVFP4", group_size=16, exclude_modules=tuple(ignore), layout=COMPRESSED_TENSORS)
 
 

@@ -75,7 +75,7 @@ def bf16_twin(src: str, dst: str) -> str:
             t.pop(f"{mod}.{part}")
     save_file(t, path)
     cfg = json.load(open(os.path.join(dst, "config.json")))
-    cfg.pop("quantization_config")
+    cfg.pop("quantization_config", None)
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
     return dst
 
@@ -209,6 +209,52 @@ def test_nvfp4_and_fp8_in_one_compressed_tensors_checkpoint(tmp_path):
     assert r.returncode == 0 and "STATIC FIRE PASS: 0/8 streams mismatched (2 ranks" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("recipe", ["FP8", "MIXED_PRECISION"])
+def test_modelopt_fp8_and_mixed_precision(recipe, tmp_path):
+    """ModelOpt's FP8 (a float8_e4m3fn weight, an fp32 weight_scale per tensor, an input_scale read past) for every
+    Linear, and its MIXED_PRECISION recipe (NVFP4 routed experts, FP8 attention, per layer in quantized_layers):
+    each decodes as its BF16 twin; the mixed one passes a 2-rank static fire with its experts in the NVFP4 kernel."""
+    src = str(tmp_path / "src")
+    make_checkpoint("tiny", src, seed=3, nvfp4_experts=recipe == "MIXED_PRECISION")
+    d = str(tmp_path / "q")
+    shutil.copytree(src, d)
+    path = os.path.join(d, "model.safetensors")
+    t, layers = load_file(path), {}
+    for n in _linear_names(t):
+        mod = n[: -len(".weight")]
+        if t[n].dtype == torch.uint8:
+            layers[mod] = {"quant_algo": "NVFP4", "group_size": 16}
+            continue
+        if recipe == "MIXED_PRECISION" and ".self_attn." not in n:
+            continue
+        w = t[n].float()
+        scale = w.abs().amax() / 448.0
+        t[n], t[mod + ".weight_scale"], t[mod + ".input_scale"] = (w / scale).to(torch.float8_e4m3fn), scale, \
+            torch.tensor(1.0)
+        layers[mod] = {"quant_algo": "FP8"}
+    save_file(t, path)
+    q = {"quant_algo": recipe, "kv_cache_quant_algo": None}
+    if recipe == "MIXED_PRECISION":
+        q["quantized_layers"] = layers
+    json.dump({"quantization": q}, open(os.path.join(d, "hf_quant_config.json"), "w"))
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg.pop("quantization_config", None)
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    r = CheckpointReader(d)
+    assert r.config.quant.algo == ("FP8" if recipe == "FP8" else "NVFP4+FP8")
+    twin = bf16_twin(d, str(tmp_path / "twin"))
+    if recipe == "MIXED_PRECISION":   # the twin keeps the NVFP4 experts (its config says NVFP4 alone)
+        json.dump({"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head", "*.mlp.gate"]}},
+                  open(os.path.join(twin, "hf_quant_config.json"), "w"))
+    else:
+        os.remove(os.path.join(twin, "hf_quant_config.json"))
+    assert _decode(d, out=tmp_path / "a.json") == _decode(twin, out=tmp_path / "b.json")
+    if recipe == "MIXED_PRECISION":
+        r = rocket("static-fire", "--checkpoint", d, "--ranks", "2", "--sweep", "1,8", "--tokens", "6", "--fabric",
+                   "shm", "--fabric-timeout", "20")
+        assert r.returncode == 0 and "STATIC FIRE PASS: 0/8" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("case,needle", [
     ("no config", "but the checkpoint's quantization config is missing"),
     ("scale shape", "has shape [3, 3], expected"),
@@ -224,7 +270,7 @@ def test_bad_fp8_checkpoints_are_one_line(case, needle, dsv3_fp8, tmp_path, caps
     cfg, t = json.load(open(cfg_path)), load_file(path)
     name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
     if case == "no config":
-        cfg.pop("quantization_config")
+        cfg.pop("quantization_config", None)
     elif case == "scale shape":
         t[name] = torch.ones(3, 3)
     elif case == "no scale":

@@ -295,8 +295,8 @@ def _read_json(path: str) -> dict:
 
 
 def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
-    """NVFP4 settings from config.json's quantization_config (ModelOpt's or compressed-tensors') or ModelOpt's
-    hf_quant_config.json. A compressed-tensors quantization_config wins over an hf_quant_config.json left beside it
+    """NVFP4 or FP8 settings from config.json's quantization_config (ModelOpt's, compressed-tensors', DeepSeek's fp8)
+    or ModelOpt's hf_quant_config.json (NVFP4, FP8, or MIXED_PRECISION of the two). A compressed-tensors quantization_config wins over an hf_quant_config.json left beside it
     (as transformers and vLLM read such a folder)."""
     qc = raw_config.get("quantization_config")
     cfg_src = os.path.join(ckpt_dir, "config.json") + ":quantization_config"
@@ -324,11 +324,22 @@ def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
             group = next(iter(cg.values())).get("weights", {}).get("group_size", group)
     else:
         return None
-    if algo != "NVFP4":
-        raise ConfigError(f"{src}: quant_algo '{algo}' is not supported (only NVFP4)")
-    if group != 16:
+    if algo == "MIXED_PRECISION":  # ModelOpt's per-layer recipe: {module: {"quant_algo": ...}}
+        layers = q.get("quantized_layers")
+        kinds = {v.get("quant_algo") for v in layers.values()} if isinstance(layers, dict) and layers and all(
+            isinstance(v, dict) for v in layers.values()) else None
+        if not kinds or not kinds <= {"NVFP4", "FP8"}:
+            raise ConfigError(f"{src}: MIXED_PRECISION's quantized_layers must give each layer quant_algo NVFP4 or "
+                              f"FP8, got {sorted(map(str, kinds)) if kinds else layers!r}")
+        groups = {v.get("group_size", 16) for v in layers.values() if v.get("quant_algo") == "NVFP4"}
+        group = groups.pop() if len(groups) == 1 else 16 if not groups else groups
+        algo = "+".join(k for k in ("NVFP4", "FP8") if k in kinds)
+    if algo not in ("NVFP4", "FP8", "NVFP4+FP8"):
+        raise ConfigError(f"{src}: quant_algo '{algo}' is not supported (NVFP4, FP8 or MIXED_PRECISION of them)")
+    if "NVFP4" in algo and group != 16:
         raise ConfigError(f"{src}: group_size {group} is not supported (NVFP4 uses 16)")
-    return QuantConfig(algo=algo, group_size=16, exclude_modules=tuple(excl))
+    # ModelOpt's FP8: a float8_e4m3fn weight and its fp32 weight_scale (per tensor) beside it
+    return QuantConfig(algo=algo, group_size=16, exclude_modules=tuple(excl), fp8_scale="weight_scale")
 
 
 # compressed-tensors' NVFP4: weights of 4-bit floats in groups of 16 along K with one scale per group and one per tensor

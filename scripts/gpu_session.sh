@@ -150,7 +150,7 @@ llamacpp)  # rocket_mpi beside llama.cpp in one call on the archived build (carr
     --layers ${LAYERS:-2} --unpack .llamacpp/build --out "$OUT/llamacpp.json" ;;
 verify)  # the GPU checks of the NVFP4 stack and of the server on this tree: the stack kernels and layouts against their
   # references (the direct dequant against pack.emulate_decode), the graphed server, a 3-rank graphed fire
-  T=300 run verify_tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_pack.py tests/test_stack.py tests/test_serve.py tests/test_compressed_tensors.py -k "gpu or GPU"
+  T=300 run verify_tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_pack.py tests/test_stack.py tests/test_serve.py tests/test_compressed_tensors.py tests/test_fp8.py -k "gpu or GPU"
   T=240 run verify_fire python3 -m rocket_mpi static-fire --checkpoint preset:glm5-tiny:nvfp4-all --ranks 3 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
   # DeepSeek-V3's architecture: its graphed step against the eager one, then a graphed 2-rank fire (DeepseekV3Model's
   # GRAPH_CHECKED may go True once both pass)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import rocket
+from helpers import gpu
 from rocket_mpi.checkpoint.make import make_checkpoint
 from rocket_mpi.checkpoint.reader import CheckpointReader
 from rocket_mpi.ops import fp8
@@ -111,6 +112,9 @@ def test_plan_counts_fp8_as_the_bf16_it_loads_as(dsv3_fp8, tmp_path):
     twin = bf16_twin(dsv3_fp8, str(tmp_path / "twin"))
     a, b = CheckpointReader(dsv3_fp8), CheckpointReader(twin)
     assert stack_bytes(tensor_shapes(a), True) == stack_bytes(tensor_shapes(b), True)
+    r = rocket("plan", "--checkpoint", dsv3_fp8, "--ranks", "2", "--device-memory", "8", "--host-memory", "0")
+    assert r.returncode == 0 and "BF16 experts (mlp.experts); FP8 weights decoded to BF16 at load" in r.stdout, \
+        r.stdout + r.stderr
 
 
 def test_transformers_loads_the_same_model(tmp_path):
@@ -177,6 +181,27 @@ def test_nvfp4_and_fp8_in_one_compressed_tensors_checkpoint(tmp_path):
     """Groups of both formats, as published mixed-precision GLM checkpoints have them (NVFP4 gate and up projections,
     FP8 per channel elsewhere): each weight read as its dtype says, the checkpoint decoding as its BF16 twin, and 2
     ranks passing the static fire (an expert whose parts mix formats runs BF16)."""
+    d = mixed_ct_checkpoint(tmp_path)
+    assert CheckpointReader(d).config.quant.algo == "NVFP4+FP8"
+    twin = bf16_twin(d, str(tmp_path / "twin"))
+    assert _decode(d, out=tmp_path / "a.json") == _decode(twin, out=tmp_path / "b.json")
+    r = rocket("static-fire", "--checkpoint", d, "--ranks", "2", "--sweep", "1,8", "--tokens", "6", "--fabric", "shm",
+               "--fabric-timeout", "20")
+    assert r.returncode == 0 and "STATIC FIRE PASS: 0/8 streams mismatched (2 ranks" in r.stdout, r.stdout + r.stderr
+
+
+@gpu
+def test_gpu_graphed_fire_on_a_mixed_checkpoint(tmp_path):
+    """On a GPU: experts whose gate/up are NVFP4 and down FP8 go to the kernel's BF16 tiles (decoded), the dense MLP's
+    NVFP4 gate/up stay held as stored; 2 ranks over cuda-ipc on the graphed step pass the static fire."""
+    d = mixed_ct_checkpoint(tmp_path)
+    r = rocket("static-fire", "--checkpoint", d, "--ranks", "2", "--device", "cuda", "--fabric", "cuda-ipc",
+               "--decode-path", "graph", "--sweep", "1,8", "--tokens", "8", timeout=300)
+    assert r.returncode == 0 and "STATIC FIRE PASS: 0/8" in r.stdout, r.stdout + r.stderr
+
+
+def mixed_ct_checkpoint(tmp_path) -> str:
+    """tiny with NVFP4 gate/up projections and FP8 (per channel) other Linears, in compressed-tensors' layout."""
     from rocket_mpi.ops import nvfp4
     make_checkpoint("tiny", str(tmp_path / "bf16"), seed=3)
     d = str(tmp_path / "mixed")
@@ -201,12 +226,7 @@ def test_nvfp4_and_fp8_in_one_compressed_tensors_checkpoint(tmp_path):
                                                   "format": "nvfp4-pack-quantized"},
                                       "group_1": {"targets": ["Linear"], "weights": f8, "format": "float-quantized"}}}
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
-    assert CheckpointReader(d).config.quant.algo == "NVFP4+FP8"
-    twin = bf16_twin(d, str(tmp_path / "twin"))
-    assert _decode(d, out=tmp_path / "a.json") == _decode(twin, out=tmp_path / "b.json")
-    r = rocket("static-fire", "--checkpoint", d, "--ranks", "2", "--sweep", "1,8", "--tokens", "6", "--fabric", "shm",
-               "--fabric-timeout", "20")
-    assert r.returncode == 0 and "STATIC FIRE PASS: 0/8 streams mismatched (2 ranks" in r.stdout, r.stdout + r.stderr
+    return d
 
 
 @pytest.mark.parametrize("recipe", ["FP8", "MIXED_PRECISION"])

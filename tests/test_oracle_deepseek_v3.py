@@ -117,6 +117,9 @@ def test_oracle_is_sensitive(tmp_path):
     (dict(rope_interleave=False), "rope_interleave"),
     (dict(rope_scaling={"type": "longrope", "factor": 2.0}), "rope_type 'longrope'"),
     (dict(rope_scaling={"type": "yarn", "factor": -1}), "rope 'factor' must be a positive number"),
+    (dict(scoring_func="softmax"), "'scoring_func' is 'softmax'"),      # DeepSeek-V2's router
+    (dict(topk_method="greedy"), "'topk_method' is 'greedy'"),
+    (dict(moe_layer_freq=2), "'moe_layer_freq' is 2"),
 ])
 def test_unsupported_settings_are_one_line(edit, needle):
     raw = {"model_type": "deepseek_v3", **SHAPE, "rope_theta": 10000.0, **edit}

@@ -88,6 +88,14 @@ def stack_bytes(shapes: dict[str, tuple[int, ...]], as_stored: bool = False) -> 
     return total
 
 
+def fp8_note(cfg, nvfp4: bool) -> str:
+    """What the counts below mean for a checkpoint with FP8 weights: decoded to BF16 at load (ops/fp8.py)."""
+    q = cfg.quant
+    if q is None or not q.fp8:
+        return ""
+    return "; FP8 weights " + ("outside them " if nvfp4 else "") + "decoded to BF16 at load, counted as BF16 below"
+
+
 def add_parser(sub, formatter) -> None:
     p = sub.add_parser("plan", help="whether a checkpoint fits N ranks, from its headers", formatter_class=formatter,
                        description=__doc__)
@@ -109,7 +117,8 @@ def plan(args) -> int:
     shapes = tensor_shapes(reader)
     layers = list(cfg.moe_layers)
     pre = "mlp.experts"
-    nvfp4 = any(".mlp.experts." in n and n.endswith(".weight_scale_2") for n in shapes) or (
+    nvfp4 = any(".mlp.experts." in n and n.endswith(".0.down_proj.weight_scale_2") and
+                n.replace(".down_proj.", ".gate_proj.") in shapes for n in shapes) or (
         isinstance(reader, SyntheticReader) and reader.quant_mode is not None)
     bpe = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, nvfp4, packed=not args.cpu)
     stack = stack_bytes(shapes, as_stored=not args.cpu)
@@ -129,7 +138,7 @@ def plan(args) -> int:
     budget = parse_budget(args.expert_cache)
     print(f"{args.checkpoint}: {cfg.model_type}, {cfg.num_hidden_layers} layers ({len(layers)} MoE), "
           f"{cfg.n_routed_experts} routed experts top-{cfg.num_experts_per_tok}, hidden {cfg.hidden_size}, "
-          f"{'NVFP4' if nvfp4 else 'BF16'} experts ({pre})")
+          f"{'NVFP4' if nvfp4 else 'BF16'} experts ({pre}){fp8_note(cfg, nvfp4)}")
     print(f"replicated stack {stack / GIB:.2f} GiB per rank; routed experts {len(layers) * cfg.n_routed_experts * bpe / GIB:.2f}"
           f" GiB ({bpe / 2**20:.2f} MiB each, {'dense BF16' if args.cpu else 'packed for the kernel'})")
     reserve = max(RESERVE_MIN, int(RESERVE_FRACTION * dev_total))

@@ -90,6 +90,10 @@ def normalize_deepseek_v3(raw: dict, source: str) -> dict:
                           f"DeepSeek-V2-Lite): not supported")
     if raw.get("rope_interleave", True) is not True:
         raise ConfigError(f"{source}: 'rope_interleave' false (rotate-half rope on MLA) is not supported")
+    # the router GLM's kernels implement: sigmoid scores, the correction bias for the choice, group-limited top-k
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if raw.get(key, want) != want:
+            raise ConfigError(f"{source}: '{key}' is {raw[key]!r}; only {want!r} (DeepSeek-V3's) is supported")
     raw = _checked(raw, _DSV3_REQUIRED, _DSV3_DEFAULTS, source)
     n = raw["num_hidden_layers"]
     raw["num_key_value_heads"] = raw["num_attention_heads"]

@@ -130,8 +130,9 @@ class ExpertStore:
                 continue  # in the checkpoint only (host memory short): read when a step needs it
             g, u, d = src.read(e)
             nv = g.nvfp4 and u.nvfp4 and d.nvfp4
-            if use_kernel and (nv or not (g.nvfp4 or u.nvfp4 or d.nvfp4)):
-                # packed as read, one expert at a time (ops.ExpertPacker)
+            if use_kernel:
+                # packed as read (NVFP4 tiles where all three parts are NVFP4, else BF16 tiles: parts of mixed
+                # formats, e.g. NVFP4 gate/up with an FP8 down, decoded), one expert at a time (ops.ExpertPacker)
                 if packer is None:
                     packer = ops.ExpertPacker(owned, h, i, bf16=not nv, device=device,
                                               resident=None if resident is None else sorted(keep),

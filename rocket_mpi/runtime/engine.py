@@ -201,8 +201,11 @@ class Engine:
             prefix = getattr(model_cls, "expert_prefix", lambda reader, layer: None)
             self.experts = {}
             owned_all = {layer: self.placement.owned(layer, rank) for layer in self.cfg.moe_layers}
-            nvfp4 = any(f"{prefix(self.reader, la) or f'model.layers.{la}.mlp.experts'}.0.gate_proj.weight_scale_2"
-                        in self.reader for la in self.cfg.moe_layers)  # the same on every rank (not FP8's scales)
+            # NVFP4 experts: all three parts NVFP4 (weight_scale_2: not FP8's scales); an expert whose parts mix
+            # formats runs BF16 (ExpertStore.load). The same on every rank.
+            nvfp4 = any(all(f"{prefix(self.reader, la) or f'model.layers.{la}.mlp.experts'}.0.{p}.weight_scale_2"
+                            in self.reader for p in ("gate_proj", "up_proj", "down_proj"))
+                        for la in self.cfg.moe_layers)
             self.cache_plan = plan_residency(self.cfg, owned_all, self.device, self.model.nbytes(), expert_cache,
                                              share, rank, nvfp4, packed=ops.on_gpu(self.device), slots=slots,
                                              host_gib=host_memory)

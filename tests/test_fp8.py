@@ -57,6 +57,14 @@ def to_fp8_block(src: str, dst: str, block=(16, 16)) -> str:
     return dst
 
 
+def tiny_copy(tmp_path, name: str, nvfp4_experts: bool = False) -> tuple[str, str, dict]:
+    """The tiny preset written to tmp_path/name (BF16, or its experts NVFP4): (folder, its safetensors file, tensors)."""
+    d = str(tmp_path / name)
+    make_checkpoint("tiny", d, seed=3, nvfp4_experts=nvfp4_experts)
+    path = os.path.join(d, "model.safetensors")
+    return d, path, load_file(path)
+
+
 def bf16_twin(src: str, dst: str) -> str:
     """The checkpoint's FP8 (and NVFP4, compressed-tensors' names) weights decoded, as a BF16 checkpoint (our reader's
     decoding)."""
@@ -147,11 +155,7 @@ def test_compressed_tensors_fp8_per_channel(tmp_path):
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
     scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
-    make_checkpoint("tiny", str(tmp_path / "bf16"), seed=3)
-    d = str(tmp_path / "ct")
-    shutil.copytree(tmp_path / "bf16", d)
-    path = os.path.join(d, "model.safetensors")
-    t = load_file(path)
+    d, path, t = tiny_copy(tmp_path, "ct")
     for n in _linear_names(t):
         w = t[n].float()
         scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
@@ -203,11 +207,7 @@ def test_gpu_graphed_fire_on_a_mixed_checkpoint(tmp_path):
 def mixed_ct_checkpoint(tmp_path) -> str:
     """tiny with NVFP4 gate/up projections and FP8 (per channel) other Linears, in compressed-tensors' layout."""
     from rocket_mpi.ops import nvfp4
-    make_checkpoint("tiny", str(tmp_path / "bf16"), seed=3)
-    d = str(tmp_path / "mixed")
-    shutil.copytree(tmp_path / "bf16", d)
-    path = os.path.join(d, "model.safetensors")
-    t = load_file(path)
+    d, path, t = tiny_copy(tmp_path, "mixed")
     for n in _linear_names(t):
         mod, w = n[: -len(".weight")], t.pop(n).float()
         if mod.endswith(("gate_proj", "up_proj")):
@@ -234,12 +234,8 @@ def test_modelopt_fp8_and_mixed_precision(recipe, tmp_path):
     """ModelOpt's FP8 (a float8_e4m3fn weight, an fp32 weight_scale per tensor, an input_scale read past) for every
     Linear, and its MIXED_PRECISION recipe (NVFP4 routed experts, FP8 attention, per layer in quantized_layers):
     each decodes as its BF16 twin; the mixed one passes a 2-rank static fire with its experts in the NVFP4 kernel."""
-    src = str(tmp_path / "src")
-    make_checkpoint("tiny", src, seed=3, nvfp4_experts=recipe == "MIXED_PRECISION")
-    d = str(tmp_path / "q")
-    shutil.copytree(src, d)
-    path = os.path.join(d, "model.safetensors")
-    t, layers = load_file(path), {}
+    d, path, t = tiny_copy(tmp_path, "q", nvfp4_experts=recipe == "MIXED_PRECISION")
+    layers = {}
     for n in _linear_names(t):
         mod = n[: -len(".weight")]
         if t[n].dtype == torch.uint8:

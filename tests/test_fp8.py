@@ -22,10 +22,25 @@ from rocket_mpi.ops import fp8
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, k] float -> (float8_e4m3fn codes, fp32 scales [ceil(n / bn), ceil(k / bk)]), each block scaled to 448 at its
+    largest magnitude: what DeepSeek's FP8 checkpoints hold."""
+    n, k = w.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(nb, bn, kb, bk)
+    amax = blocks.abs().amax(dim=(1, 3))                                     # [nb, kb]
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nb * bn, kb * bk)[:n, :k]
+    return codes.contiguous(), scale
+
+
 def test_block_layout_round_trip_and_edges():
     torch.manual_seed(0)
     w = torch.randn(48, 80)
-    codes, scale = fp8.quantize(w, (32, 32))
+    codes, scale = quantize(w, (32, 32))
     assert codes.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)   # edge blocks cut short
     back = fp8.dequantize(codes, scale, (32, 32), torch.float32)
     assert ((back - w).abs() <= w.abs() * 2 ** -3 + 1e-6).all()          # e4m3: 3 mantissa bits
@@ -48,7 +63,7 @@ def to_fp8_block(src: str, dst: str, block=(16, 16)) -> str:
     path = os.path.join(dst, "model.safetensors")
     t = load_file(path)
     for n in _linear_names(t):
-        t[n], t[n[: -len(".weight")] + ".weight_scale_inv"] = fp8.quantize(t[n], block)
+        t[n], t[n[: -len(".weight")] + ".weight_scale_inv"] = quantize(t[n], block)
     save_file(t, path)
     cfg = json.load(open(os.path.join(dst, "config.json")))
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -58,7 +73,7 @@ def to_fp8_block(src: str, dst: str, block=(16, 16)) -> str:
 
 
 def tiny_copy(tmp_path, name: str, nvfp4_experts: bool = False) -> tuple[str, str, dict]:
-    """The tiny preset written to tmp_path/name (BF16, or its experts NVFP4): (folder, its safetensors file, tensors)."""
+    """The tiny preset written to tmp_path/name (BF16, or its experts NVFP4) -> (folder, safetensors file, tensors)."""
     d = str(tmp_path / name)
     make_checkpoint("tiny", d, seed=3, nvfp4_experts=nvfp4_experts)
     path = os.path.join(d, "model.safetensors")

@@ -196,15 +196,8 @@ class CheckpointReader:
         if dtype != "U8":
             w = self.get_float(wname, (out_features, in_features))
             return Linear(prefix, w, bias=b)
-        q = self.config.quant
-        if q is None or not q.nvfp4:
-            raise CheckpointError(f"{path}: tensor '{self.stored_name(wname)}' is packed uint8 (NVFP4) but the "
-                                  f"checkpoint has no NVFP4 quantization config (hf_quant_config.json or "
-                                  f"quantization_config)")
-        if q.excluded(prefix):
-            what = "its 'ignore' list" if q.layout == COMPRESSED_TENSORS else "exclude_modules"
-            raise CheckpointError(f"{path}: tensor '{self.stored_name(wname)}' is NVFP4 but the quantization config "
-                                  f"excludes '{prefix}' ({what})")
+        q = self._quantized(prefix, path, "NVFP4", "packed uint8 (NVFP4)",
+                            "(hf_quant_config.json or quantization_config)")
         if in_features % nvfp4.BLOCK:
             raise CheckpointError(f"{path}: '{prefix}' in_features {in_features} is not a multiple of 16")
         w = self.get(wname, (out_features, in_features // 2), (torch.uint8,))
@@ -220,16 +213,24 @@ class CheckpointReader:
         # these kernels are W4A16.
         return Linear(prefix, w, s, s2.reshape(()), bias=b)
 
+    def _quantized(self, prefix: str, path: str, kind: str, stored_as: str, where: str):
+        """The quantization config for `prefix`'s weight, stored as `kind` (NVFP4 or FP8): one that has that kind and
+        does not exclude the module, else one line naming the tensor."""
+        q, name = self.config.quant, self.stored_name(prefix + ".weight")
+        if q is None or not (q.nvfp4 if kind == "NVFP4" else q.fp8):
+            has = "is missing" if q is None else f"is {q.algo}"
+            raise CheckpointError(f"{path}: tensor '{name}' is {stored_as} but the checkpoint's quantization config "
+                                  f"{has}: {kind} needs one {where}")
+        if q.excluded(prefix):
+            what = "its 'ignore' list" if q.layout == COMPRESSED_TENSORS else "exclude_modules"
+            raise CheckpointError(f"{path}: tensor '{name}' is {kind} but the quantization config excludes "
+                                  f"'{prefix}' ({what})")
+        return q
+
     def _fp8(self, prefix: str, path: str, n: int, k: int) -> torch.Tensor:
         """An FP8 Linear's weight decoded to BF16 (ops/fp8.py): its codes times the scale beside it."""
-        q = self.config.quant
-        if q is None or not q.fp8:
-            raise CheckpointError(f"{path}: tensor '{prefix}.weight' is FP8 (float8_e4m3fn) but the checkpoint's "
-                                  f"quantization config {'is NVFP4' if q else 'is missing'} (FP8 needs quant_method "
-                                  f"'fp8' or compressed-tensors' float-quantized)")
-        if q.excluded(prefix):
-            raise CheckpointError(f"{path}: tensor '{prefix}.weight' is FP8 but the quantization config excludes "
-                                  f"'{prefix}'")
+        q = self._quantized(prefix, path, "FP8", "FP8 (float8_e4m3fn)",
+                            "(quant_method 'fp8', compressed-tensors' float-quantized or ModelOpt's FP8)")
         w = self.get(prefix + ".weight", (n, k), (torch.float8_e4m3fn,))
         sname = f"{prefix}.{q.fp8_scale}"
         s = self.get(sname, None, (torch.float32, torch.bfloat16, torch.float16), finite=True)

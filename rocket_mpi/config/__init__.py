@@ -296,8 +296,8 @@ def _read_json(path: str) -> dict:
 
 def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
     """NVFP4 or FP8 settings from config.json's quantization_config (ModelOpt's, compressed-tensors', DeepSeek's fp8)
-    or ModelOpt's hf_quant_config.json (NVFP4, FP8, or MIXED_PRECISION of the two). A compressed-tensors quantization_config wins over an hf_quant_config.json left beside it
-    (as transformers and vLLM read such a folder)."""
+    or ModelOpt's hf_quant_config.json (NVFP4, FP8, or MIXED_PRECISION of the two). A compressed-tensors
+    quantization_config wins over an hf_quant_config.json left beside it (as transformers and vLLM read such a folder)."""
     qc = raw_config.get("quantization_config")
     cfg_src = os.path.join(ckpt_dir, "config.json") + ":quantization_config"
     if isinstance(qc, dict) and qc.get("quant_method") == COMPRESSED_TENSORS:
@@ -331,8 +331,8 @@ def read_quant_config(ckpt_dir: str, raw_config: dict) -> QuantConfig | None:
         if not kinds or not kinds <= {"NVFP4", "FP8"}:
             raise ConfigError(f"{src}: MIXED_PRECISION's quantized_layers must give each layer quant_algo NVFP4 or "
                               f"FP8, got {sorted(map(str, kinds)) if kinds else layers!r}")
-        groups = {v.get("group_size", 16) for v in layers.values() if v.get("quant_algo") == "NVFP4"}
-        group = groups.pop() if len(groups) == 1 else 16 if not groups else groups
+        other = sorted({v.get("group_size", 16) for v in layers.values() if v.get("quant_algo") == "NVFP4"} - {16})
+        group = other[0] if other else 16
         algo = "+".join(k for k in ("NVFP4", "FP8") if k in kinds)
     if algo not in ("NVFP4", "FP8", "NVFP4+FP8"):
         raise ConfigError(f"{src}: quant_algo '{algo}' is not supported (NVFP4, FP8 or MIXED_PRECISION of them)")

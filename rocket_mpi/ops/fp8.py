@@ -45,17 +45,3 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
         raise ValueError(f"a scale of shape {list(scale.shape)} does not cover a weight of shape [{n}, {k}]")
     return (w.float() * s).to(dtype)
 
-
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, k] float -> (float8_e4m3fn codes, fp32 scales [ceil(n / bn), ceil(k / bk)]), each block scaled to 448 at its
-    largest magnitude: what DeepSeek's FP8 checkpoints hold (tests and make-checkpoint write them)."""
-    n, k = w.shape
-    bn, bk = block
-    nb, kb = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32)
-    padded[:n, :k] = w.float()
-    blocks = padded.view(nb, bn, kb, bk)
-    amax = blocks.abs().amax(dim=(1, 3))                                     # [nb, kb]
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nb * bn, kb * bk)[:n, :k]
-    return codes.contiguous(), scale

@@ -51,16 +51,14 @@ def test_forward_static_matches_forward(ckpt_name, request):
 def test_auto_takes_the_graph_only_for_families_checked_on_a_gpu(tiny_ckpt, dsa_ckpt, glm5_ckpt, dsv3_ckpt,
                                                                  monkeypatch):
     """Where the graphed step could run, --decode-path auto takes it for a family whose capture has been
-    checked on a GPU (glm4_moe and the two GLM-5 families) and keeps the host path for one that has not (deepseek_v3,
-    and GLM-5 made unchecked); graph asked for explicitly runs either way."""
+    checked on a GPU (glm4_moe, the two GLM-5 families, deepseek_v3) and keeps the host path for one that has not
+    (GLM-5 made unchecked); graph asked for explicitly runs either way."""
     import rocket_mpi.runtime.engine as engine_mod
     from rocket_mpi.runtime.engine import Engine
     from rocket_mpi.model.glm_moe_dsa import GlmMoeDsaModel
     monkeypatch.setattr(engine_mod, "unsupported", lambda *a, **k: "")   # as on a GPU with the extension
-    for ckpt in (tiny_ckpt, dsa_ckpt, glm5_ckpt):
+    for ckpt in (tiny_ckpt, dsa_ckpt, glm5_ckpt, dsv3_ckpt):
         assert Engine(ckpt).set_decode_path("auto", "local") == "graph"
-    assert Engine(dsv3_ckpt).set_decode_path("auto", "local") == "host"
-    assert Engine(dsv3_ckpt).set_decode_path("graph", "local") == "graph"
     monkeypatch.setattr(GlmMoeDsaModel, "GRAPH_CHECKED", False)     # a family not yet checked
     assert Engine(dsa_ckpt).set_decode_path("auto", "local") == "host"
     assert Engine(dsa_ckpt).set_decode_path("graph", "local") == "graph"

@@ -486,6 +486,6 @@ class GlmMoeDsaModel(StackModel):
 class DeepseekV3Model(GlmMoeDsaModel):
     """DeepSeek-V3 (transformers model_type deepseek_v3; DeepSeek-V3 / R1 and the models on its architecture): GLM-5's
     MLA and MoE without the DSA indexer, every layer attending over every position, with YaRN's rope
-    (config/glm_moe_dsa.normalize_deepseek_v3). Its fixed-shape step is GLM-5's, not yet checked captured on a GPU:
-    --decode-path auto takes the host path there until it is."""
-    GRAPH_CHECKED = False
+    (config/glm_moe_dsa.normalize_deepseek_v3). Its fixed-shape step is GLM-5's, checked captured on a GPU (the graph
+    against the eager step, a graphed 2-rank static fire): --decode-path auto takes the graph there."""
+    GRAPH_CHECKED = True

@@ -329,12 +329,16 @@ class Engine:
         bounded by the chunk whatever the prompt. -> (the logits of each stream's last token [M, V], forwards)."""
         if sum(seqlens) <= self.prefill_chunk:
             return self.model.forward(tokens, cache, seqlens, self.moe), 1
-        logits, off, used = None, 0, [0] * len(seqlens)
+        logits, used = None, [0] * len(seqlens)
+        starts = [0]
+        for n in seqlens:
+            starts.append(starts[-1] + n)
         chunks = prefill_chunks(seqlens, self.prefill_chunk)
         for counts in bar("prefill", len(chunks), self.progress, unit="chunk", items=chunks):
-            n = sum(counts)
-            out = self.model.forward(tokens[off:off + n], cache, counts, self.moe)
-            off += n
+            # each stream's next piece from its own place in the packed prompts (a forward may take a later
+            # stream's piece beside an earlier one that did not fit, so the pieces are not consecutive there)
+            pieces = [tokens[starts[s] + used[s]:starts[s] + used[s] + c] for s, c in enumerate(counts) if c]
+            out = self.model.forward(torch.cat(pieces), cache, counts, self.moe)
             used = [u + c for u, c in zip(used, counts)]
             ends = [s for s, c in enumerate(counts) if c and used[s] == seqlens[s]]  # prompts that end here
             if logits is None:

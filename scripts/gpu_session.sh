@@ -158,10 +158,11 @@ verify)  # the GPU checks of the NVFP4 stack and of the server on this tree: the
   T=240 run verify_dsv3_fire python3 -m rocket_mpi static-fire --checkpoint preset:dsv3-tiny:nvfp4-all --ranks 2 --device cuda --fabric cuda-ipc --decode-path graph --sweep 1,8 --tokens 12
   T=240 run verify_experts python3 benchmarks/bench_experts.py --rows 1,8,16,24,32 --reps 15 ;;
 cache_from)  # the full-size GLM-5.3-Flash's cache started from a trace recorded on other prompts, against a cold start
-  # (two loads of about 2 minutes each: give this step a call of its own)
+  # (three loads of about 2 minutes each, 7 minutes with the build: give this step a call of its own)
   python3 -c "import json, random; r = random.Random(11); json.dump([[r.randrange(2, 150000) for _ in range(12)] for _ in range(8)], open('$OUT/prompts_a.json', 'w'))"
   T=280 run cache_trace python3 -m rocket_mpi decode --checkpoint preset:glm5-flash:nvfp4:skew=1.5 --device cuda --streams 8 --tokens 48 --ignore-eos --prompts "$OUT/prompts_a.json" --telemetry "$OUT/trace_a.npz"
-  T=300 run cache_from python3 benchmarks/bench_expert_cache.py preset:glm5-flash:nvfp4:skew=1.5 --budgets auto --sweep 1,8 --tokens 48 --start "$OUT/trace_a.npz" ;;
+  T=300 run cache_from python3 benchmarks/bench_expert_cache.py preset:glm5-flash:nvfp4:skew=1.5 --budgets auto --sweep 1,8 --tokens 48 --start "$OUT/trace_a.npz"
+  T=300 run cache_cold python3 benchmarks/bench_expert_cache.py preset:glm5-flash:nvfp4:skew=1.5 --budgets auto --sweep 1,8 --tokens 48 ;;
 rebalance_bg)  # live rebalancing at once and in the background on a written checkpoint (a preset drawn on the GPU
   # is drawn at the move either way), one rank's share of 2: `small` (12 layers of 128 experts; writing air8 with its
   # experts NVFP4 took more than 200 s on the GPU machine's CPUs, 2026-12-05)

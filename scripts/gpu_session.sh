@@ -168,6 +168,22 @@ rebalance_bg)  # live rebalancing at once and in the background on a written che
   # experts NVFP4 took more than 200 s on the GPU machine's CPUs, 2026-12-05)
   T=300 run rebalance_ckpt python3 -m rocket_mpi make-checkpoint --preset ${REBALANCE_PRESET:-small} --nvfp4 --skew 1.5 --out /tmp/rb_skew
   T=300 run rebalance_bg python3 benchmarks/bench_rebalance.py /tmp/rb_skew --ranks 2 --replicas 2 --no-capture ;;
+alone)  # batch invariance at a real width: the graphed decode of M = 1, 8 and 16 streams (stream s's prompt is the same
+  # at every M), each stream's tokens against its tokens at the smallest M that holds it (GLM-5.3-Flash's width by
+  # default; at 2026-12-05 stream 0 differed between M=1 and 8 from its first token: DESIGN, batch invariance)
+  T=200 run "alone_${ALONE_PRESET:-glm5-flash-4l}" python3 -m rocket_mpi decode --checkpoint "preset:${ALONE_PRESET:-glm5-flash-4l}:nvfp4-all" --device cuda --decode-path graph --sweep 1,8,16 --tokens 40 --out "$OUT/alone.json"
+  python3 -c "
+import json, sys
+first, same, differ = {}, 0, []
+for run in json.load(open(sys.argv[1]))['runs']:
+    for s, t in enumerate(run['tokens']):
+        m0, t0 = first.setdefault(s, (run['streams'], t))
+        d = next((i for i, (x, y) in enumerate(zip(t0, t)) if x != y), None)
+        if m0 != run['streams']:
+            same += d is None
+            if d is not None:
+                differ.append(f'stream {s}: M={run[\"streams\"]} differs from M={m0} at token {d}')
+print(*differ, f'{same} of {same + len(differ)} streams decode the tokens they decode at a smaller M', sep='\\n')" "$OUT/alone.json" ;;
 stack_split)  # each stack launch of one decode step at every K split (GLM-5.3-Flash's NVFP4 stack by default)
   T=200 run stack_split python3 benchmarks/bench_stack_split.py "preset:${STACK_PRESET:-glm5-flash-4l:nvfp4-all}" ${M:-1} ;;
 esac; done

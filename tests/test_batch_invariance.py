@@ -273,19 +273,20 @@ def test_gpu_glm4_moe_logits_alone_equal_batched(preset, path):
 @pytest.mark.parametrize("preset", ["tiny", "glm5-tiny"])
 def test_any_batch_and_prefill_chunk_leave_a_streams_tokens_alone(preset):
     """Property over random batches (hypothesis): 1-4 prompts of 1-40 tokens, a prefill chunk of 4-16 tokens;
-    every stream's greedy tokens in the batch are the tokens it gets alone in one forward. A batch
-    where a forward takes a later stream's piece beside an earlier one that did not fit fed streams each other's
-    prompt tokens until the chunked prefill took each piece from its own stream (Engine._forward)."""
+    every stream's greedy tokens in the batch are the tokens it gets alone with the same chunk (a prompt is cut at
+    its own offsets either way; a chunked prefill is not one forward's bits, test_prefill.py). A batch where a
+    forward takes a later stream's piece beside an earlier one that did not fit fed streams each other's prompt
+    tokens until the chunked prefill took each piece from its own stream (Engine._forward)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
     reader = SyntheticReader(f"preset:{preset}")
     e = Engine(reader.dir, reader=reader)
     vocab, alone = e.cfg.vocab_size, {}
 
-    def tokens_alone(p):
-        key = tuple(p)
+    def tokens_alone(p, chunk):
+        key = (tuple(p), chunk)
         if key not in alone:
-            e.prefill_chunk = 4096
+            e.prefill_chunk = chunk
             alone[key] = e.generate([p], 3).tokens[0]
         return alone[key]
 
@@ -294,7 +295,7 @@ def test_any_batch_and_prefill_chunk_leave_a_streams_tokens_alone(preset):
     def check(lens, chunk, seed):
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lens]
-        want = [tokens_alone(p) for p in prompts]
+        want = [tokens_alone(p, chunk) for p in prompts]
         e.prefill_chunk = chunk
         assert e.generate(prompts, 3).tokens == want, (lens, chunk)
 

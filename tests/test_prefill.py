@@ -139,18 +139,18 @@ def test_chunked_prefill_matches_one_forward(ckpt_name, request, monkeypatch):
 def test_chunked_prefill_feeds_each_stream_its_own_tokens(ckpt_name, request, monkeypatch):
     """Prompts of 3, 12 and 2 tokens with prefill_chunk 9: the first forward takes stream 0's prompt and stream 2's
     beside it (stream 1's first piece does not fit), so a forward's tokens are not a slice of the packed prompts.
-    Each stream still gets the tokens it gets alone in one forward (a forward fed the packed prompts in order gave
-    streams 1 and 2 each other's continuations)."""
+    Each stream still gets the tokens it gets alone with the same chunk (a forward fed the packed prompts in order
+    gave streams 1 and 2 each other's continuations)."""
     from rocket_mpi.runtime.engine import Engine
     torch.set_num_threads(1)
     eng = Engine(request.getfixturevalue(ckpt_name))
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 12, 2)]
+    eng.prefill_chunk = 9
     alone = [eng.generate([p], 4).tokens[0] for p in prompts]
     calls = []
     forward = eng.model.forward
     monkeypatch.setattr(eng.model, "forward", lambda *a: calls.append(list(a[2])) or forward(*a))
-    eng.prefill_chunk = 9
     got = eng.generate(prompts, 4).tokens
     assert calls[0] == [3, 0, 2] and calls[1:3] == [[0, 9, 0], [0, 3, 0]], calls
     assert got == alone

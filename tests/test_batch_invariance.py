@@ -307,8 +307,8 @@ def test_the_servers_scheduler_gives_each_request_its_tokens_alone(preset, monke
     """Property over random arrivals (hypothesis) at the server's scheduler, in process on one rank (host path, 4
     slots): 1-6 requests of 1-30 prompt tokens and 1-8 new ones, each arriving at one of the first 3 iterations (so
     several join one prefill, some wait for a slot, some join a running batch), a prefill chunk of 2-12 tokens; every
-    request gets the greedy tokens its prompt gets alone with the same chunk. (Before 3962646's cut it failed on
-    prompts of 1, 2 and 1 tokens joining together with a chunk of 2.)"""
+    request gets the greedy tokens its prompt gets alone with the same chunk. (A prefill that sliced each forward's
+    tokens from the packed prompts in order fails here: prompts of 1, 2 and 1 tokens joining with a chunk of 2.)"""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
     from rocket_mpi.serve import scheduler as sch

@@ -51,6 +51,21 @@ def dequantised_reference(model_bf16, tensors):
     return ref
 
 
+def nvfp4_twin(model, path, quant_all: bool) -> dict:
+    """The model saved in BF16 under path/bf16, then quantised as make-checkpoint quantises (the routed experts, or
+    with quant_all every Linear but lm_head and the routers) and written under path/q -> the quantised tensors."""
+    import json
+    from safetensors.torch import load_file
+    from rocket_mpi.checkpoint.make import exclude_patterns, quantize_tensors, write_checkpoint
+    save_bf16(model, path / "bf16")
+    tensors = load_file(str(path / "bf16" / "model.safetensors"))
+    with open(path / "bf16" / "config.json") as f:
+        cfg = json.load(f)
+    q = quantize_tensors(tensors, cfg, quant_all)
+    write_checkpoint(str(path / "q"), cfg, q, exclude_patterns(cfg, quant_all), tokenizer=False)
+    return q
+
+
 def save_bf16(model, path, shards=False):
     model.to(torch.bfloat16).save_pretrained(path, max_shard_size="200KB" if shards else "5GB")
 

@@ -16,12 +16,11 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is the test oracle; pip install transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
-from rocket_mpi.checkpoint.make import exclude_patterns, quantize_tensors, write_checkpoint  # noqa: E402
 from rocket_mpi.config import ModelConfig  # noqa: E402
 from rocket_mpi.errors import ConfigError  # noqa: E402
 from rocket_mpi.runtime.engine import Engine  # noqa: E402
 from rocket_mpi.runtime.prompts import default_prompts  # noqa: E402
-from oracle import dequantised_reference, engine_against, like_trained, save_bf16  # noqa: E402
+from oracle import dequantised_reference, engine_against, like_trained, nvfp4_twin, save_bf16  # noqa: E402
 
 from conftest import rocket  # noqa: E402
 
@@ -85,14 +84,8 @@ def test_bf16_matches_transformers(variant, tmp_path):
 def test_nvfp4_all_matches_transformers_on_dequantised_weights(tmp_path):
     """Every Linear but lm_head and the routers NVFP4 (ModelOpt's recipe), against the same model holding exactly the
     dequantised weights."""
-    import json
-    from safetensors.torch import load_file
     model = build_hf("yarn_groups", seed=1)
-    save_bf16(model, tmp_path / "bf16")
-    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    cfg_dict = json.load(open(tmp_path / "bf16" / "config.json"))
-    q = quantize_tensors(tensors, cfg_dict, True)
-    write_checkpoint(str(tmp_path / "q"), cfg_dict, q, exclude_patterns(cfg_dict, True), tokenizer=False)
+    q = nvfp4_twin(model, tmp_path, True)
     assert sum(1 for v in q.values() if v.dtype == torch.uint8) >= 2 * 12 * 3
     check_against(dequantised_reference(model, q), str(tmp_path / "q"))
 

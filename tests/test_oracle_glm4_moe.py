@@ -14,10 +14,10 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is the test oracle; pip install transformers")
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM  # noqa: E402
 
-from rocket_mpi.checkpoint.make import quantize_tensors, write_checkpoint  # noqa: E402
 from rocket_mpi.runtime.engine import Engine  # noqa: E402
 from rocket_mpi.runtime.prompts import default_prompts  # noqa: E402
-from oracle import assert_logits_close, dequantised_reference, like_trained, reference_logits, save_bf16  # noqa: E402
+from oracle import (assert_logits_close, dequantised_reference, like_trained, nvfp4_twin,  # noqa: E402
+                    reference_logits, save_bf16)
 
 RTOL, ATOL, MARGIN = 0.02, 0.01, 0.02
 STREAMS, TOKENS = 8, 20
@@ -74,15 +74,8 @@ def test_bf16_matches_transformers(variant, tmp_path):
 
 @pytest.mark.parametrize("quant_all", [False, True], ids=["nvfp4_experts", "nvfp4_all"])
 def test_nvfp4_matches_transformers_on_dequantised_weights(quant_all, tmp_path):
-    from safetensors.torch import load_file
     model = build_hf("groups_qknorm_bias", seed=1)
-    save_bf16(model, tmp_path / "bf16")
-    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    import json
-    cfg_dict = json.load(open(tmp_path / "bf16" / "config.json"))
-    q = quantize_tensors(tensors, cfg_dict, quant_all)
-    from rocket_mpi.checkpoint.make import exclude_patterns
-    write_checkpoint(str(tmp_path / "q"), cfg_dict, q, exclude_patterns(cfg_dict, quant_all), tokenizer=False)
+    q = nvfp4_twin(model, tmp_path, quant_all)
     n_packed = sum(1 for k, v in q.items() if v.dtype == torch.uint8)
     assert n_packed >= 2 * 12 * 3, "the routed experts must be NVFP4 on disk"
     ref = dequantised_reference(model, q)

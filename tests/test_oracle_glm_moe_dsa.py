@@ -20,7 +20,6 @@ index_topk is 8 and the prompts are 3..13 tokens, decoded to 22..32: streams sta
 the check fails for an engine that ignores the indexer's selection, and one whose router ignores
 e_score_correction_bias.
 """
-import json
 
 import pytest
 import torch
@@ -28,13 +27,12 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is the test oracle; pip install transformers")
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: E402
 
-from rocket_mpi.checkpoint.make import (exclude_patterns, make_checkpoint, quantize_tensors,  # noqa: E402
-                                        write_checkpoint)
+from rocket_mpi.checkpoint.make import make_checkpoint  # noqa: E402
 from rocket_mpi.config import ModelConfig  # noqa: E402
 from rocket_mpi.runtime.engine import Engine  # noqa: E402
 from rocket_mpi.errors import ConfigError  # noqa: E402
 from rocket_mpi.runtime.prompts import default_prompts  # noqa: E402
-from oracle import dequantised_reference, engine_against, like_trained, save_bf16  # noqa: E402
+from oracle import dequantised_reference, engine_against, like_trained, nvfp4_twin, save_bf16  # noqa: E402
 
 from conftest import rocket  # noqa: E402
 
@@ -103,13 +101,8 @@ def test_bf16_matches_transformers(variant, tmp_path):
 
 @pytest.mark.parametrize("quant_all", [False, True], ids=["nvfp4_experts", "nvfp4_all"])
 def test_nvfp4_matches_transformers_on_dequantised_weights(quant_all, tmp_path):
-    from safetensors.torch import load_file
     model = build_hf("groups_bias", seed=1)
-    save_bf16(model, tmp_path / "bf16")
-    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    cfg_dict = json.load(open(tmp_path / "bf16" / "config.json"))
-    q = quantize_tensors(tensors, cfg_dict, quant_all)
-    write_checkpoint(str(tmp_path / "q"), cfg_dict, q, exclude_patterns(cfg_dict, quant_all), tokenizer=False)
+    q = nvfp4_twin(model, tmp_path, quant_all)
     packed = {k for k, v in q.items() if v.dtype == torch.uint8}
     assert len(packed) >= 2 * 12 * 3, "the routed experts must be NVFP4 on disk"
     if quant_all:
